@@ -1,0 +1,65 @@
+"""nbaccel: distributed PyTorch from a notebook, with Hugging Face Accelerate's API.
+
+Names are loaded on first use, so ``import nbaccel`` stays fast and imports neither IPython
+nor ipywidgets. ``load_ipython_extension`` makes ``%load_ext nbaccel`` work.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# name -> module that defines it. Each section belongs to one part of the package.
+_EXPORTS: dict[str, str] = {
+    # config, environment, errors
+    "ConfigError": "nbaccel.errors",
+    "EnvironmentStateError": "nbaccel.errors",
+    "LaunchConfig": "nbaccel.config",
+    "LaunchError": "nbaccel.errors",
+    "LaunchTimeoutError": "nbaccel.errors",
+    "NbaccelError": "nbaccel.errors",
+    "PayloadPicklingError": "nbaccel.errors",
+    "ProcessExitedError": "nbaccel.errors",
+    "WorkerFailedError": "nbaccel.errors",
+    "load_config": "nbaccel.config",
+    "save_config": "nbaccel.config",
+    # launching
+    "WorkerFailure": "nbaccel.launch.failures",
+    "debug_launcher": "nbaccel.launch.launcher",
+    "notebook_launcher": "nbaccel.launch.launcher",
+    # process state
+    "ProcessState": "nbaccel.state",
+    # training (Accelerator)
+    # big-model inference
+}
+
+__all__ = sorted([*_EXPORTS, "__version__", "load_ipython_extension", "unload_ipython_extension"])
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nbaccel' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext nbaccel``: register nbaccel's magics."""
+    from nbaccel.magics import load_ipython_extension as load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """``%unload_ext nbaccel``: remove nbaccel's magics."""
+    from nbaccel.magics import unload_ipython_extension as unload
+
+    unload(ipython)

@@ -1,0 +1,364 @@
+"""The one module that reads and writes nbaccel's environment variables, and detects hardware.
+
+Workers learn everything from their environment: the torchrun variables (``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``NODE_RANK``, ``MASTER_ADDR``,
+``MASTER_PORT``) and nbaccel's own settings, exported here from a :class:`WorkerSettings`
+and read back as one typed object by :func:`read_worker_settings`.
+
+Detection never initializes CUDA or the XLA runtime in the calling process, so it is safe to
+call before forking.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import importlib.util
+import json
+import os
+import sys
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, get_args
+
+from nbaccel.errors import ConfigError
+
+__all__ = [
+    "DistributedEnv",
+    "DistributedType",
+    "MixedPrecision",
+    "WorkerSettings",
+    "apply_environment",
+    "config_file_path",
+    "cpu_count",
+    "cuda_device_count",
+    "child_base_environment",
+    "cuda_initialized",
+    "fork_unsafe_reason",
+    "in_colab",
+    "in_kaggle",
+    "in_notebook",
+    "read_distributed_env",
+    "read_worker_settings",
+    "settings_from_fields",
+    "temporary_environment",
+    "tpu_detected",
+    "worker_environment",
+    "xla_installed",
+    "xla_runtime_initialized",
+]
+
+MixedPrecision = Literal["no", "fp16", "bf16", "fp8"]
+DistributedType = Literal["NO", "MULTI_CPU", "MULTI_GPU", "XLA", "FSDP", "DEEPSPEED"]
+
+_PREFIX = "NBACCEL_"
+_LAUNCHED = "NBACCEL_LAUNCHED"
+_CONFIG_FILE = "NBACCEL_CONFIG_FILE"
+_FORCE_UNSAFE_FORK = "NBACCEL_ASSUME_UNSAFE_FORK"
+_FORCE_TPU = "NBACCEL_TPU"
+_TORCHRUN_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK",
+                  "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """nbaccel's settings as one worker sees them.
+
+    Args:
+        mixed_precision: ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"``.
+        use_cpu: train on CPU even where accelerators exist.
+        distributed_type: the kind of job (``"MULTI_CPU"``, ``"MULTI_GPU"``, ``"XLA"``, ...).
+        num_machines: how many machines take part.
+        fsdp_config: Accelerate-style ``fsdp_config`` mapping (empty when unused).
+        deepspeed_config: Accelerate-style ``deepspeed_config`` mapping (empty when unused).
+        debug: extra checks of collective shapes.
+        launched: ``True`` inside workers started by nbaccel.
+    """
+
+    mixed_precision: MixedPrecision = "no"
+    use_cpu: bool = False
+    distributed_type: DistributedType = "NO"
+    num_machines: int = 1
+    fsdp_config: Mapping[str, object] = field(default_factory=dict)
+    deepspeed_config: Mapping[str, object] = field(default_factory=dict)
+    debug: bool = False
+    launched: bool = False
+
+
+@dataclass(frozen=True)
+class DistributedEnv:
+    """The torchrun variables of one worker."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+
+def worker_environment(settings: WorkerSettings, dist: DistributedEnv | None = None,
+                       *, agent_store: bool = False) -> dict[str, str]:
+    """The environment variables that carry ``settings`` (and ``dist``) to a worker.
+
+    Args:
+        settings: nbaccel's settings for the worker.
+        dist: the worker's torchrun variables, if it is part of a process group.
+        agent_store: the launcher hosts the rendezvous store, so every rank connects as a
+            client (torch's ``TORCHELASTIC_USE_AGENT_STORE`` protocol).
+
+    Returns:
+        A ``{name: value}`` mapping; :func:`read_worker_settings` reads it back.
+
+    Example:
+        >>> env = worker_environment(WorkerSettings(mixed_precision="bf16"))
+        >>> read_worker_settings(env).mixed_precision
+        'bf16'
+    """
+    env = {
+        _LAUNCHED: "1" if settings.launched else "0",
+        f"{_PREFIX}MIXED_PRECISION": settings.mixed_precision,
+        f"{_PREFIX}USE_CPU": "1" if settings.use_cpu else "0",
+        f"{_PREFIX}DISTRIBUTED_TYPE": settings.distributed_type,
+        f"{_PREFIX}NUM_MACHINES": str(settings.num_machines),
+        f"{_PREFIX}FSDP_CONFIG": json.dumps(dict(settings.fsdp_config)),
+        f"{_PREFIX}DEEPSPEED_CONFIG": json.dumps(dict(settings.deepspeed_config)),
+        f"{_PREFIX}DEBUG": "1" if settings.debug else "0",
+    }
+    if dist is not None:
+        env.update({
+            "RANK": str(dist.rank), "LOCAL_RANK": str(dist.local_rank),
+            "WORLD_SIZE": str(dist.world_size), "LOCAL_WORLD_SIZE": str(dist.local_world_size),
+            "NODE_RANK": str(dist.node_rank), "GROUP_RANK": str(dist.node_rank),
+            "MASTER_ADDR": dist.master_addr, "MASTER_PORT": str(dist.master_port),
+        })
+        if agent_store:
+            env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+            env["TORCHELASTIC_RESTART_COUNT"] = "0"
+    return env
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    raw = env.get(name, "0").strip().lower()
+    if raw in ("1", "true", "yes"):
+        return True
+    if raw in ("0", "false", "no", ""):
+        return False
+    raise ConfigError(f"environment variable {name} must be 0 or 1 (got {raw!r})",
+                      key=name, value=raw, valid=("0", "1"))
+
+
+def _choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
+    raw = env.get(name, default)
+    if raw not in choices:
+        raise ConfigError(f"environment variable {name} must be one of {list(choices)} (got {raw!r})",
+                          key=name, value=raw, valid=choices)
+    return raw
+
+
+def _json(env: Mapping[str, str], name: str) -> dict:
+    raw = env.get(name, "") or "{}"
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"environment variable {name} must hold a JSON object (got {raw!r}: {exc})",
+                          key=name, value=raw, valid="a JSON object") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"environment variable {name} must hold a JSON object (got {raw!r})",
+                          key=name, value=raw, valid="a JSON object")
+    return value
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"environment variable {name} must be an int (got {raw!r})",
+                          key=name, value=raw, valid="an int") from None
+
+
+def read_worker_settings(env: Mapping[str, str] | None = None) -> WorkerSettings:
+    """Read nbaccel's settings back from ``env`` (default: ``os.environ``).
+
+    Also honours Accelerate's ``ACCELERATE_MIXED_PRECISION`` and ``ACCELERATE_USE_CPU`` when
+    nbaccel's own variables are absent, so scripts started by ``accelerate launch`` keep their
+    settings.
+
+    Raises:
+        ConfigError: a variable holds an invalid value.
+    """
+    env = os.environ if env is None else env
+    mp_default = env.get("ACCELERATE_MIXED_PRECISION", "no")
+    cpu_name = f"{_PREFIX}USE_CPU" if f"{_PREFIX}USE_CPU" in env else "ACCELERATE_USE_CPU"
+    return WorkerSettings(
+        mixed_precision=_choice(env, f"{_PREFIX}MIXED_PRECISION", mp_default,  # type: ignore[arg-type]
+                                get_args(MixedPrecision)),
+        use_cpu=_flag(env, cpu_name),
+        distributed_type=_choice(env, f"{_PREFIX}DISTRIBUTED_TYPE", "NO",  # type: ignore[arg-type]
+                                 get_args(DistributedType)),
+        num_machines=_int(env, f"{_PREFIX}NUM_MACHINES", 1),
+        fsdp_config=_json(env, f"{_PREFIX}FSDP_CONFIG"),
+        deepspeed_config=_json(env, f"{_PREFIX}DEEPSPEED_CONFIG"),
+        debug=_flag(env, f"{_PREFIX}DEBUG"),
+        launched=_flag(env, _LAUNCHED),
+    )
+
+
+def read_distributed_env(env: Mapping[str, str] | None = None) -> DistributedEnv | None:
+    """The torchrun variables of this process, or ``None`` when ``WORLD_SIZE``/``RANK`` are unset."""
+    env = os.environ if env is None else env
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return None
+    world = _int(env, "WORLD_SIZE", 1)
+    return DistributedEnv(
+        rank=_int(env, "RANK", 0), local_rank=_int(env, "LOCAL_RANK", 0), world_size=world,
+        local_world_size=_int(env, "LOCAL_WORLD_SIZE", world), node_rank=_int(env, "NODE_RANK", 0),
+        master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=_int(env, "MASTER_PORT", 29500),
+    )
+
+
+def apply_environment(values: Mapping[str, str]) -> None:
+    """Set ``values`` in this process's environment (used inside freshly started workers)."""
+    os.environ.update(values)
+
+
+@contextmanager
+def temporary_environment(values: Mapping[str, str]) -> Iterator[None]:
+    """Set ``values`` in ``os.environ`` for the duration of the block, then restore."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def child_base_environment() -> dict[str, str]:
+    """A copy of this process's environment without any torchrun or nbaccel worker variables."""
+    return {k: v for k, v in os.environ.items()
+            if k not in _TORCHRUN_KEYS and not k.startswith("TORCHELASTIC_")
+            and not (k.startswith(_PREFIX) and k not in (_CONFIG_FILE, _FORCE_UNSAFE_FORK, _FORCE_TPU))}
+
+
+def config_file_path() -> Path:
+    """Where the config file lives: ``$NBACCEL_CONFIG_FILE``, else the cache directory."""
+    explicit = os.environ.get(_CONFIG_FILE)
+    if explicit:
+        return Path(explicit).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path("~/.cache").expanduser())
+    return Path(cache) / "nbaccel" / "default_config.yaml"
+
+
+# --------------------------------------------------------------------------- detection
+
+
+def in_notebook() -> bool:
+    """Whether we run inside a Jupyter kernel (checked from ``sys.modules``, importing nothing)."""
+    ipython = sys.modules.get("IPython")
+    if ipython is None or "ipykernel" not in sys.modules:
+        return False
+    shell = ipython.get_ipython()
+    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
+
+
+def in_colab() -> bool:
+    """Whether we run in Google Colab."""
+    return "google.colab" in sys.modules or "COLAB_RELEASE_TAG" in os.environ
+
+
+def in_kaggle() -> bool:
+    """Whether we run in a Kaggle kernel."""
+    return "KAGGLE_KERNEL_RUN_TYPE" in os.environ
+
+
+def cpu_count() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def cuda_device_count() -> int:
+    """Visible CUDA devices, counted through NVML so CUDA is not initialized here."""
+    import torch
+
+    saved = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    try:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    finally:
+        if saved is None:
+            os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
+        else:
+            os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = saved
+
+
+def cuda_initialized() -> bool:
+    """Whether CUDA has been initialized in this process (which makes fork unsafe)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    return bool(torch.cuda.is_initialized())
+
+
+def xla_installed() -> bool:
+    """Whether ``torch_xla`` can be imported (without importing it)."""
+    return importlib.util.find_spec("torch_xla") is not None
+
+
+def xla_runtime_initialized() -> bool:
+    """Whether the XLA runtime has been initialized in this process (torch_xla then refuses to launch)."""
+    xlac = sys.modules.get("torch_xla._XLAC")
+    if xlac is None:
+        return False
+    probe = getattr(xlac, "_xla_runtime_is_initialized", None)
+    return bool(probe()) if probe is not None else False
+
+
+def tpu_detected(env: Mapping[str, str] | None = None) -> bool:
+    """Whether a TPU is available: ``$NBACCEL_TPU`` overrides; else the runtime's signs.
+
+    Signs are ``PJRT_DEVICE=TPU``, the TPU variables Colab, Kaggle and TPU VMs set, or the
+    accelerator device files; any of them counts only when torch_xla is installed.
+    """
+    env = os.environ if env is None else env
+    if _FORCE_TPU in env:
+        return _flag(env, _FORCE_TPU)
+    if not xla_installed():
+        return False
+    if env.get("PJRT_DEVICE", "").upper() == "TPU":
+        return True
+    if any(k in env for k in ("COLAB_TPU_ADDR", "TPU_NAME", "TPU_ACCELERATOR_TYPE",
+                              "TPU_WORKER_ID", "KAGGLE_TPU")):
+        return True
+    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
+def fork_unsafe_reason() -> str | None:
+    """Why forking this process would break workers, or ``None`` when fork is safe."""
+    if os.environ.get(_FORCE_UNSAFE_FORK, "") == "1":
+        return f"{_FORCE_UNSAFE_FORK}=1 is set"
+    if not sys.platform.startswith("linux"):
+        return f"fork is only used on Linux (this is {sys.platform})"
+    if cuda_initialized():
+        return "CUDA is already initialized in this process"
+    if xla_runtime_initialized():
+        return "the XLA runtime is already initialized in this process"
+    return None
+
+
+def settings_from_fields(**fields: object) -> WorkerSettings:
+    """Build :class:`WorkerSettings` from the fields it knows, ignoring the rest."""
+    names = {f.name for f in dataclasses.fields(WorkerSettings)}
+    return WorkerSettings(**{k: v for k, v in fields.items() if k in names})  # type: ignore[arg-type]

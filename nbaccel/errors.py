@@ -1,0 +1,110 @@
+"""The exceptions nbaccel raises, in one tree.
+
+::
+
+    NbaccelError
+    ├── ConfigError (also ValueError)      a config file, flag or argument is invalid
+    ├── EnvironmentStateError (also RuntimeError)
+    │                                      the process is in a state that forbids the action
+    │                                      (for example CUDA initialized before a fork)
+    └── LaunchError (also RuntimeError)    a launch could not start or did not finish
+        ├── PayloadPicklingError           the function or an argument cannot be shipped
+        ├── WorkerFailedError              a worker raised, exited non-zero or was killed
+        │   └── ProcessExitedError         ... without reporting an exception (os._exit, signal)
+        └── LaunchTimeoutError (also TimeoutError)
+                                           the launch ran past ``timeout`` or hung
+
+Exceptions raised *inside* a worker are re-raised in the caller as their own type; the
+failure report travels on them as the ``launch_failures`` attribute (see
+:mod:`nbaccel.launch.failures`).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "EnvironmentStateError",
+    "LaunchError",
+    "LaunchTimeoutError",
+    "NbaccelError",
+    "PayloadPicklingError",
+    "ProcessExitedError",
+    "WorkerFailedError",
+]
+
+
+class NbaccelError(Exception):
+    """Base class of every error nbaccel raises itself."""
+
+
+class ConfigError(NbaccelError, ValueError):
+    """A configuration value is invalid.
+
+    Attributes:
+        key: the offending key or argument name.
+        value: the offending value.
+        valid: a description of the valid values.
+    """
+
+    def __init__(self, msg: str, *, key: str | None = None, value: object = None,
+                 valid: object = None) -> None:
+        super().__init__(msg)
+        self.key = key
+        self.value = value
+        self.valid = valid
+
+
+class EnvironmentStateError(NbaccelError, RuntimeError):
+    """The current process state forbids the requested action."""
+
+
+class LaunchError(NbaccelError, RuntimeError):
+    """A launch could not start, or did not finish normally."""
+
+
+class PayloadPicklingError(LaunchError):
+    """The function or one of its arguments cannot be serialized for spawned workers.
+
+    Attributes:
+        object_path: where the unpicklable object was found (``"args[1]"``, ``"train.__globals__['lock']"``).
+        object_type: the type name of the unpicklable object.
+    """
+
+    def __init__(self, msg: str, *, object_path: str, object_type: str) -> None:
+        super().__init__(msg)
+        self.object_path = object_path
+        self.object_type = object_type
+
+
+class WorkerFailedError(LaunchError):
+    """A worker failed in a way that cannot be re-raised as its own exception type.
+
+    Attributes:
+        failures: the :class:`~nbaccel.launch.failures.WorkerFailure` records, root cause first.
+    """
+
+    def __init__(self, msg: str, failures: tuple = ()) -> None:
+        super().__init__(msg)
+        self.failures = failures
+
+    @property
+    def root_cause(self):  # -> WorkerFailure
+        return self.failures[0] if self.failures else None
+
+
+class ProcessExitedError(WorkerFailedError):
+    """A worker exited (non-zero code or signal) without reporting an exception."""
+
+
+class LaunchTimeoutError(LaunchError, TimeoutError):
+    """The launch ran past its ``timeout``, or the hang watchdog fired.
+
+    Attributes:
+        stacks: ``{rank: text}`` Python stacks dumped from the ranks still running.
+        reason: ``"timeout"`` or ``"hang"``.
+    """
+
+    def __init__(self, msg: str, *, stacks: dict[int, str], reason: str) -> None:
+        super().__init__(msg)
+        self.stacks = stacks
+        self.reason = reason

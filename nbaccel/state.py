@@ -1,0 +1,167 @@
+"""`ProcessState`: who this process is in the job (rank, world, device, backend), read once.
+
+The state comes from the environment a launcher set (torchrun's variables plus nbaccel's, see
+:mod:`nbaccel.environment`), so code in a worker needs no arguments. The process group is set up
+on demand and torn down cleanly (live DDP modules are collected first: destroying a gloo group
+under them can deadlock).
+
+A process keeps one shared state (as Accelerate's ``PartialState`` does) so that every
+``Accelerator`` in it agrees; launched workers drop whatever state they inherited through fork
+(:func:`reset_process_state`), so an ``Accelerator`` made in the notebook never leaks into them.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from nbaccel.environment import (
+    DistributedType,
+    MixedPrecision,
+    read_distributed_env,
+    read_worker_settings,
+    tpu_detected,
+)
+
+__all__ = ["ProcessState", "reset_process_state"]
+
+_lock = threading.Lock()
+_shared: dict[str, Any] = {}
+
+
+class ProcessState:
+    """This process's place in the job.
+
+    All instances in one process share their state; the first one made decides ``cpu``.
+
+    Args:
+        cpu: run on CPU even where accelerators exist.
+        backend: the ``torch.distributed`` backend; default ``nccl`` on CUDA, ``gloo`` on CPU.
+        timeout: collective timeout for the process group.
+
+    Example:
+        >>> state = ProcessState()
+        >>> state.process_index, state.num_processes
+        (0, 1)
+    """
+
+    def __init__(self, cpu: bool = False, backend: str | None = None,
+                 timeout: timedelta | None = None) -> None:
+        self.__dict__ = _shared
+        if self.__dict__.get("_initialized"):
+            return
+        with _lock:
+            settings = read_worker_settings()
+            dist = read_distributed_env()
+            self.settings = settings
+            self.use_cpu = bool(cpu or settings.use_cpu)
+            self.process_index = dist.rank if dist else 0
+            self.local_process_index = dist.local_rank if dist else 0
+            self.num_processes = dist.world_size if dist else 1
+            self.local_num_processes = dist.local_world_size if dist else 1
+            self.node_rank = dist.node_rank if dist else 0
+            self.mixed_precision: MixedPrecision = settings.mixed_precision
+            self.device = self._pick_device(settings.distributed_type)
+            self.backend = backend or self._pick_backend()
+            self.distributed_type: DistributedType = self._pick_type(settings.distributed_type)
+            self._timeout = timeout
+            self._initialized = True
+            if self.num_processes > 1 and self.backend != "xla":
+                self.init_process_group()
+
+    # ------------------------------------------------------------------ choices
+    def _pick_device(self, requested: str) -> torch.device:
+        if not self.use_cpu and (requested == "XLA" or (requested == "NO" and tpu_detected())):
+            import torch_xla
+
+            return torch_xla.device()
+        if not self.use_cpu and torch.cuda.is_available():
+            index = self.local_process_index % max(torch.cuda.device_count(), 1)
+            return torch.device("cuda", index)
+        return torch.device("cpu")
+
+    def _pick_backend(self) -> str:
+        if self.device.type == "xla":
+            return "xla"
+        return "nccl" if self.device.type == "cuda" else "gloo"
+
+    def _pick_type(self, requested: str) -> DistributedType:
+        if self.device.type == "xla":
+            return "XLA"
+        if self.num_processes == 1:
+            return "NO"
+        if requested in ("FSDP", "DEEPSPEED"):
+            return requested  # type: ignore[return-value]
+        return "MULTI_GPU" if self.device.type == "cuda" else "MULTI_CPU"
+
+    # ------------------------------------------------------------------ flags
+    @property
+    def is_main_process(self) -> bool:
+        """``True`` on the process with global rank 0."""
+        return self.process_index == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        """``True`` on the process with local rank 0 on its machine."""
+        return self.local_process_index == 0
+
+    @property
+    def is_last_process(self) -> bool:
+        """``True`` on the process with the highest global rank."""
+        return self.process_index == self.num_processes - 1
+
+    @property
+    def use_distributed(self) -> bool:
+        """Whether more than one process takes part."""
+        return self.num_processes > 1
+
+    # ------------------------------------------------------------------ process group
+    def init_process_group(self) -> None:
+        """Join the process group from the environment (``env://``); a no-op if joined already."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            return
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        kwargs: dict[str, Any] = {"backend": self.backend, "rank": self.process_index,
+                                  "world_size": self.num_processes}
+        if self._timeout is not None:
+            kwargs["timeout"] = self._timeout
+        if self.device.type == "cuda":
+            kwargs["device_id"] = self.device
+        dist.init_process_group(**kwargs)
+
+    def destroy_process_group(self) -> None:
+        """Leave the process group, collecting dead DDP modules first (avoids a gloo teardown hang)."""
+        import torch.distributed as dist
+
+        gc.collect()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def wait_for_everyone(self) -> None:
+        """Block until every process reaches this point."""
+        if self.num_processes > 1:
+            if self.device.type == "xla":
+                import torch_xla.core.xla_model as xm
+
+                xm.rendezvous("nbaccel.wait_for_everyone")
+            else:
+                import torch.distributed as dist
+
+                dist.barrier()
+
+    def __repr__(self) -> str:
+        return (f"ProcessState(distributed_type={self.distributed_type!r}, process_index={self.process_index}, "
+                f"num_processes={self.num_processes}, device={self.device}, backend={self.backend!r}, "
+                f"mixed_precision={self.mixed_precision!r})")
+
+
+def reset_process_state() -> None:
+    """Forget the shared state (called in a fresh worker, which must read its own environment)."""
+    _shared.clear()
