@@ -13,6 +13,10 @@
         │   └── ProcessExitedError         ... without reporting an exception (os._exit, signal)
         └── LaunchTimeoutError (also TimeoutError)
                                            the launch ran past ``timeout`` or hung
+    ├── MissingDependencyError (also ImportError)
+    │                                      an optional package a setting needs is not installed
+    └── DistributedOperationError (also RuntimeError)
+                                           a collective got mismatched inputs across processes
 
 Exceptions raised *inside* a worker are re-raised in the caller as their own type; the
 failure report travels on them as the ``launch_failures`` attribute (see
@@ -26,6 +30,8 @@ __all__ = [
     "EnvironmentStateError",
     "LaunchError",
     "LaunchTimeoutError",
+    "MissingDependencyError",
+    "DistributedOperationError",
     "NbaccelError",
     "PayloadPicklingError",
     "ProcessExitedError",
@@ -108,3 +114,33 @@ class LaunchTimeoutError(LaunchError, TimeoutError):
         super().__init__(msg)
         self.stacks = stacks
         self.reason = reason
+
+
+class MissingDependencyError(NbaccelError, ImportError):
+    """An optional package that a setting needs is not installed.
+
+    Attributes:
+        package: the missing package's import name (``"deepspeed"``).
+        needed_for: what asked for it (``"DeepSpeedPlugin"``).
+        install: the command that installs it.
+    """
+
+    def __init__(self, msg: str, *, package: str, needed_for: str, install: str) -> None:
+        super().__init__(msg)
+        self.package = package
+        self.needed_for = needed_for
+        self.install = install
+
+
+class DistributedOperationError(NbaccelError, RuntimeError):
+    """A collective got inputs that do not match across processes (checked in debug mode).
+
+    Attributes:
+        operation: the collective (``"gather"``, ``"broadcast"``, ...).
+        shapes: ``{rank: shape}`` of what each process passed.
+    """
+
+    def __init__(self, msg: str, *, operation: str, shapes: dict[int, object]) -> None:
+        super().__init__(msg)
+        self.operation = operation
+        self.shapes = shapes
