@@ -27,11 +27,11 @@ from __future__ import annotations
 
 __all__ = [
     "ConfigError",
+    "DistributedOperationError",
     "EnvironmentStateError",
     "LaunchError",
     "LaunchTimeoutError",
     "MissingDependencyError",
-    "DistributedOperationError",
     "NbaccelError",
     "PayloadPicklingError",
     "ProcessExitedError",
