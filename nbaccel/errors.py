@@ -18,6 +18,16 @@
     └── DistributedOperationError (also RuntimeError)
                                            a collective got mismatched inputs across processes
 
+    Big-model inference (also under NbaccelError):
+    ConfigError (see above)
+    └── DeviceMapError                     a device map names an unknown module or device,
+                                           or leaves part of the model unplaced
+    CheckpointError (also ValueError)      a checkpoint file cannot be read (missing, truncated,
+    │                                      corrupt, unknown format)
+    ├── UnsafeCheckpointError              a pickle checkpoint would run code; refused unread
+    └── CheckpointMismatchError            checkpoint and model disagree (missing or unexpected
+                                           keys, shape mismatches)
+
 Exceptions raised *inside* a worker are re-raised in the caller as their own type; the
 failure report travels on them as the ``launch_failures`` attribute (see
 :mod:`nbaccel.launch.failures`).
@@ -26,7 +36,10 @@ failure report travels on them as the ``launch_failures`` attribute (see
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointError",
+    "CheckpointMismatchError",
     "ConfigError",
+    "DeviceMapError",
     "DistributedOperationError",
     "EnvironmentStateError",
     "LaunchError",
@@ -35,6 +48,7 @@ __all__ = [
     "NbaccelError",
     "PayloadPicklingError",
     "ProcessExitedError",
+    "UnsafeCheckpointError",
     "WorkerFailedError",
 ]
 
@@ -144,3 +158,48 @@ class DistributedOperationError(NbaccelError, RuntimeError):
         super().__init__(msg)
         self.operation = operation
         self.shapes = shapes
+
+
+class DeviceMapError(ConfigError):
+    """A device map names an unknown module or device, or leaves part of the model unplaced.
+
+    Attributes (besides :class:`ConfigError`'s): ``key`` is the module name at fault and
+    ``value`` the device it was given.
+    """
+
+
+class CheckpointError(NbaccelError, ValueError):
+    """A checkpoint file cannot be read: missing, truncated, corrupt or of an unknown format.
+
+    Attributes:
+        path: the file (or folder) at fault.
+        key: the tensor name at fault, when one is known.
+    """
+
+    def __init__(self, msg: str, *, path: str | None = None, key: str | None = None) -> None:
+        super().__init__(msg)
+        self.path = path
+        self.key = key
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A pickle checkpoint holds objects that would run code when loaded; it was not loaded."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint and the model disagree; the model was left unchanged.
+
+    Attributes:
+        missing_keys: model tensors the checkpoint does not hold.
+        unexpected_keys: checkpoint tensors the model does not have.
+        mismatched_shapes: ``{name: (checkpoint_shape, model_shape)}``.
+    """
+
+    def __init__(self, msg: str, *, path: str | None = None, missing_keys: tuple[str, ...] = (),
+                 unexpected_keys: tuple[str, ...] = (),
+                 mismatched_shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] | None = None
+                 ) -> None:
+        super().__init__(msg, path=path)
+        self.missing_keys = tuple(missing_keys)
+        self.unexpected_keys = tuple(unexpected_keys)
+        self.mismatched_shapes = dict(mismatched_shapes or {})
