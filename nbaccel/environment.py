@@ -101,7 +101,8 @@ class DistributedEnv:
 
 
 def worker_environment(settings: WorkerSettings, dist: DistributedEnv | None = None,
-                       *, agent_store: bool = False) -> dict[str, str]:
+                       *, agent_store: bool = False, loopback_only: bool = False,
+                       threads: int | None = None, visible_gpus: str | None = None) -> dict[str, str]:
     """The environment variables that carry ``settings`` (and ``dist``) to a worker.
 
     Args:
@@ -109,6 +110,10 @@ def worker_environment(settings: WorkerSettings, dist: DistributedEnv | None = N
         dist: the worker's torchrun variables, if it is part of a process group.
         agent_store: the launcher hosts the rendezvous store, so every rank connects as a
             client (torch's ``TORCHELASTIC_USE_AGENT_STORE`` protocol).
+        loopback_only: a single-machine job: gloo and NCCL talk over ``lo`` only (unless the
+            user chose an interface already).
+        threads: ``OMP_NUM_THREADS`` for the worker, unless the user set it.
+        visible_gpus: ``CUDA_VISIBLE_DEVICES`` for the worker (``None``: leave it).
 
     Returns:
         A ``{name: value}`` mapping; :func:`read_worker_settings` reads it back.
@@ -138,6 +143,14 @@ def worker_environment(settings: WorkerSettings, dist: DistributedEnv | None = N
         if agent_store:
             env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
             env["TORCHELASTIC_RESTART_COUNT"] = "0"
+    if loopback_only:
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            if name not in os.environ:
+                env[name] = "lo"
+    if threads is not None and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(threads)
+    if visible_gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible_gpus
     return env
 
 

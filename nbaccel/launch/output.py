@@ -1,0 +1,109 @@
+"""Relaying workers' output to the caller: whole lines, labelled with the rank, as written.
+
+Each worker's fd 1 and fd 2 are pipes the supervisor reads; bytes are split into lines here and
+written to the caller's ``sys.stdout`` / ``sys.stderr`` with a ``[rankN]: `` label. A line that is
+being redrawn with ``\\r`` (a progress bar) is shown live and redrawn in place.
+"""
+
+from __future__ import annotations
+
+import codecs
+import sys
+from collections.abc import Callable, Container
+from typing import Literal, TextIO
+
+__all__ = ["OutputRelay"]
+
+Stream = Literal["stdout", "stderr"]
+
+
+class OutputRelay:
+    """Turns raw bytes from ranks into labelled lines.
+
+    Args:
+        show: the ranks whose output is written to the caller's streams (``None``: all).
+        on_line: called with ``(rank, stream, line)`` for every complete line of every rank.
+
+    Ranks in :attr:`capturing` also have their lines kept in :attr:`captured` (for stack dumps).
+    """
+
+    def __init__(self, show: Container[int] | None = None,
+                 on_line: Callable[[int, Stream, str], None] | None = None) -> None:
+        self._show = show
+        self._on_line = on_line
+        self._decoders: dict[tuple[int, Stream], codecs.IncrementalDecoder] = {}
+        self._pending: dict[tuple[int, Stream], str] = {}
+        self._open: tuple[int, Stream] | None = None  # a redrawn line without its newline yet
+        self.last_line: dict[int, str] = {}
+        self.captured: dict[int, list[str]] = {}
+        self.capturing: set[int] = set()
+
+    @staticmethod
+    def _target(stream: Stream) -> TextIO:
+        return sys.stdout if stream == "stdout" else sys.stderr
+
+    def _label(self, rank: int) -> str:
+        return f"[rank{rank}]: "
+
+    def _close_open_line(self, key: tuple[int, Stream] | None = None) -> None:
+        if self._open is not None and self._open != key:
+            self._target(self._open[1]).write("\n")
+            self._open = None
+
+    def feed(self, rank: int, stream: Stream, data: bytes) -> None:
+        """Add bytes read from ``rank``'s ``stream``; write out what completes a line."""
+        key = (rank, stream)
+        decoder = self._decoders.get(key)
+        if decoder is None:
+            decoder = self._decoders[key] = codecs.getincrementaldecoder("utf-8")("replace")
+        text = self._pending.get(key, "") + decoder.decode(data)
+        *lines, rest = text.split("\n")
+        for line in lines:
+            self._emit(rank, stream, line)
+        self._pending[key] = rest
+        if "\r" in rest:
+            self._redraw(rank, stream, rest)
+
+    def _visible(self, rank: int) -> bool:
+        return self._show is None or rank in self._show
+
+    def _redraw(self, rank: int, stream: Stream, partial: str) -> None:
+        current = partial.rstrip("\r").rsplit("\r", 1)[-1]
+        if not self._visible(rank) or not current:
+            return
+        key = (rank, stream)
+        self._close_open_line(key)
+        target = self._target(stream)
+        target.write("\r" + self._label(rank) + current)
+        target.flush()
+        self._open = key
+
+    def _emit(self, rank: int, stream: Stream, line: str) -> None:
+        key = (rank, stream)
+        if "\r" in line:
+            line = line.rstrip("\r").rsplit("\r", 1)[-1]
+        self.last_line[rank] = line
+        if rank in self.capturing:
+            self.captured.setdefault(rank, []).append(line)
+        if self._on_line is not None:
+            self._on_line(rank, stream, line)
+        if not self._visible(rank):
+            return
+        target = self._target(stream)
+        if self._open == key:
+            target.write("\r" + self._label(rank) + line + "\n")
+            self._open = None
+        else:
+            self._close_open_line()
+            target.write(self._label(rank) + line + "\n")
+        target.flush()
+
+    def flush_rank(self, rank: int) -> None:
+        """Write out what ``rank`` left without a final newline (call once it has exited)."""
+        for stream in ("stdout", "stderr"):
+            key = (rank, stream)
+            decoder = self._decoders.get(key)
+            rest = self._pending.pop(key, "") + (decoder.decode(b"", final=True) if decoder else "")
+            if rest:
+                self._emit(rank, stream, rest)  # type: ignore[arg-type]
+        self._close_open_line()

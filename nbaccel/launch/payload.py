@@ -1,0 +1,108 @@
+"""Serializing what crosses the process boundary: the function for spawned workers, and results.
+
+Functions travel by value through cloudpickle, so functions, classes, lambdas and closures
+defined in ``__main__`` or a notebook cell work under spawn. When something cannot be pickled,
+:func:`dumps_payload` names the object and where it was found.
+"""
+
+from __future__ import annotations
+
+import pickle
+import types
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import cloudpickle
+
+from nbaccel.errors import PayloadPicklingError
+
+__all__ = ["dumps_payload", "dumps_result", "loads", "to_cpu"]
+
+
+def to_cpu(value: Any) -> Any:
+    """``value`` with every tensor inside (dicts, lists, tuples, sets) detached and moved to CPU."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu() if value.device.type != "cpu" or value.requires_grad else value
+    if isinstance(value, dict):
+        items = [(k, to_cpu(v)) for k, v in value.items()]
+        try:
+            return type(value)(items)
+        except TypeError:  # a dict subclass with another constructor
+            return dict(items)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        return type(value)(*(to_cpu(v) for v in value))
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return type(value)(to_cpu(v) for v in value)
+    return value
+
+
+def _try_dumps(obj: Any) -> Exception | None:
+    try:
+        cloudpickle.dumps(obj)
+    except Exception as exc:  # noqa: BLE001 - any pickling failure is the answer
+        return exc
+    return None
+
+
+def _globals_used(function: Callable[..., Any]) -> list[tuple[str, Any]]:
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return []
+    names: set[str] = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= set(const.co_names)
+    glb = getattr(function, "__globals__", {})
+    return [(n, glb[n]) for n in sorted(names) if n in glb]
+
+
+def _find_culprit(function: Callable[..., Any], args: Sequence[Any],
+                  kwargs: Mapping[str, Any]) -> tuple[str, Any, Exception] | None:
+    candidates: list[tuple[str, Any]] = [(f"args[{i}]", a) for i, a in enumerate(args)]
+    candidates += [(f"kwargs[{k!r}]", v) for k, v in kwargs.items()]
+    name = getattr(function, "__qualname__", repr(function))
+    for i, cell in enumerate(getattr(function, "__closure__", None) or ()):
+        var = function.__code__.co_freevars[i]
+        try:
+            candidates.append((f"{name} closure variable {var!r}", cell.cell_contents))
+        except ValueError:
+            continue
+    candidates += [(f"{name}.__globals__[{n!r}]", v) for n, v in _globals_used(function)]
+    for path, obj in candidates:
+        error = _try_dumps(obj)
+        if error is not None:
+            return path, obj, error
+    return None
+
+
+def dumps_payload(function: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> bytes:
+    """Pickle ``(function, args, kwargs)`` by value for spawned workers.
+
+    Raises:
+        PayloadPicklingError: something cannot be pickled; the error names it and where it is.
+    """
+    try:
+        return cloudpickle.dumps((function, tuple(args), dict(kwargs)), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # noqa: BLE001
+        found = _find_culprit(function, args, kwargs)
+        if found is None:
+            path, obj, error = "the function", function, exc
+        else:
+            path, obj, error = found
+        type_name = f"{type(obj).__module__}.{type(obj).__qualname__}"
+        msg = (f"cannot send {path} (a {type_name}) to spawned workers: {error}. Spawned workers get "
+               "the function and its arguments by pickling. Fix: create that object inside the "
+               "function instead of passing it in, or use start_method='fork' where fork is safe.")
+        raise PayloadPicklingError(msg, object_path=path, object_type=type_name) from exc
+
+
+def dumps_result(value: Any) -> bytes:
+    """Pickle a worker's return value (tensors moved to CPU first)."""
+    return cloudpickle.dumps(to_cpu(value), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def loads(data: bytes) -> Any:
+    """Unpickle what :func:`dumps_payload` or :func:`dumps_result` wrote (trusted, own children)."""
+    return pickle.loads(data)

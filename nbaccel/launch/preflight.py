@@ -1,0 +1,144 @@
+"""Preflight: turn a `LaunchConfig` into concrete choices, or fail before anything starts.
+
+It picks the device kind (CUDA, CPU or XLA), the number of workers, the start method (fork when
+safe, else spawn, with the reason), and the settings every worker gets. Nothing here initializes
+CUDA or the XLA runtime.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Literal
+
+from nbaccel.config import LaunchConfig, StartMethod
+from nbaccel.environment import (
+    WorkerSettings,
+    cpu_count,
+    cuda_device_count,
+    fork_unsafe_reason,
+    tpu_detected,
+)
+from nbaccel.errors import ConfigError, EnvironmentStateError
+
+__all__ = ["LaunchPlan", "plan_launch"]
+
+DeviceKind = Literal["cpu", "cuda", "xla"]
+_MAX_AUTO_CPU_WORKERS = 4
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """The concrete choices for one launch.
+
+    Attributes:
+        num_processes: workers on this machine.
+        device_kind: ``"cpu"``, ``"cuda"`` or ``"xla"``.
+        start_method: ``"fork"`` or ``"spawn"``.
+        start_reason: why spawn was chosen when fork was not asked against (``None`` otherwise).
+        settings: what every worker reads back with ``read_worker_settings()``.
+        visible_gpus: ``CUDA_VISIBLE_DEVICES`` for the workers, if restricted.
+        threads: ``OMP_NUM_THREADS`` per worker.
+        note: a one-line message for the user (a chosen worker count, a start-method switch).
+    """
+
+    num_processes: int
+    device_kind: DeviceKind
+    start_method: StartMethod
+    start_reason: str | None
+    settings: WorkerSettings
+    visible_gpus: str | None
+    threads: int
+    note: str | None
+
+
+def _device_kind(config: LaunchConfig) -> tuple[DeviceKind, int]:
+    if config.use_cpu or config.distributed_type == "MULTI_CPU":
+        return "cpu", 0
+    if config.distributed_type == "XLA" or (config.distributed_type is None and tpu_detected()):
+        return "xla", 0
+    gpus = cuda_device_count()
+    if config.distributed_type == "MULTI_GPU" and gpus == 0:
+        raise ConfigError("distributed_type='MULTI_GPU' but no CUDA device is visible. Fix: set "
+                          "use_cpu=True (or distributed_type='MULTI_CPU') to run on CPU processes.",
+                          key="distributed_type", value="MULTI_GPU", valid=("MULTI_CPU", "NO"))
+    return ("cuda", gpus) if gpus else ("cpu", 0)
+
+
+def _gpu_ids(config: LaunchConfig, gpus: int) -> tuple[str | None, int]:
+    if config.gpu_ids == "all":
+        return None, gpus
+    ids = [int(i) for i in config.gpu_ids.split(",")]
+    missing = [i for i in ids if i >= gpus]
+    if missing:
+        raise ConfigError(f"gpu_ids={config.gpu_ids!r} names GPU {missing[0]}, but only {gpus} are visible "
+                          f"(valid ids: 0..{gpus - 1}). Fix: set gpu_ids='all' or list existing ids.",
+                          key="gpu_ids", value=config.gpu_ids, valid=list(range(gpus)))
+    return ",".join(map(str, ids)), len(ids)
+
+
+def _start_method(requested: StartMethod | None) -> tuple[StartMethod, str | None]:
+    unsafe = fork_unsafe_reason()
+    if requested == "spawn":
+        return "spawn", None
+    if requested == "fork":
+        if unsafe is not None:
+            raise EnvironmentStateError(
+                f"start_method='fork' is unsafe here: {unsafe}. Fix: pass start_method='spawn' (or None to "
+                "choose); to fork again, restart the kernel and launch before touching CUDA.")
+        return "fork", None
+    if unsafe is not None:
+        return "spawn", f"nbaccel: starting workers with spawn, not fork: {unsafe}."
+    return "fork", None
+
+
+def plan_launch(config: LaunchConfig) -> LaunchPlan:
+    """Decide how to run ``config`` on this machine.
+
+    Raises:
+        ConfigError: the config asks for hardware that is not here.
+        EnvironmentStateError: fork was requested but is unsafe in this process.
+    """
+    kind, gpus = _device_kind(config)
+    visible, usable = _gpu_ids(config, gpus) if kind == "cuda" else (None, 0)
+    notes: list[str] = []
+    n = config.num_processes
+    if n is None:
+        if kind == "cuda":
+            n = usable
+        elif kind == "xla":
+            n = 0  # the XLA launcher uses every core the runtime reports
+        else:
+            n = max(1, min(cpu_count(), _MAX_AUTO_CPU_WORKERS))
+            notes.append(f"nbaccel: no GPU found; using {n} CPU processes (one per core, at most "
+                         f"{_MAX_AUTO_CPU_WORKERS}). Pass num_processes= to choose.")
+    if kind == "cuda" and n > usable:
+        raise ConfigError(f"num_processes={n} but only {usable} GPU(s) are usable. Fix: pass num_processes<="
+                          f"{usable}, or use_cpu=True for CPU processes.", key="num_processes", value=n,
+                          valid=f"1..{usable}")
+    method, reason = _start_method(config.start_method)
+    if reason:
+        notes.append(reason)
+    if kind == "xla":
+        dtype = "XLA"
+    elif config.distributed_type in ("FSDP", "DEEPSPEED"):
+        dtype = config.distributed_type
+    elif n * config.num_machines > 1:
+        dtype = "MULTI_GPU" if kind == "cuda" else "MULTI_CPU"
+    else:
+        dtype = "NO"
+    settings = WorkerSettings(
+        mixed_precision=config.mixed_precision, use_cpu=config.use_cpu or kind == "cpu",
+        distributed_type=dtype,  # type: ignore[arg-type]
+        num_machines=config.num_machines, fsdp_config=dict(config.fsdp_config),
+        deepspeed_config=dict(config.deepspeed_config), debug=config.debug, launched=True)
+    threads = max(1, cpu_count() // max(n, 1)) if kind == "cpu" else 1
+    return LaunchPlan(num_processes=n, device_kind=kind, start_method=method, start_reason=reason,
+                      settings=settings, visible_gpus=visible, threads=threads,
+                      note="\n".join(notes) or None)
+
+
+def say(note: str | None) -> None:
+    """Print a preflight note to the caller's stderr."""
+    if note:
+        print(note, file=sys.stderr, flush=True)

@@ -1,0 +1,54 @@
+"""The rendezvous store of a single-machine launch: hosted by the launcher, on loopback only.
+
+The launcher binds a socket to ``127.0.0.1`` itself (port 0 picks a free one, so back-to-back
+launches never collide) and hands it to a ``TCPStore`` it owns; every worker joins as a client
+through torch's agent-store protocol. The port is released when the launch ends.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+from datetime import timedelta
+
+from nbaccel.errors import LaunchError
+
+__all__ = ["LoopbackStore"]
+
+
+class LoopbackStore:
+    """A ``TCPStore`` listening on ``host`` only, owned by this process.
+
+    Args:
+        port: the port to listen on; ``0`` picks a free one.
+        host: the address to listen on (loopback for single-machine launches).
+        timeout: how long workers may take to reach the store.
+
+    Raises:
+        LaunchError: ``port`` is already in use.
+    """
+
+    def __init__(self, port: int = 0, host: str = "127.0.0.1", timeout: float = 300.0) -> None:
+        import torch.distributed as dist
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            sock.close()
+            if exc.errno == errno.EADDRINUSE:
+                raise LaunchError(f"port {port} on {host} is already in use. Fix: pass another "
+                                  "use_port, or leave it unset so nbaccel picks a free port.") from None
+            raise
+        sock.listen(512)
+        self.host = host
+        self.port: int = sock.getsockname()[1]
+        self.listen_fd = sock.detach()  # the store owns and closes it
+        self._store: object | None = dist.TCPStore(
+            host, self.port, world_size=None, is_master=True, master_listen_fd=self.listen_fd,
+            use_libuv=True, wait_for_workers=False, timeout=timedelta(seconds=timeout))
+
+    def close(self) -> None:
+        """Stop the store and free the port."""
+        self._store = None

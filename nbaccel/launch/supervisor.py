@@ -1,0 +1,315 @@
+"""The supervisor: owns a launch's workers from start to finish.
+
+It reads every worker's output and control pipes in one loop on the caller's thread (so results
+of any size are read while the workers run), notices exits, stops the other ranks after the first
+failure, enforces the timeout and the hang watchdog, and on the caller's ``KeyboardInterrupt``
+stops everything (SIGTERM, then SIGKILL after a grace period) before re-raising it. Whatever
+happens, no worker outlives :meth:`Supervisor.run`.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from nbaccel.errors import LaunchTimeoutError
+from nbaccel.launch.events import LaunchObserver, RankState
+from nbaccel.launch.failures import WorkerFailure, raise_failures
+from nbaccel.launch.frames import FrameReader
+from nbaccel.launch.output import OutputRelay
+from nbaccel.launch.payload import loads
+
+__all__ = ["Supervisor", "WorkerHandle"]
+
+_READ_SIZE = 1 << 20
+
+
+@dataclass
+class WorkerHandle:
+    """The supervisor's view of one worker process."""
+
+    rank: int
+    pid: int
+    ctl_fd: int
+    out_fd: int
+    err_fd: int
+    popen: subprocess.Popen[bytes] | None = None
+    state: RankState = "starting"
+    result: bytes | None = None
+    error: dict[str, Any] | None = None
+    exitcode: int | None = None
+    signal: int | None = None
+    exited: bool = False
+    started_at: float | None = None
+    result_at: float | None = None
+    frames: FrameReader = field(default_factory=FrameReader)
+
+    def poll(self) -> bool:
+        """Reap the process if it has exited; returns whether it has."""
+        if self.exited:
+            return True
+        if self.popen is not None:
+            code = self.popen.poll()
+            if code is None:
+                return False
+            self.exitcode, self.signal = (None, -code) if code < 0 else (code, None)
+        else:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                pid, status = self.pid, 0
+            if pid == 0:
+                return False
+            if os.WIFSIGNALED(status):
+                self.exitcode, self.signal = None, os.WTERMSIG(status)
+            else:
+                self.exitcode = os.waitstatus_to_exitcode(status)
+        self.exited = True
+        return True
+
+    def send(self, sig: int) -> None:
+        """Send ``sig`` unless the process is already gone."""
+        if not self.exited:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+class Supervisor:
+    """Runs the loop that watches ``workers`` until every one of them is gone.
+
+    Args:
+        workers: the started workers, one per rank.
+        relay: where their output goes.
+        observer: optional status panel.
+        timeout: seconds after which the launch is stopped (``None``: no limit).
+        hang_timeout: after some ranks finished, seconds of silence from the rest before their
+            stacks are dumped and they are stopped (``None``: no watchdog).
+        grace: seconds between SIGTERM and SIGKILL when stopping workers.
+        poll_interval: how often exits and deadlines are checked.
+    """
+
+    def __init__(self, workers: Sequence[WorkerHandle], relay: OutputRelay,
+                 observer: LaunchObserver | None = None, *, timeout: float | None = None,
+                 hang_timeout: float | None = 120.0, grace: float = 3.0,
+                 poll_interval: float = 0.05) -> None:
+        self.workers = list(workers)
+        self.relay = relay
+        self.observer = observer
+        self.timeout = timeout
+        self.hang_timeout = hang_timeout
+        self.grace = grace
+        self.poll_interval = poll_interval
+        self._selector = selectors.DefaultSelector()
+        self._last_activity = time.monotonic()
+        self._stopped: list[int] = []
+        for handle in self.workers:
+            for fd, kind in ((handle.ctl_fd, "ctl"), (handle.out_fd, "stdout"), (handle.err_fd, "stderr")):
+                os.set_blocking(fd, False)
+                self._selector.register(fd, selectors.EVENT_READ, (handle, kind))
+
+    # ------------------------------------------------------------------ public
+    def run(self) -> dict[int, Any]:
+        """Watch the workers; return ``{rank: result}`` or raise the root-cause failure.
+
+        Raises:
+            KeyboardInterrupt: the caller was interrupted; every worker has been stopped.
+            LaunchTimeoutError: ``timeout`` passed or the hang watchdog fired.
+            BaseException: the root-cause worker's exception (see :mod:`nbaccel.launch.failures`).
+        """
+        started = time.monotonic()
+        try:
+            failures = self._watch(started)
+        except BaseException:
+            self._stop_all(interrupted=True)
+            raise
+        finally:
+            self._kill_remaining()
+            self._close()
+        if failures:
+            raise_failures(failures, len(self.workers), self._stopped)
+        return {h.rank: loads(h.result) for h in self.workers if h.result is not None}
+
+    # ------------------------------------------------------------------ loop
+    def _watch(self, started: float) -> list[WorkerFailure]:
+        failures: list[WorkerFailure] = []
+        stop_deadline: float | None = None
+        while any(not h.exited for h in self.workers):
+            self._pump(self.poll_interval)
+            for handle in self.workers:
+                if not handle.exited and handle.poll():
+                    failure = self._on_exit(handle)
+                    if failure is not None:
+                        failures.append(failure)
+            now = time.monotonic()
+            for handle in self.workers:  # returned, but stuck tearing down: its result stands
+                if not handle.exited and handle.result_at is not None and now - handle.result_at > self.grace + 2:
+                    handle.send(signal.SIGKILL)
+            if failures and stop_deadline is None:
+                stop_deadline = now + self.grace
+                self._terminate_running(signal.SIGTERM)
+            elif stop_deadline is not None and now > stop_deadline:
+                self._terminate_running(signal.SIGKILL)
+            elif stop_deadline is None:
+                self._check_deadlines(now, started)
+        return failures
+
+    def _pump(self, wait: float) -> None:
+        for key, _ in self._selector.select(wait):
+            handle, kind = key.data
+            self._read(handle, kind, key.fd)
+
+    def _read(self, handle: WorkerHandle, kind: str, fd: int) -> bool:
+        try:
+            data = os.read(fd, _READ_SIZE)
+        except BlockingIOError:
+            return False
+        if not data:
+            self._selector.unregister(fd)
+            os.close(fd)
+            return False
+        self._last_activity = time.monotonic()
+        if kind == "ctl":
+            for message in handle.frames.feed(data):
+                self._on_message(handle, *message)
+        else:
+            self.relay.feed(handle.rank, kind, data)  # type: ignore[arg-type]
+        return True
+
+    def _drain(self, handle: WorkerHandle) -> None:
+        """Read what an exited worker left in its pipes (its write ends are closed now)."""
+        deadline = time.monotonic() + 2.0
+        fds = [fd for fd in (handle.ctl_fd, handle.out_fd, handle.err_fd) if fd in self._selector.get_map()]
+        while fds and time.monotonic() < deadline:
+            for fd in list(fds):
+                if fd not in self._selector.get_map():
+                    fds.remove(fd)
+                    continue
+                kind = self._selector.get_key(fd).data[1]
+                if not self._read(handle, kind, fd) and fd in self._selector.get_map():
+                    # no data now; EOF will follow unless a grandchild still holds the pipe
+                    ready = selectors.DefaultSelector()
+                    ready.register(fd, selectors.EVENT_READ)
+                    if not ready.select(0.05):
+                        fds.remove(fd)
+                    ready.close()
+        self.relay.flush_rank(handle.rank)
+
+    def _on_message(self, handle: WorkerHandle, kind: str, body: Any) -> None:
+        if kind == "started":
+            handle.started_at = body["time"]
+            self._set_state(handle, "running")
+        elif kind == "result":
+            handle.result = body
+            handle.result_at = time.monotonic()
+        elif kind == "error":
+            handle.error = body
+
+    def _set_state(self, handle: WorkerHandle, state: RankState) -> None:
+        handle.state = state
+        if self.observer is not None:
+            self.observer.on_state(handle.rank, state)
+
+    def _on_exit(self, handle: WorkerHandle) -> WorkerFailure | None:
+        self._drain(handle)
+        if handle.result is not None and handle.error is None and handle.rank not in self._stopped:
+            self._set_state(handle, "finished")
+            return None
+        if handle.rank in self._stopped and handle.error is None:
+            self._set_state(handle, "stopped")
+            return None
+        self._set_state(handle, "failed")
+        error = handle.error or {}
+        if handle.signal is not None:
+            message = ""
+        elif handle.exitcode == 0:
+            message = "exited with code 0 before returning (sys.exit(0) or os._exit(0) outside the function's return)"
+        else:
+            message = "the process exited without reporting an exception (os._exit, a crash in native code, or an OOM kill)"
+        return WorkerFailure(
+            rank=handle.rank, pid=handle.pid, time=error.get("time", time.time()), exitcode=handle.exitcode,
+            signal=handle.signal, exc_type=error.get("exc_type", ""), message=error.get("message", message),
+            traceback=error.get("traceback", ""), exception=error.get("exception"))
+
+    # ------------------------------------------------------------------ deadlines
+    def _check_deadlines(self, now: float, started: float) -> None:
+        if self.timeout is not None and now - started > self.timeout:
+            self._raise_stuck("timeout", f"the launch ran past timeout={self.timeout:g}s")
+        finished = [h for h in self.workers if h.exited]
+        if (self.hang_timeout is not None and finished and len(finished) < len(self.workers)
+                and now - self._last_activity > self.hang_timeout):
+            ranks = [h.rank for h in self.workers if not h.exited]
+            self._raise_stuck("hang", f"ranks {ranks} made no progress for {self.hang_timeout:g}s after "
+                              f"ranks {[h.rank for h in finished]} finished")
+
+    def _raise_stuck(self, reason: Literal["timeout", "hang"], what: str) -> None:
+        stacks = self.dump_stacks()
+        self._stop_all(interrupted=False)
+        shown = "\n".join(f"--- rank {r} ---\n{text}" for r, text in sorted(stacks.items()))
+        raise LaunchTimeoutError(
+            f"{what}; every worker was stopped. Python stacks of the ranks that were still running:\n{shown}\n"
+            "Fix: look for a collective (all_reduce, barrier, gather) that only some ranks reach, or "
+            "raise timeout=/hang_timeout= if the work is just slow.", stacks=stacks, reason=reason)
+
+    def dump_stacks(self, wait: float = 1.0) -> dict[int, str]:
+        """Ask every running worker for its Python stacks (SIGUSR1 + faulthandler) and collect them."""
+        running = [h for h in self.workers if not h.exited and h.state == "running"]
+        self.relay.capturing = {h.rank for h in running}
+        for handle in running:
+            handle.send(signal.SIGUSR1)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            self._pump(0.05)
+        self.relay.capturing = set()
+        return {h.rank: "\n".join(self.relay.captured.pop(h.rank, [])) for h in running}
+
+    # ------------------------------------------------------------------ stopping
+    def _terminate_running(self, sig: int) -> None:
+        for handle in self.workers:
+            if not handle.exited:
+                if handle.rank not in self._stopped:
+                    self._stopped.append(handle.rank)
+                handle.send(sig)
+
+    def _stop_all(self, interrupted: bool) -> None:
+        """SIGTERM every live worker, SIGKILL after the grace period; a second interrupt skips the wait."""
+        self._terminate_running(signal.SIGTERM)
+        deadline = time.monotonic() + self.grace
+        try:
+            while any(not h.exited for h in self.workers) and time.monotonic() < deadline:
+                try:
+                    self._pump(0.02)
+                except (OSError, ValueError):
+                    pass
+                for handle in self.workers:
+                    if handle.poll() and handle.state in ("starting", "running"):
+                        self._set_state(handle, "stopped")
+        except KeyboardInterrupt:
+            pass
+        self._kill_remaining()
+
+    def _kill_remaining(self) -> None:
+        for handle in self.workers:
+            if not handle.exited:
+                handle.send(signal.SIGKILL)
+        for handle in self.workers:
+            while not handle.poll():
+                time.sleep(0.005)
+            if handle.state in ("starting", "running"):
+                self._set_state(handle, "stopped")
+
+    def _close(self) -> None:
+        for key in list(self._selector.get_map().values()):
+            self._selector.unregister(key.fd)
+            try:
+                os.close(key.fd)
+            except OSError:
+                pass
+        self._selector.close()

@@ -1,0 +1,157 @@
+"""The worker side of a launch: set up one fresh worker process, run the function, report back.
+
+Used by both start methods: a forked worker calls :func:`run_worker` straight after ``fork``; a
+spawned one reaches it through :mod:`nbaccel.launch.trampoline`. The worker dies with its parent
+(``PR_SET_PDEATHSIG``), writes fd 1 and 2 into the supervisor's pipes, reports ``started``,
+then ``result`` or ``error`` on its control pipe, and leaves with ``os._exit`` so no handler of
+the parent (a Jupyter kernel's, say) runs in it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import gc
+import io
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+import cloudpickle
+
+from nbaccel.environment import apply_environment
+from nbaccel.errors import PayloadPicklingError
+from nbaccel.launch.frames import write_frame
+from nbaccel.launch.payload import dumps_result
+
+__all__ = ["WorkerSpec", "die_with_parent", "run_worker"]
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What one worker needs to know about itself.
+
+    Attributes:
+        rank: global rank.
+        env: environment variables to set before the function runs.
+        ctl_fd: write end of the control pipe (messages to the supervisor).
+        out_fd: write end of the stdout pipe (``None``: already fd 1, as under spawn).
+        err_fd: write end of the stderr pipe (``None``: already fd 2).
+        parent_pid: the supervisor's pid; the worker stops if it is gone.
+        close_fds: inherited descriptors that belong to other workers or the parent.
+    """
+
+    rank: int
+    env: Mapping[str, str]
+    ctl_fd: int
+    parent_pid: int
+    out_fd: int | None = None
+    err_fd: int | None = None
+    close_fds: Sequence[int] = field(default_factory=tuple)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies; exit now if it already has."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):  # pragma: no cover - exotic libc
+            pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _setup_process(spec: WorkerSpec) -> None:
+    die_with_parent(spec.parent_pid)
+    for fd in spec.close_fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    if spec.out_fd is not None:
+        os.dup2(spec.out_fd, 1)
+        os.close(spec.out_fd)
+    if spec.err_fd is not None:
+        os.dup2(spec.err_fd, 2)
+        os.close(spec.err_fd)
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True,
+                                                   write_through=True)
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True,
+                                                   write_through=True)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
+    apply_environment(spec.env)
+    torch = sys.modules.get("torch")
+    if torch is not None and "OMP_NUM_THREADS" in spec.env:  # the forked pool keeps the parent's size
+        torch.set_num_threads(int(spec.env["OMP_NUM_THREADS"]))
+    state = sys.modules.get("nbaccel.state")
+    if state is not None:
+        state.reset_process_state()
+
+
+def _report_error(spec: WorkerSpec, exc: BaseException) -> None:
+    try:
+        pickled: bytes | None = cloudpickle.dumps(exc)
+        cloudpickle.loads(pickled)
+    except Exception:  # noqa: BLE001 - the parent then raises a generic error
+        pickled = None
+    body = {
+        "time": time.time(),
+        "exc_type": f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        "exception": pickled,
+    }
+    write_frame(spec.ctl_fd, "error", body)
+
+
+def _teardown() -> None:
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        gc.collect()  # live DDP modules first: destroying gloo under them can deadlock
+        dist.destroy_process_group()
+
+
+def run_worker(spec: WorkerSpec, function: Callable[..., Any], args: Sequence[Any],
+               kwargs: Mapping[str, Any]) -> NoReturn:
+    """Run ``function(*args, **kwargs)`` as worker ``spec.rank`` and exit the process."""
+    code = 0
+    try:
+        _setup_process(spec)
+        write_frame(spec.ctl_fd, "started", {"pid": os.getpid(), "time": time.time()})
+        try:
+            result = function(*args, **kwargs)
+        except SystemExit as stop:
+            if stop.code not in (None, 0):
+                raise
+            result = None
+        try:
+            payload = dumps_result(result)
+        except Exception as exc:  # noqa: BLE001
+            raise PayloadPicklingError(
+                f"rank {spec.rank} returned a {type(result).__qualname__} that cannot be pickled back to "
+                f"the caller: {exc}. Fix: return plain data (tensors, numbers, dicts, state_dict()).",
+                object_path="return value", object_type=type(result).__qualname__) from exc
+        write_frame(spec.ctl_fd, "result", payload)
+        _teardown()
+    except BaseException as exc:  # noqa: BLE001 - everything is reported to the supervisor
+        code = 130 if isinstance(exc, KeyboardInterrupt) else 1
+        try:
+            _report_error(spec, exc)
+        except BaseException:  # noqa: BLE001 - the exit code still tells the supervisor
+            pass
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
