@@ -1,0 +1,1 @@
+"""The ``nbaccel`` command line: ``config``, ``env``, ``launch`` and ``test`` (entry point: :mod:`nbaccel.cli.main`)."""
