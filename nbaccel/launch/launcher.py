@@ -139,7 +139,9 @@ def notebook_launcher(
         2
     """
     port = None if use_port in (None, "") else int(use_port)
-    cfg = _resolve(config, num_processes=num_processes, mixed_precision=mixed_precision, use_cpu=use_cpu,
+    base_ip = config.main_process_ip if config is not None else None
+    endpoint_host = rdzv_endpoint.rsplit(":", 1)[0] if rdzv_endpoint else None
+    cfg = _resolve(config, main_process_ip=base_ip or endpoint_host or master_addr, num_processes=num_processes, mixed_precision=mixed_precision, use_cpu=use_cpu,
                    machine_rank=node_rank, num_machines=num_nodes, main_process_port=port,
                    start_method=start_method, timeout=timeout)
     if hang_timeout is not None and hang_timeout <= 0:
