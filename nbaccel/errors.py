@@ -53,8 +53,21 @@ __all__ = [
 ]
 
 
+def _rebuild_error(cls: type[BaseException], args: tuple, state: dict) -> BaseException:
+    exc = cls.__new__(cls)
+    BaseException.__init__(exc, *args)
+    exc.__dict__.update(state)
+    return exc
+
+
 class NbaccelError(Exception):
-    """Base class of every error nbaccel raises itself."""
+    """Base class of every error nbaccel raises itself.
+
+    Instances pickle with their fields, so an error raised in a worker arrives whole.
+    """
+
+    def __reduce__(self) -> tuple:
+        return (_rebuild_error, (type(self), self.args, dict(self.__dict__)))
 
 
 class ConfigError(NbaccelError, ValueError):

@@ -1,0 +1,15 @@
+"""Shared test setup: quiet thread pools and a private config file for every test."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(autouse=True)
+def _private_config(tmp_path, monkeypatch):
+    monkeypatch.setenv("NBACCEL_CONFIG_FILE", str(tmp_path / "nbaccel_config.yaml"))
+    yield

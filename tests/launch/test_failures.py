@@ -1,0 +1,136 @@
+"""A failing rank: the root cause is raised in the caller and the other ranks are stopped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from nbaccel import PayloadPicklingError, ProcessExitedError, WorkerFailedError, notebook_launcher
+from nbaccel.launch.failures import RemoteTraceback
+
+from .procs import children
+
+
+def _rank() -> int:
+    return int(os.environ["RANK"])
+
+
+class CustomError(Exception):
+    pass
+
+
+def _rank1_raises():
+    if _rank() == 1:
+        raise CustomError("rank one broke")
+    time.sleep(60)
+
+
+def test_exception_is_reraised_with_type_message_traceback_and_others_stopped():
+    with pytest.raises(CustomError, match="rank one broke") as info:
+        notebook_launcher(_rank1_raises, num_processes=3)
+    failures = info.value.launch_failures
+    assert time.time() - failures[0].time < 5  # the sleeping ranks were stopped, not awaited
+    assert failures[0].rank == 1 and failures[0].exc_type.endswith("CustomError")
+    cause = info.value.__cause__
+    assert isinstance(cause, RemoteTraceback)
+    assert "_rank1_raises" in cause.text and 'raise CustomError("rank one broke")' in cause.text
+    assert any("stopped by nbaccel" in note and "0, 2" in note for note in info.value.__notes__)
+    assert children() == []
+
+
+def _all_raise_same():
+    time.sleep(0.2 * _rank())
+    raise ValueError("same everywhere")
+
+
+def test_root_cause_first_and_identical_errors_grouped():
+    with pytest.raises(ValueError) as info:
+        notebook_launcher(_all_raise_same, num_processes=3)
+    failures = info.value.launch_failures
+    assert failures[0].rank == 0
+    note = "\n".join(info.value.__notes__)
+    assert "root cause: rank 0" in note
+    assert "ranks 1, 2" in note or "rank 1" in note
+
+
+def _exit_three():
+    if _rank() == 1:
+        os._exit(3)
+    time.sleep(60)
+
+
+def test_os_exit_is_an_error_not_a_hang():
+    with pytest.raises(ProcessExitedError) as info:
+        notebook_launcher(_exit_three, num_processes=2)
+    root = info.value.root_cause
+    assert time.time() - root.time < 5
+    assert (root.rank, root.exitcode, root.signal) == (1, 3, None)
+
+
+def _killed():
+    if _rank() == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)
+
+
+def test_sigkill_of_one_rank_is_an_error():
+    with pytest.raises(ProcessExitedError) as info:
+        notebook_launcher(_killed, num_processes=2)
+    assert info.value.root_cause.signal == signal.SIGKILL
+    assert "killed by signal SIGKILL" in str(info.value)
+
+
+class Unpicklable(Exception):
+    def __init__(self):
+        super().__init__("cannot travel")
+        self.lock = threading.Lock()
+
+
+def _raise_unpicklable():
+    raise Unpicklable()
+
+
+def test_exception_that_cannot_be_pickled_becomes_worker_failed_error():
+    with pytest.raises(WorkerFailedError) as info:
+        notebook_launcher(_raise_unpicklable, num_processes=1)
+    assert info.value.root_cause.exc_type.endswith("Unpicklable")
+    assert "cannot travel" in str(info.value) and "_raise_unpicklable" in str(info.value)
+
+
+def _return_lock():
+    return threading.Lock()
+
+
+def test_result_that_cannot_be_pickled_is_a_clear_error():
+    with pytest.raises(PayloadPicklingError) as info:
+        notebook_launcher(_return_lock, num_processes=1)
+    assert info.value.object_path == "return value"
+    assert "cannot be pickled" in str(info.value)
+
+
+def _exit_zero_early():
+    os._exit(0)
+
+
+def test_exit_zero_without_returning_is_a_failure():
+    with pytest.raises(ProcessExitedError) as info:
+        notebook_launcher(_exit_zero_early, num_processes=1)
+    assert info.value.root_cause.exitcode == 0
+
+
+def _sys_exit_zero():
+    raise SystemExit(0)
+
+
+def test_sys_exit_zero_counts_as_returning_none():
+    assert notebook_launcher(_sys_exit_zero, num_processes=2) is None
+
+
+def test_next_launch_after_a_failure_works():
+    with pytest.raises(CustomError):
+        notebook_launcher(_rank1_raises, num_processes=2)
+    assert notebook_launcher(_rank, num_processes=2, return_all=True) == {0: 0, 1: 1}

@@ -1,0 +1,68 @@
+"""num_nodes=2: two launcher processes on this machine form one job through c10d rendezvous."""
+
+from __future__ import annotations
+
+import ast
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from nbaccel import ConfigError, notebook_launcher
+
+NODE = """
+    import sys
+    import torch
+    from nbaccel import notebook_launcher
+
+    def step():
+        import torch.distributed as dist
+        from nbaccel import ProcessState
+        state = ProcessState()
+        value = torch.tensor([float(state.process_index + 1)])
+        dist.all_reduce(value)
+        print(f"global rank {state.process_index} of {state.num_processes}")
+        return state.process_index, value.item()
+
+    if __name__ == "__main__":
+        node, endpoint = int(sys.argv[1]), sys.argv[2]
+        out = notebook_launcher(step, num_processes=2, num_nodes=2, node_rank=node, rdzv_backend="c10d",
+                                rdzv_endpoint=endpoint, rdzv_id="nbaccel-test", use_cpu=True, return_all=True)
+        print("RESULT", sorted(out.items()))
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_launchers_form_one_job_over_c10d(tmp_path):
+    script = tmp_path / "node.py"
+    script.write_text(textwrap.dedent(NODE))
+    endpoint = f"127.0.0.1:{_free_port()}"
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    nodes = [subprocess.Popen([sys.executable, str(script), str(i), endpoint], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    outs = [node.communicate(timeout=120) for node in nodes]
+    for node, (out, err) in zip(nodes, outs):
+        assert node.returncode == 0, err
+    results = sorted(r for out, _ in outs for r in ast.literal_eval(out.split("RESULT ", 1)[1].strip()))
+    assert results == [(r, (r, 10.0)) for r in range(4)]
+    printed = "".join(out for out, _ in outs)
+    assert all(f"[rank{r}]: global rank {r} of 4" in printed for r in range(4))
+
+
+def test_multi_node_without_endpoint_is_a_config_error():
+    with pytest.raises(ConfigError) as info:
+        notebook_launcher(print, num_processes=1, num_nodes=2, node_rank=0)
+    assert info.value.key == "rdzv_endpoint"
+
+
+def test_multi_node_rejects_unknown_rendezvous_backend():
+    with pytest.raises(ConfigError) as info:
+        notebook_launcher(print, num_processes=1, num_nodes=2, rdzv_backend="etcd", rdzv_endpoint="127.0.0.1:1")
+    assert info.value.key == "rdzv_backend"

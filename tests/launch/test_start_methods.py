@@ -1,0 +1,117 @@
+"""Fork when safe, spawn otherwise: the decision, and spawn running __main__ code for real."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from nbaccel import EnvironmentStateError, PayloadPicklingError, notebook_launcher
+from nbaccel.launch.preflight import plan_launch
+from nbaccel.config import LaunchConfig
+
+from .procs import children
+
+
+def test_fork_is_chosen_when_safe():
+    plan = plan_launch(LaunchConfig(num_processes=2))
+    assert (plan.start_method, plan.start_reason) == ("fork", None)
+
+
+def test_unsafe_fork_switches_to_spawn_and_says_why(monkeypatch):
+    monkeypatch.setenv("NBACCEL_ASSUME_UNSAFE_FORK", "1")
+    plan = plan_launch(LaunchConfig(num_processes=2))
+    assert plan.start_method == "spawn"
+    assert "spawn, not fork" in plan.start_reason and "NBACCEL_ASSUME_UNSAFE_FORK" in plan.start_reason
+
+
+def test_forcing_fork_when_unsafe_is_refused(monkeypatch):
+    monkeypatch.setenv("NBACCEL_ASSUME_UNSAFE_FORK", "1")
+    with pytest.raises(EnvironmentStateError, match="start_method='spawn'"):
+        notebook_launcher(print, num_processes=2, start_method="fork")
+
+
+SPAWN_SCRIPT = """
+    import os
+    from nbaccel import notebook_launcher
+
+    SCALE = 10
+
+    class Point:
+        def __init__(self, x):
+            self.x = x
+
+    def make_closure(offset):
+        def inner(p):
+            return p.x * SCALE + offset + int(os.environ["RANK"])
+        return inner
+
+    square = lambda v: v * v
+
+    if __name__ == "__main__":
+        results = notebook_launcher(make_closure(5), (Point(2),), num_processes=2, return_all=True)
+        print("CLOSURE", results)
+        print("LAMBDA", notebook_launcher(square, (7,), num_processes=2))
+        print("CLASS", notebook_launcher(lambda: Point(3), num_processes=1).x)
+"""
+
+
+def test_spawn_runs_functions_classes_lambdas_and_closures_from_main(tmp_path):
+    script = tmp_path / "spawned.py"
+    script.write_text(textwrap.dedent(SPAWN_SCRIPT))
+    env = {"NBACCEL_ASSUME_UNSAFE_FORK": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "CLOSURE {0: 25, 1: 26}" in done.stdout
+    assert "LAMBDA 49" in done.stdout
+    assert "CLASS 3" in done.stdout
+    assert "starting workers with spawn, not fork" in done.stderr
+
+
+def _uses_lock_global():
+    return LOCK.locked()
+
+
+LOCK = threading.Lock()
+
+
+def test_unpicklable_argument_is_named_and_nothing_starts():
+    with pytest.raises(PayloadPicklingError) as info:
+        notebook_launcher(print, (1, threading.Lock()), num_processes=2, start_method="spawn")
+    assert info.value.object_path == "args[1]"
+    assert info.value.object_type == "_thread.lock"
+    assert children() == []
+
+
+def test_unpicklable_global_is_named():
+    import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    try:
+        with pytest.raises(PayloadPicklingError) as info:
+            notebook_launcher(_uses_lock_global, num_processes=2, start_method="spawn")
+    finally:
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    assert info.value.object_path == "_uses_lock_global.__globals__['LOCK']"
+
+
+def _rank_and_method():
+    import os
+    import multiprocessing
+
+    return int(os.environ["RANK"]), multiprocessing.parent_process() is None
+
+
+def test_spawned_workers_return_results_and_fail_like_forked_ones():
+    assert notebook_launcher(_rank_and_method, num_processes=2, start_method="spawn", return_all=True) == \
+        {0: (0, True), 1: (1, True)}
+    with pytest.raises(ZeroDivisionError) as info:
+        notebook_launcher(_divide_by_zero, num_processes=2, start_method="spawn")
+    assert "_divide_by_zero" in info.value.__cause__.text
+
+
+def _divide_by_zero():
+    return 1 / 0
