@@ -7,12 +7,12 @@
     ├── EnvironmentStateError (also RuntimeError)
     │                                      the process is in a state that forbids the action
     │                                      (for example CUDA initialized before a fork)
-    └── LaunchError (also RuntimeError)    a launch could not start or did not finish
-        ├── PayloadPicklingError           the function or an argument cannot be shipped
-        ├── WorkerFailedError              a worker raised, exited non-zero or was killed
-        │   └── ProcessExitedError         ... without reporting an exception (os._exit, signal)
-        └── LaunchTimeoutError (also TimeoutError)
-                                           the launch ran past ``timeout`` or hung
+    ├── LaunchError (also RuntimeError)    a launch could not start or did not finish
+    │   ├── PayloadPicklingError           the function or an argument cannot be shipped
+    │   ├── WorkerFailedError              a worker raised, exited non-zero or was killed
+    │   │   └── ProcessExitedError         ... without reporting an exception (os._exit, signal)
+    │   └── LaunchTimeoutError (also TimeoutError)
+    │                                      the launch ran past ``timeout`` or hung
     ├── MissingDependencyError (also ImportError)
     │                                      an optional package a setting needs is not installed
     └── DistributedOperationError (also RuntimeError)
