@@ -1,0 +1,601 @@
+"""`Accelerator`: Hugging Face Accelerate's training API, working inside nbaccel's workers.
+
+With no arguments it reads the job from the environment (:class:`~nbaccel.state.ProcessState`):
+inside a 4-process CPU launch it trains as one 4-process gloo job. ``prepare`` places models
+(DDP across processes, FSDP2 when configured, autocast for mixed precision), wraps optimizers,
+schedulers and dataloaders, and returns them in the order given. Collectives and
+per-process helpers come from :class:`~nbaccel.process_helpers.ProcessHelpers`; checkpoints
+from :mod:`nbaccel.checkpointing`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from nbaccel import checkpointing
+from nbaccel.data_loader import DataLoaderShard, XlaDeviceLoader, prepare_data_loader, skip_first_batches
+from nbaccel.environment import DistributedType, MixedPrecision
+from nbaccel.errors import ConfigError, MissingDependencyError
+from nbaccel.gradient_state import GradientState
+from nbaccel.optimizer import AcceleratedOptimizer
+from nbaccel.plugins import (
+    AutocastKwargs,
+    DataLoaderConfiguration,
+    DeepSpeedPlugin,
+    DistributedDataParallelKwargs,
+    FullyShardedDataParallelPlugin,
+    GradientAccumulationPlugin,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    KwargsHandler,
+    ProjectConfiguration,
+)
+from nbaccel.precision import autocast_context, make_grad_scaler, unwrap_forward, validate_mixed_precision, wrap_forward
+from nbaccel.process_helpers import ProcessHelpers
+from nbaccel.scheduler import AcceleratedScheduler
+from nbaccel.state import ProcessState
+
+__all__ = ["Accelerator"]
+
+_HANDLERS = (DistributedDataParallelKwargs, GradScalerKwargs, AutocastKwargs, InitProcessGroupKwargs)
+
+
+class Accelerator(ProcessHelpers):
+    """Accelerate's ``Accelerator``: one object that makes a training loop distributed.
+
+    Args:
+        device_placement: move prepared models and batches to :attr:`device`.
+        split_batches: shorthand for ``DataLoaderConfiguration(split_batches=...)``.
+        mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"``; default: the launch's setting.
+        gradient_accumulation_steps: micro-batches per optimizer step.
+        cpu: run on CPU even where accelerators exist.
+        dataloader_config: how dataloaders are split, padded and seeded.
+        deepspeed_plugin: DeepSpeed settings (needs the ``deepspeed`` package).
+        fsdp_plugin: FSDP2 settings; default: the launch's ``fsdp_config`` when it chose FSDP.
+        rng_types: accepted for compatibility; shuffling is always synchronized from rank 0.
+        log_with: accepted for compatibility; experiment trackers are not part of nbaccel.
+        project_dir: shorthand for ``ProjectConfiguration(project_dir=...)``.
+        project_config: where checkpoints go and how many are kept.
+        gradient_accumulation_plugin: full accumulation settings (instead of the steps count).
+        step_scheduler_with_optimizer: step schedulers with the optimizer (Accelerate's rule).
+        kwargs_handlers: ``DistributedDataParallelKwargs``, ``GradScalerKwargs``,
+            ``AutocastKwargs``, ``InitProcessGroupKwargs`` instances.
+        even_batches: shorthand for ``DataLoaderConfiguration(even_batches=...)``.
+        dispatch_batches: shorthand for ``DataLoaderConfiguration(dispatch_batches=...)``.
+
+    Raises:
+        ConfigError: an argument has an invalid value or conflicts with another.
+        MissingDependencyError: DeepSpeed was asked for but is not installed.
+
+    Example:
+        >>> accelerator = Accelerator(gradient_accumulation_steps=2)
+        >>> model, optimizer, loader = accelerator.prepare(model, optimizer, loader)   # doctest: +SKIP
+        >>> for x, y in loader:                                                       # doctest: +SKIP
+        ...     with accelerator.accumulate(model):
+        ...         accelerator.backward(loss_fn(model(x), y))
+        ...         optimizer.step(); optimizer.zero_grad()
+    """
+
+    def __init__(self, device_placement: bool = True, split_batches: bool | None = None,
+                 mixed_precision: MixedPrecision | None = None, gradient_accumulation_steps: int = 1,
+                 cpu: bool = False, dataloader_config: DataLoaderConfiguration | None = None,
+                 deepspeed_plugin: DeepSpeedPlugin | None = None,
+                 fsdp_plugin: FullyShardedDataParallelPlugin | None = None, rng_types: list[str] | None = None,
+                 log_with: Any = None, project_dir: str | None = None,
+                 project_config: ProjectConfiguration | None = None,
+                 gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
+                 step_scheduler_with_optimizer: bool = True, kwargs_handlers: list[KwargsHandler] | None = None,
+                 even_batches: bool | None = None, dispatch_batches: bool | None = None) -> None:
+        handlers = _collect_handlers(kwargs_handlers)
+        init_kwargs = handlers.get(InitProcessGroupKwargs, InitProcessGroupKwargs())
+        self.state = ProcessState(cpu=cpu, backend=init_kwargs.backend, timeout=init_kwargs.timeout)
+        settings = self.state.settings
+        self._mixed_precision = validate_mixed_precision(mixed_precision or self.state.mixed_precision)
+        self.device_placement = device_placement
+        self.dataloader_config = _dataloader_config(dataloader_config, split_batches, even_batches, dispatch_batches)
+        self.gradient_state = GradientState(_accumulation_plugin(gradient_accumulation_plugin,
+                                                                 gradient_accumulation_steps))
+        self.project_configuration = project_config or ProjectConfiguration(project_dir=project_dir)
+        if project_dir is not None and project_config is not None:
+            self.project_configuration.set_directories(project_dir)
+        self.ddp_handler = handlers.get(DistributedDataParallelKwargs, DistributedDataParallelKwargs())
+        self.autocast_handler = handlers.get(AutocastKwargs, AutocastKwargs())
+        self.scaler_handler = handlers.get(GradScalerKwargs, GradScalerKwargs())
+        self.deepspeed_plugin = _deepspeed_plugin(deepspeed_plugin, settings)
+        self.fsdp_plugin = fsdp_plugin or (FullyShardedDataParallelPlugin.from_config(settings.fsdp_config)
+                                           if settings.distributed_type == "FSDP" else None)
+        if self.fsdp_plugin is not None and self.state.num_processes == 1:
+            warnings.warn("FSDP was asked for in a single process; the model is trained unsharded", stacklevel=2)
+            self.fsdp_plugin = None
+        self.scaler = make_grad_scaler(self._mixed_precision, self.device, self.scaler_handler)
+        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+        self.rng_types = rng_types
+        if log_with is not None:
+            warnings.warn(f"log_with={log_with!r} is ignored: nbaccel has no experiment trackers; "
+                          "log with the tracker's own API on the main process", stacklevel=2)
+        self.log_with = log_with
+        self.step = 0
+        self._models: list[torch.nn.Module] = []
+        self._optimizers: list[AcceleratedOptimizer] = []
+        self._schedulers: list[AcceleratedScheduler] = []
+        self._dataloaders: list[Any] = []
+        self._custom_objects: list[Any] = []
+        self._trigger = False
+
+    # ------------------------------------------------------------------ state
+    @property
+    def device(self) -> torch.device:
+        """Where prepared models and batches live."""
+        return self.state.device
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        """``"NO"``, ``"MULTI_CPU"``, ``"MULTI_GPU"``, ``"FSDP"``, ``"DEEPSPEED"`` or ``"XLA"``."""
+        if self.deepspeed_plugin is not None:
+            return "DEEPSPEED"
+        if self.fsdp_plugin is not None:
+            return "FSDP"
+        return self.state.distributed_type
+
+    @property
+    def num_processes(self) -> int:
+        return self.state.num_processes
+
+    @property
+    def process_index(self) -> int:
+        return self.state.process_index
+
+    @property
+    def local_process_index(self) -> int:
+        return self.state.local_process_index
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.state.is_main_process
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.state.is_local_main_process
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.state.is_last_process
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.state.use_distributed
+
+    @property
+    def mixed_precision(self) -> MixedPrecision:
+        return self._mixed_precision
+
+    @property
+    def split_batches(self) -> bool:
+        return self.dataloader_config.split_batches
+
+    @property
+    def even_batches(self) -> bool:
+        return self.dataloader_config.even_batches
+
+    @property
+    def sync_gradients(self) -> bool:
+        """Whether this step synchronizes gradients (and the optimizer really steps)."""
+        return self.gradient_state.sync_gradients
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.gradient_state.num_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int) -> None:
+        self.gradient_state.plugin = GradientAccumulationPlugin(
+            num_steps=steps, adjust_scheduler=self.gradient_state.adjust_scheduler,
+            sync_with_dataloader=self.gradient_state.sync_with_dataloader,
+            sync_each_batch=self.gradient_state.sync_each_batch)
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """Whether any prepared optimizer skipped its last step (fp16 overflow)."""
+        return any(opt.step_was_skipped for opt in self._optimizers)
+
+    @property
+    def project_dir(self) -> str | None:
+        return self.project_configuration.project_dir
+
+    @property
+    def save_iteration(self) -> int:
+        return self.project_configuration.iteration
+
+    # ------------------------------------------------------------------ prepare
+    def prepare(self, *args: Any, device_placement: list[bool | None] | None = None) -> Any:
+        """Prepare models, optimizers, dataloaders and schedulers; returns them in the order given.
+
+        Raises:
+            ConfigError: ``device_placement`` does not have one entry per argument.
+
+        Example:
+            >>> model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)   # doctest: +SKIP
+        """
+        if device_placement is None:
+            device_placement = [None] * len(args)
+        elif len(device_placement) != len(args):
+            raise ConfigError(f"`device_placement` needs one entry per object passed to prepare ({len(args)}), got "
+                              f"{len(device_placement)}", key="device_placement", value=device_placement,
+                              valid=f"a list of {len(args)} bools or None")
+        result = list(args)
+        optimizers = [o for o in args if isinstance(o, torch.optim.Optimizer) and not isinstance(o, AcceleratedOptimizer)]
+        order = (torch.nn.Module, torch.optim.Optimizer, DataLoader, torch.optim.lr_scheduler.LRScheduler)
+        for kind in order:
+            for i, obj in enumerate(args):
+                if isinstance(obj, kind) and not _is_prepared(obj):
+                    result[i] = self._prepare_one(obj, device_placement[i], optimizers)
+        return result[0] if len(result) == 1 else tuple(result)
+
+    def _prepare_one(self, obj: Any, placement: bool | None, optimizers: list[torch.optim.Optimizer]) -> Any:
+        if isinstance(obj, torch.nn.Module):
+            return self.prepare_model(obj, device_placement=placement, _optimizers=optimizers)
+        if isinstance(obj, torch.optim.Optimizer):
+            return self.prepare_optimizer(obj, device_placement=placement)
+        if isinstance(obj, DataLoader):
+            return self.prepare_data_loader(obj, device_placement=placement)
+        return self.prepare_scheduler(obj)
+
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
+                      evaluation_mode: bool = False, _optimizers: list[torch.optim.Optimizer] | None = None
+                      ) -> torch.nn.Module:
+        """Place ``model`` on the device, wrap it for the job (DDP / FSDP2) and for mixed precision.
+
+        Args:
+            model: the model.
+            device_placement: override the accelerator's ``device_placement``.
+            evaluation_mode: no DDP wrapper (inference only).
+
+        Example:
+            >>> model = accelerator.prepare_model(torch.nn.Linear(4, 2))   # doctest: +SKIP
+        """
+        self._require_deepspeed_absent_or_use()
+        place = self.device_placement if device_placement is None else device_placement
+        if place and not (self.fsdp_plugin is not None and self.fsdp_plugin.cpu_offload):
+            model = model.to(self.device)
+        if self._mixed_precision != "no":
+            wrap_forward(model, self._mixed_precision, self.device, self.autocast_handler)
+        trainable = any(p.requires_grad for p in model.parameters())
+        if self.fsdp_plugin is not None and not evaluation_mode:
+            from nbaccel.fsdp import shard_model
+
+            optimizers = list(_optimizers or []) + [o.optimizer for o in self._optimizers]
+            model = shard_model(model, self.fsdp_plugin, self.device, self.num_processes, optimizers)
+        elif self.num_processes > 1 and trainable and not evaluation_mode and self.device.type != "xla":
+            kwargs = self.ddp_handler.to_kwargs()
+            if self.device.type == "cuda":
+                kwargs.update(device_ids=[self.device.index], output_device=self.device.index)
+            model = torch.nn.parallel.DistributedDataParallel(model, **kwargs)
+        self._models.append(model)
+        return model
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None
+                          ) -> AcceleratedOptimizer:
+        """Wrap ``optimizer`` so it steps only when gradients are synchronized (through the scaler for fp16)."""
+        place = self.device_placement if device_placement is None else device_placement
+        wrapped = AcceleratedOptimizer(optimizer, device_placement=place, scaler=self.scaler,
+                                       gradient_state=self.gradient_state, device=self.device)
+        self._optimizers.append(wrapped)
+        return wrapped
+
+    def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
+        """Wrap ``scheduler`` so it steps with its optimizer, Accelerate's way."""
+        optimizer = next((o for o in self._optimizers if o.optimizer is scheduler.optimizer), scheduler.optimizer)
+        wrapped = AcceleratedScheduler(scheduler, optimizer, step_with_optimizer=self.step_scheduler_with_optimizer,
+                                       split_batches=self.split_batches, num_processes=self.num_processes,
+                                       gradient_state=self.gradient_state)
+        self._schedulers.append(wrapped)
+        return wrapped
+
+    def prepare_data_loader(self, data_loader: DataLoader, device_placement: bool | None = None) -> Any:
+        """Shard ``data_loader`` across processes and move its batches to the device."""
+        place = self.device_placement if device_placement is None else device_placement
+        loader: Any = prepare_data_loader(data_loader, self.device if place else None, self.num_processes,
+                                          self.process_index, self.dataloader_config, self.gradient_state)
+        if place and self.device.type == "xla":
+            loader = XlaDeviceLoader(loader, self.device)
+        self._dataloaders.append(loader)
+        return loader
+
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        """A prepared loader that starts after its first ``num_batches`` batches (to resume mid-epoch).
+
+        Example:
+            >>> accelerator.load_state("ckpt")                                # doctest: +SKIP
+            >>> loader = accelerator.skip_first_batches(train_loader, 30)     # doctest: +SKIP
+        """
+        inner = dataloader._loader if isinstance(dataloader, XlaDeviceLoader) else dataloader
+        skipped = skip_first_batches(inner, num_batches)
+        return XlaDeviceLoader(skipped, self.device) if isinstance(dataloader, XlaDeviceLoader) else skipped
+
+    # ------------------------------------------------------------------ training step
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()``, divided by the accumulation steps and scaled for fp16.
+
+        Example:
+            >>> accelerator.backward(loss)   # doctest: +SKIP
+        """
+        if self.gradient_accumulation_steps > 1:
+            loss = loss / self.gradient_accumulation_steps
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward(**kwargs)
+        else:
+            loss.backward(**kwargs)
+
+    def _do_sync(self) -> None:
+        state = self.gradient_state
+        if state.sync_with_dataloader and state.end_of_dataloader:
+            self.step = 0
+            state._set_sync_gradients(True)
+        else:
+            self.step += 1
+            state._set_sync_gradients(self.step % state.num_steps == 0)
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
+        """Accumulate gradients over ``gradient_accumulation_steps`` batches (no sync in between).
+
+        Example:
+            >>> with accelerator.accumulate(model):   # doctest: +SKIP
+            ...     accelerator.backward(loss); optimizer.step(); optimizer.zero_grad()
+        """
+        self._do_sync()
+        allow = self.sync_gradients or self.gradient_state.sync_each_batch
+        with contextlib.ExitStack() as stack:
+            for model in models:
+                stack.enter_context(contextlib.nullcontext() if allow else self.no_sync(model))
+            yield
+
+    @contextlib.contextmanager
+    def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
+        """Skip the gradient all-reduce for the backward passes in this block (DDP, FSDP2)."""
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            with model.no_sync():
+                yield
+            return
+        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+            model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)
+            return
+        yield
+
+    @contextlib.contextmanager
+    def autocast(self, autocast_handler: AutocastKwargs | None = None) -> Iterator[None]:
+        """Run the block under this accelerator's mixed precision (for code outside the model)."""
+        with autocast_context(self._mixed_precision, self.device, autocast_handler or self.autocast_handler):
+            yield
+
+    def unscale_gradients(self, optimizer: Any = None) -> None:
+        """Divide gradients by the fp16 loss scale (done for you by the ``clip_grad_*`` methods)."""
+        targets = self._optimizers if optimizer is None else (optimizer if isinstance(optimizer, list) else [optimizer])
+        for opt in targets:
+            if isinstance(opt, AcceleratedOptimizer):
+                opt.unscale_()
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the total gradient norm (after unscaling fp16 gradients); returns the norm before clipping.
+
+        Example:
+            >>> if accelerator.sync_gradients:                                   # doctest: +SKIP
+            ...     accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        """
+        parameters = [p for p in parameters if p.grad is not None] if not torch.is_tensor(parameters) else [parameters]
+        self._xla_sync_gradients(parameters)
+        self.unscale_gradients()
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        """Clip each gradient to ``[-clip_value, clip_value]`` (after unscaling fp16 gradients)."""
+        parameters = [p for p in parameters if p.grad is not None] if not torch.is_tensor(parameters) else [parameters]
+        self._xla_sync_gradients(parameters)
+        self.unscale_gradients()
+        torch.nn.utils.clip_grad_value_(parameters, clip_value)
+
+    def _xla_sync_gradients(self, parameters: list[torch.Tensor]) -> None:
+        """On XLA, all-reduce gradients before clipping (the optimizer step then skips its own reduce)."""
+        if self.device.type != "xla" or self.num_processes == 1 or self.gradient_state.is_xla_gradients_synced:
+            return
+        import torch_xla.core.xla_model as xm
+
+        xm.all_reduce("sum", [p.grad for p in parameters], scale=1.0 / self.num_processes)
+        self.gradient_state.is_xla_gradients_synced = True
+
+    # ------------------------------------------------------------------ models and checkpoints
+    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> torch.nn.Module:
+        """The model without DDP / ``torch.compile`` wrappers (and, optionally, without the autocast forward)."""
+        while True:
+            if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+                model = model.module
+            elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):
+                model = model._orig_mod
+            else:
+                break
+        if not keep_fp32_wrapper:
+            unwrap_forward(model)
+        return model
+
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """The model's full state dict on CPU (gathered from the shards under FSDP: call on every rank)."""
+        from nbaccel.fsdp import full_model_state_dict, is_fsdp_model
+
+        if is_fsdp_model(model):
+            return full_model_state_dict(model)
+        state = (self.unwrap_model(model) if unwrap else model).state_dict()
+        return {k: v.cpu() if v.device.type == "xla" else v for k, v in state.items()}
+
+    def save_model(self, model: torch.nn.Module, save_directory: str | Path, max_shard_size: int | str = "10GB",
+                   safe_serialization: bool = True) -> None:
+        """Save the model's weights, sharded into ``max_shard_size`` files with an ``*.index.json`` map.
+
+        Call on every process (FSDP gathers the shards); only the main process writes.
+
+        Raises:
+            ConfigError: ``save_directory`` is an existing file, or ``max_shard_size`` is invalid.
+
+        Example:
+            >>> accelerator.save_model(model, "out", max_shard_size="200MB")   # doctest: +SKIP
+        """
+        folder = Path(save_directory)
+        if folder.is_file():
+            raise ConfigError(f"`save_directory` must be a folder, but {str(folder)!r} is a file; pass a folder path",
+                              key="save_directory", value=str(folder), valid="a folder path")
+        checkpointing.parse_size(max_shard_size)
+        state_dict = self.get_state_dict(model)
+        if self._is_writer():
+            checkpointing.save_model_shards(state_dict, folder, max_shard_size, safe_serialization)
+        self.wait_for_everyone()
+
+    def save(self, obj: Any, f: str | Path, safe_serialization: bool = False) -> None:
+        """Save ``obj`` once per job (main process), through CPU (``xm.save`` on XLA)."""
+        if self.device.type == "xla":
+            import torch_xla.core.xla_model as xm
+
+            xm.save(obj, f)
+            return
+        if not self._is_writer():
+            return
+        if safe_serialization:
+            checkpointing.write_weights(obj, Path(f), True)
+        else:
+            torch.save(obj, f)
+
+    def _is_writer(self) -> bool:
+        if self.project_configuration.save_on_each_node:
+            return self.is_local_main_process
+        return self.is_main_process
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Include ``objects`` (anything with ``state_dict`` and ``load_state_dict``) in ``save_state``.
+
+        Raises:
+            ConfigError: an object lacks ``state_dict`` or ``load_state_dict``.
+        """
+        bad = [f"item {i} ({type(o).__name__})" for i, o in enumerate(objects)
+               if not (callable(getattr(o, "state_dict", None)) and callable(getattr(o, "load_state_dict", None)))]
+        if bad:
+            raise ConfigError(f"register_for_checkpointing needs objects with `state_dict` and `load_state_dict`; "
+                              f"these have not: {', '.join(bad)}", key="objects", value=bad,
+                              valid="objects with state_dict() and load_state_dict()")
+        self._custom_objects.extend(objects)
+
+    def save_state(self, output_dir: str | Path | None = None, safe_serialization: bool = True) -> str:
+        """Save models, optimizers, schedulers, dataloaders, scaler, RNG states and registered objects.
+
+        Atomic: a crash mid-save leaves the previous checkpoint in ``output_dir`` whole.
+
+        Example:
+            >>> accelerator.save_state("ckpt/step_100")   # doctest: +SKIP
+        """
+        return str(checkpointing.save_accelerator_state(self, output_dir, safe_serialization))
+
+    def load_state(self, input_dir: str | Path | None = None, strict: bool = True) -> str:
+        """Restore everything :meth:`save_state` wrote (default: the latest automatic checkpoint).
+
+        Example:
+            >>> accelerator.load_state("ckpt/step_100")   # doctest: +SKIP
+        """
+        return str(checkpointing.load_accelerator_state(self, input_dir, strict))
+
+    # ------------------------------------------------------------------ housekeeping
+    def _require_deepspeed_absent_or_use(self) -> None:
+        if self.deepspeed_plugin is not None:
+            raise ConfigError("DeepSpeed training through nbaccel's Accelerator is not implemented yet; run "
+                              "the script with Hugging Face Accelerate, or drop the DeepSpeed settings",
+                              key="deepspeed_plugin", value=self.deepspeed_plugin, valid=(None,))
+
+    def free_memory(self, *objects: Any) -> list[None]:
+        """Drop references to everything prepared (and return ``None`` for each of ``objects``)."""
+        self._models.clear()
+        self._optimizers.clear()
+        self._schedulers.clear()
+        self._dataloaders.clear()
+        self.step = 0
+        import gc
+
+        gc.collect()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+        return [None for _ in objects]
+
+    clear = free_memory
+
+    def init_trackers(self, project_name: str, config: dict[str, Any] | None = None,
+                      init_kwargs: dict[str, Any] | None = None) -> None:
+        """Accepted for compatibility; nbaccel has no experiment trackers."""
+
+    def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, Any] | None = None) -> None:
+        """Accepted for compatibility; nbaccel has no experiment trackers."""
+
+    def end_training(self) -> None:
+        """Wait for every process (trackers would be closed here)."""
+        self.wait_for_everyone()
+
+    def __repr__(self) -> str:
+        return (f"Accelerator(distributed_type={self.distributed_type!r}, num_processes={self.num_processes}, "
+                f"process_index={self.process_index}, device={self.device}, mixed_precision={self.mixed_precision!r}, "
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps})")
+
+
+def _is_prepared(obj: Any) -> bool:
+    return isinstance(obj, (AcceleratedOptimizer, AcceleratedScheduler, DataLoaderShard))
+
+
+def _collect_handlers(handlers: list[KwargsHandler] | None) -> dict[type, Any]:
+    found: dict[type, Any] = {}
+    for handler in handlers or []:
+        kind = next((k for k in _HANDLERS if isinstance(handler, k)), None)
+        if kind is None:
+            raise ConfigError(f"kwargs_handlers items must be one of {[k.__name__ for k in _HANDLERS]} (got "
+                              f"{handler!r} of type {type(handler).__name__})", key="kwargs_handlers",
+                              value=handler, valid=[k.__name__ for k in _HANDLERS])
+        if kind in found:
+            raise ConfigError(f"kwargs_handlers holds two {kind.__name__} objects; pass one", key="kwargs_handlers",
+                              value=kind.__name__, valid="one handler per kind")
+        found[kind] = handler
+    return found
+
+
+def _dataloader_config(config: DataLoaderConfiguration | None, split_batches: bool | None,
+                       even_batches: bool | None, dispatch_batches: bool | None) -> DataLoaderConfiguration:
+    shorthands = {"split_batches": split_batches, "even_batches": even_batches, "dispatch_batches": dispatch_batches}
+    given = {k: v for k, v in shorthands.items() if v is not None}
+    if config is not None and given:
+        raise ConfigError(f"pass {sorted(given)} inside `dataloader_config`, not next to it",
+                          key=sorted(given)[0], value=given, valid="DataLoaderConfiguration(...) fields")
+    return config or DataLoaderConfiguration(**given)
+
+
+def _accumulation_plugin(plugin: GradientAccumulationPlugin | None, steps: int) -> GradientAccumulationPlugin:
+    if plugin is not None and steps != 1:
+        raise ConfigError(f"pass either gradient_accumulation_steps={steps} or gradient_accumulation_plugin, not "
+                          "both; put num_steps in the plugin", key="gradient_accumulation_steps", value=steps,
+                          valid="1 when a plugin is given")
+    return plugin or GradientAccumulationPlugin(num_steps=steps)
+
+
+def _deepspeed_plugin(plugin: DeepSpeedPlugin | None, settings: Any) -> DeepSpeedPlugin | None:
+    if plugin is None and settings.distributed_type == "DEEPSPEED":
+        plugin = DeepSpeedPlugin.from_config(settings.deepspeed_config)
+    if plugin is not None and importlib.util.find_spec("deepspeed") is None:
+        raise MissingDependencyError(
+            "DeepSpeed settings were given (DeepSpeedPlugin or distributed_type 'DEEPSPEED') but the `deepspeed` "
+            "package is not installed; install it with `pip install deepspeed`, or train without DeepSpeed "
+            "(FSDP2 via FullyShardedDataParallelPlugin shards too)", package="deepspeed",
+            needed_for="DeepSpeedPlugin", install="pip install deepspeed")
+    return plugin

@@ -1,0 +1,135 @@
+"""FSDP2: shard a model with ``fully_shard``, point its optimizer at the sharded parameters, save full state dicts.
+
+``fully_shard`` replaces a module's parameters with sharded ``DTensor`` parameters, so an
+optimizer built before ``prepare`` would update stale tensors; :func:`shard_model` maps each old
+parameter to its replacement by name and rewrites the optimizers' parameter groups. Full
+state dicts are gathered with ``torch.distributed.checkpoint.state_dict`` (a collective: every
+rank calls it; with ``cpu_offload`` only rank 0 receives the tensors).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from nbaccel.errors import ConfigError
+from nbaccel.plugins import FullyShardedDataParallelPlugin
+
+__all__ = ["full_model_state_dict", "full_optimizer_state_dict", "is_fsdp_model", "load_full_model_state_dict",
+           "load_full_optimizer_state_dict", "shard_model"]
+
+
+def is_fsdp_model(model: Any) -> bool:
+    """Whether ``model`` has been sharded with FSDP2."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def _wrap_targets(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin) -> list[torch.nn.Module]:
+    if plugin.auto_wrap_policy == "TRANSFORMER_BASED_WRAP":
+        names = set(plugin.transformer_cls_names_to_wrap or ())
+        found = {type(m).__name__ for m in model.modules()}
+        if not names & found:
+            raise ConfigError(f"transformer_cls_names_to_wrap={sorted(names)} matches no submodule of "
+                              f"{type(model).__name__}; its module classes are {sorted(found)}",
+                              key="transformer_cls_names_to_wrap", value=sorted(names), valid=sorted(found))
+        return [m for m in model.modules() if m is not model and type(m).__name__ in names]
+    if plugin.auto_wrap_policy == "SIZE_BASED_WRAP":
+        limit = plugin.min_num_params or 100_000_000
+        return [m for m in model.modules() if m is not model and any(True for _ in m.children())
+                and sum(p.numel() for p in m.parameters()) >= limit]
+    return []
+
+
+def shard_model(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin, device: torch.device,
+                num_processes: int, optimizers: list[torch.optim.Optimizer], mp_policy: Any = None) -> torch.nn.Module:
+    """Apply ``fully_shard`` to the wrap targets then the root, over a 1-D mesh of all processes.
+
+    Args:
+        model: the model, on ``device`` already.
+        plugin: the FSDP settings.
+        device: this process's device (its type names the mesh's device type).
+        num_processes: size of the mesh.
+        optimizers: optimizers built on ``model``'s parameters; they are re-pointed in place.
+        mp_policy: a ``MixedPrecisionPolicy`` (the plugin's wins when it has one).
+
+    Returns:
+        ``model`` itself, now an ``FSDPModule``.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    before = dict(model.named_parameters())
+    mesh = init_device_mesh(device.type, (num_processes,))
+    kwargs: dict[str, Any] = {
+        "mesh": mesh, "reshard_after_forward": plugin.reshard_after_forward,
+        "mp_policy": plugin.mixed_precision_policy or mp_policy or MixedPrecisionPolicy(),
+        "offload_policy": CPUOffloadPolicy() if plugin.cpu_offload else OffloadPolicy(),
+    }
+    for module in _wrap_targets(model, plugin):
+        fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
+    after = dict(model.named_parameters())
+    mapping = {id(before[name]): after[name] for name in before if name in after}
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["params"] = [mapping.get(id(p), p) for p in group["params"]]
+    return model
+
+
+def _options(full: bool = True) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=full, cpu_offload=full)
+
+
+def full_model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The gathered model state dict (on CPU, rank 0; other ranks get an empty dict). Call on every rank."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=_options())
+
+
+def load_full_model_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Load a full state dict (present on every rank) into a sharded model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True))
+
+
+def full_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The gathered optimizer state dict, keyed by parameter names (rank 0). Call on every rank."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=_options())
+
+
+def load_full_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                                   state_dict: dict[str, Any]) -> None:
+    """Load a gathered optimizer state dict (present on every rank) into a sharded model's optimizer."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state_dict, options=StateDictOptions(full_state_dict=True))
+
+
+def sharded_save(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, folder: Any) -> None:
+    """Write each rank's shards with ``torch.distributed.checkpoint`` (``SHARDED_STATE_DICT``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(folder))
+
+
+def sharded_load(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, folder: Any) -> None:
+    """Read shards written by :func:`sharded_save` back into ``model`` and ``optimizer``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id=str(folder))
+    set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])

@@ -1,0 +1,82 @@
+"""`GradientState`: whether this step synchronizes gradients, and where the active dataloader is.
+
+One instance belongs to one :class:`~nbaccel.Accelerator` and is shared by the dataloaders,
+optimizers and schedulers it prepared: they read ``sync_gradients`` (skip the optimizer step
+while accumulating) and ``end_of_dataloader`` / ``remainder`` (``gather_for_metrics`` drops the
+samples that padded the last batch). It lives on the instance, not in a process-wide singleton,
+so nothing survives into launched workers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nbaccel.plugins import GradientAccumulationPlugin
+
+__all__ = ["GradientState"]
+
+
+class GradientState:
+    """Accumulation and end-of-data flags shared by one Accelerator's prepared objects.
+
+    Example:
+        >>> state = GradientState(GradientAccumulationPlugin(num_steps=2))
+        >>> state.num_steps, state.sync_gradients
+        (2, True)
+    """
+
+    def __init__(self, plugin: GradientAccumulationPlugin | None = None) -> None:
+        self.plugin = plugin or GradientAccumulationPlugin()
+        self.sync_gradients = True
+        self.active_dataloader: Any = None
+        self.dataloader_references: list[Any] = [None]
+        self.is_xla_gradients_synced = False
+
+    @property
+    def num_steps(self) -> int:
+        """Micro-batches per optimizer step."""
+        return self.plugin.num_steps
+
+    @property
+    def adjust_scheduler(self) -> bool:
+        return self.plugin.adjust_scheduler
+
+    @property
+    def sync_with_dataloader(self) -> bool:
+        return self.plugin.sync_with_dataloader
+
+    @property
+    def sync_each_batch(self) -> bool:
+        return self.plugin.sync_each_batch
+
+    @property
+    def end_of_dataloader(self) -> bool:
+        """Whether the batch being processed is the last of the active dataloader."""
+        return bool(getattr(self.active_dataloader, "end_of_dataloader", False))
+
+    @property
+    def remainder(self) -> int:
+        """Real samples in the last global batch (``-1`` when unknown, ``0`` when it is full)."""
+        return int(getattr(self.active_dataloader, "remainder", -1))
+
+    @property
+    def in_dataloader(self) -> bool:
+        """Whether a prepared dataloader is being iterated."""
+        return self.active_dataloader is not None
+
+    def _set_sync_gradients(self, value: bool) -> None:
+        self.sync_gradients = value
+        self.is_xla_gradients_synced = False
+
+    def _add_dataloader(self, loader: Any) -> None:
+        self.active_dataloader = loader
+        self.dataloader_references.append(loader)
+
+    def _remove_dataloader(self, loader: Any) -> None:
+        if loader in self.dataloader_references:
+            self.dataloader_references.remove(loader)
+        self.active_dataloader = self.dataloader_references[-1]
+
+    def __repr__(self) -> str:
+        return (f"GradientState(num_steps={self.num_steps}, sync_gradients={self.sync_gradients}, "
+                f"end_of_dataloader={self.end_of_dataloader}, remainder={self.remainder})")

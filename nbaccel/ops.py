@@ -1,0 +1,316 @@
+"""Operations on nested tensors across processes: move, gather, pad, reduce, broadcast.
+
+Every function accepts a tensor or any nesting of lists, tuples and dicts of tensors (and
+leaves other values alone where that makes sense), like Accelerate's ``accelerate.utils``
+operations. Collectives go through ``torch.distributed`` (gloo, nccl), or through
+``torch_xla``'s ``xm`` functions when the tensors live on an XLA device. In a single process they
+return their input (gathers return it unchanged, reductions a copy).
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from nbaccel.errors import ConfigError, DistributedOperationError
+
+__all__ = [
+    "broadcast",
+    "broadcast_object_list",
+    "concatenate",
+    "find_batch_size",
+    "gather",
+    "gather_object",
+    "pad_across_processes",
+    "recursively_apply",
+    "reduce",
+    "send_to_device",
+    "slice_tensors",
+]
+
+Reduction = Literal["sum", "mean", "none"]
+
+
+def recursively_apply(func: Callable[..., Any], data: Any, *args: Any, test_type: Callable[[Any], bool] = torch.is_tensor,
+                      error_on_other_type: bool = False, **kwargs: Any) -> Any:
+    """Apply ``func`` to every leaf of ``data`` that passes ``test_type``, keeping the nesting.
+
+    Raises:
+        TypeError: a leaf fails ``test_type`` and ``error_on_other_type`` is set.
+
+    Example:
+        >>> recursively_apply(lambda t: t * 2, {"a": [torch.ones(1)]})["a"][0].item()
+        2.0
+    """
+    if isinstance(data, (tuple, list)):
+        items = [recursively_apply(func, o, *args, test_type=test_type, error_on_other_type=error_on_other_type,
+                                   **kwargs) for o in data]
+        return type(data)(*items) if hasattr(data, "_fields") else type(data)(items)
+    if isinstance(data, Mapping):
+        return type(data)({k: recursively_apply(func, v, *args, test_type=test_type,
+                                                error_on_other_type=error_on_other_type, **kwargs)
+                           for k, v in data.items()})
+    if test_type(data):
+        return func(data, *args, **kwargs)
+    if error_on_other_type:
+        raise TypeError(f"Unsupported type {type(data).__name__!r} passed to {getattr(func, '__name__', func)}: "
+                        "only nested lists/tuples/dicts of tensors are supported")
+    return data
+
+
+def send_to_device(data: Any, device: torch.device | str, non_blocking: bool = False,
+                   skip_keys: list[str] | str | None = None) -> Any:
+    """Move every tensor (or object with ``.to``) in ``data`` to ``device``.
+
+    Example:
+        >>> send_to_device({"x": torch.ones(1)}, "cpu")["x"].device.type
+        'cpu'
+    """
+    if isinstance(skip_keys, str):
+        skip_keys = [skip_keys]
+    if isinstance(data, Mapping):
+        return type(data)({k: v if skip_keys and k in skip_keys else send_to_device(v, device, non_blocking, skip_keys)
+                           for k, v in data.items()})
+    if isinstance(data, (tuple, list)):
+        items = [send_to_device(o, device, non_blocking, skip_keys) for o in data]
+        return type(data)(*items) if hasattr(data, "_fields") else type(data)(items)
+    if hasattr(data, "to") and (torch.is_tensor(data) or not isinstance(data, type)):
+        try:
+            return data.to(device, non_blocking=non_blocking)
+        except TypeError:  # objects whose .to takes no non_blocking
+            return data.to(device)
+    return data
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _is_xla(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "xla"
+
+
+def _debug_enabled() -> bool:
+    from nbaccel.state import ProcessState
+
+    return bool(ProcessState().settings.debug)
+
+
+def _verify_shapes(operation: str, data: Any) -> None:
+    """In debug mode, check that every process passes tensors of the same shapes (one extra gather)."""
+    shapes = recursively_apply(lambda t: tuple(t.shape), data)
+    everyone: list[Any] = [None] * _world()
+    dist.all_gather_object(everyone, shapes)
+    if any(s != everyone[0] for s in everyone):
+        by_rank = dict(enumerate(everyone))
+        raise DistributedOperationError(
+            f"{operation}: the processes passed tensors of different shapes {by_rank}; "
+            "pad them first with `pad_across_processes(tensor, dim=0)`", operation=operation, shapes=by_rank)
+
+
+def gather(tensor: Any) -> Any:
+    """Gather tensors from every process, concatenated along the first dimension.
+
+    Example:
+        >>> gather(torch.arange(2)).tolist()   # one process
+        [0, 1]
+    """
+    if _world() == 1 and not _xla_multi(tensor):
+        return tensor
+    if _debug_enabled() and not _xla_multi(tensor):
+        _verify_shapes("gather", tensor)
+    return recursively_apply(_gather_one, tensor, error_on_other_type=True)
+
+
+def _xla_multi(data: Any) -> bool:
+    leaves: list[torch.Tensor] = []
+    recursively_apply(leaves.append, data)
+    return bool(leaves) and _is_xla(leaves[0])
+
+
+def _gather_one(tensor: torch.Tensor) -> torch.Tensor:
+    if _is_xla(tensor):
+        import torch_xla.core.xla_model as xm
+
+        return xm.all_gather(tensor if tensor.ndim else tensor[None], dim=0)
+    if tensor.ndim == 0:
+        tensor = tensor.clone()[None]
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    out = torch.empty((_world() * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    if dist.get_backend() == "gloo":  # gloo has no all_gather_into_tensor
+        dist.all_gather(list(out.chunk(_world())), tensor)
+    else:
+        dist.all_gather_into_tensor(out, tensor)
+    return out
+
+
+def gather_object(obj: Any) -> list[Any]:
+    """Gather picklable objects from every process into one flat list (lists are concatenated).
+
+    Example:
+        >>> gather_object(["a"])
+        ['a']
+    """
+    world = _world()
+    items = list(obj) if isinstance(obj, (list, tuple)) else [obj]
+    if world == 1:
+        return items
+    if _xla_device_in_use():
+        import torch_xla.core.xla_model as xm
+
+        return xm.mesh_reduce("nbaccel.gather_object", items, lambda parts: [x for p in parts for x in p])
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, items)
+    return [x for part in everyone for x in part]
+
+
+def _xla_device_in_use() -> bool:
+    from nbaccel.state import ProcessState
+
+    return ProcessState().device.type == "xla"
+
+
+def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+    """Pad each tensor along ``dim`` to the largest size any process has, so it can be gathered.
+
+    Example:
+        >>> pad_across_processes(torch.ones(2)).tolist()   # one process: unchanged
+        [1.0, 1.0]
+    """
+    def _pad(t: torch.Tensor) -> torch.Tensor:
+        if dim >= t.ndim or dim < -t.ndim:
+            return t
+        size = torch.tensor([t.shape[dim]], device=t.device)
+        biggest = int(gather(size).max().item())
+        if biggest == t.shape[dim]:
+            return t
+        shape = list(t.shape)
+        shape[dim] = biggest
+        out = t.new_full(shape, pad_index)
+        index = [slice(None)] * t.ndim
+        index[dim] = slice(biggest - t.shape[dim], biggest) if pad_first else slice(0, t.shape[dim])
+        out[tuple(index)] = t
+        return out
+
+    if _world() == 1 and not _xla_multi(tensor):
+        return tensor
+    return recursively_apply(_pad, tensor, error_on_other_type=True)
+
+
+def reduce(tensor: Any, reduction: Reduction = "mean", scale: float = 1.0) -> Any:
+    """Reduce tensors across processes (``"sum"``, ``"mean"`` or ``"none"``); returns new tensors.
+
+    Raises:
+        ConfigError: ``reduction`` is not one of the valid names.
+
+    Example:
+        >>> reduce(torch.tensor([2.0]), "sum").tolist()   # one process
+        [2.0]
+    """
+    if reduction not in ("sum", "mean", "none"):
+        raise ConfigError(f"`reduction` must be one of ['sum', 'mean', 'none'] (got {reduction!r})",
+                          key="reduction", value=reduction, valid=("sum", "mean", "none"))
+    world = _world()
+
+    def _reduce(t: torch.Tensor) -> torch.Tensor:
+        out = t.clone()
+        if reduction == "none":
+            return out
+        if _is_xla(t):
+            import torch_xla.core.xla_model as xm
+
+            import torch_xla.runtime as xr
+
+            out = xm.all_reduce("sum", out, scale=scale)
+            return out / xr.world_size() if reduction == "mean" else out
+        if world > 1:
+            dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        if scale != 1.0:
+            out = out * scale
+        return out / world if reduction == "mean" else out
+
+    return recursively_apply(_reduce, tensor, error_on_other_type=True)
+
+
+def broadcast(tensor: Any, from_process: int = 0) -> Any:
+    """Send ``from_process``'s tensors to every process (in place where possible; returns them).
+
+    Example:
+        >>> broadcast(torch.ones(1)).tolist()
+        [1.0]
+    """
+    def _bcast(t: torch.Tensor) -> torch.Tensor:
+        if _is_xla(t):
+            import torch_xla.core.xla_model as xm
+
+            xm.collective_broadcast([t], root_ordinal=from_process)
+            return t
+        dist.broadcast(t, src=from_process)
+        return t
+
+    if _world() == 1 and not _xla_multi(tensor):
+        return tensor
+    return recursively_apply(_bcast, tensor, error_on_other_type=True)
+
+
+def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list[Any]:
+    """Replace ``object_list``'s items with ``from_process``'s, in place; returns the list.
+
+    Example:
+        >>> broadcast_object_list([1, 2])
+        [1, 2]
+    """
+    if _world() == 1:
+        return object_list
+    if _xla_device_in_use():
+        import torch_xla.core.xla_model as xm
+
+        from nbaccel.state import ProcessState
+
+        mine = pickle.dumps(object_list) if ProcessState().process_index == from_process else b""
+        chosen = xm.mesh_reduce("nbaccel.broadcast_object_list", mine, lambda xs: next(x for x in xs if x))
+        object_list[:] = pickle.loads(chosen)
+        return object_list
+    dist.broadcast_object_list(object_list, src=from_process)
+    return object_list
+
+
+def concatenate(data: list[Any], dim: int = 0) -> Any:
+    """Concatenate a list of same-structured nests of tensors leaf by leaf.
+
+    Raises:
+        TypeError: the items are not tensors or nests of tensors.
+    """
+    first = data[0]
+    if isinstance(first, (tuple, list)):
+        return type(first)(concatenate([d[i] for d in data], dim=dim) for i in range(len(first)))
+    if isinstance(first, Mapping):
+        return type(first)({k: concatenate([d[k] for d in data], dim=dim) for k in first})
+    if not torch.is_tensor(first):
+        raise TypeError(f"can only concatenate tensors or nests of them (got {type(first).__name__})")
+    return torch.cat(data, dim=dim)
+
+
+def find_batch_size(data: Any) -> int | None:
+    """The first dimension of the first tensor found in ``data`` (``None`` if there is none)."""
+    if isinstance(data, (tuple, list)):
+        for item in data:
+            size = find_batch_size(item)
+            if size is not None:
+                return size
+        return None
+    if isinstance(data, Mapping):
+        return find_batch_size(list(data.values()))
+    if torch.is_tensor(data):
+        return data.shape[0] if data.ndim else None
+    return None
+
+
+def slice_tensors(data: Any, tensor_slice: slice) -> Any:
+    """Slice every tensor in ``data`` along its first dimension."""
+    return recursively_apply(lambda t: t[tensor_slice], data)

@@ -1,0 +1,119 @@
+"""Mixed precision: the autocast context, the GradScaler, and the fp32-output forward wrapper.
+
+``"bf16"`` runs the forward under ``torch.autocast`` with bfloat16 (CPU, CUDA, XLA) and needs no
+scaler. ``"fp16"`` autocasts to float16 and scales the loss with ``torch.amp.GradScaler`` on
+devices that have one (CUDA, CPU); XLA runs fp16 without a scaler. A prepared model's outputs
+are converted back to float32, as in Accelerate, so losses computed outside are full precision.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from nbaccel.environment import MixedPrecision
+from nbaccel.errors import ConfigError
+from nbaccel.ops import recursively_apply
+from nbaccel.plugins import AutocastKwargs, GradScalerKwargs
+
+__all__ = ["autocast_context", "convert_outputs_to_fp32", "make_grad_scaler", "validate_mixed_precision"]
+
+_DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_VALID: tuple[MixedPrecision, ...] = ("no", "fp16", "bf16")
+
+
+def validate_mixed_precision(value: object) -> MixedPrecision:
+    """Check a ``mixed_precision`` value (``"fp8"`` needs Transformer Engine / MS-AMP, not supported here).
+
+    Raises:
+        ConfigError: the value is not one of ``"no"``, ``"fp16"``, ``"bf16"``.
+    """
+    if value not in _VALID:
+        hint = " (fp8 training is not supported by nbaccel; use 'bf16')" if value == "fp8" else ""
+        raise ConfigError(f"`mixed_precision` must be one of {list(_VALID)} (got {value!r}){hint}",
+                          key="mixed_precision", value=value, valid=_VALID)
+    return value  # type: ignore[return-value]
+
+
+def autocast_context(mixed_precision: MixedPrecision, device: torch.device,
+                     handler: AutocastKwargs | None = None) -> contextlib.AbstractContextManager[Any]:
+    """The ``torch.autocast`` context for ``mixed_precision`` on ``device`` (a null context for ``"no"``).
+
+    Example:
+        >>> with autocast_context("bf16", torch.device("cpu")):
+        ...     y = torch.nn.Linear(2, 2)(torch.ones(1, 2))
+        >>> y.dtype
+        torch.bfloat16
+    """
+    handler = handler or AutocastKwargs()
+    if mixed_precision == "no" or not handler.enabled:
+        return contextlib.nullcontext()
+    kwargs: dict[str, Any] = {"dtype": _DTYPES[mixed_precision]}
+    if handler.cache_enabled is not None:
+        kwargs["cache_enabled"] = handler.cache_enabled
+    return torch.autocast(device_type=device.type, **kwargs)
+
+
+def make_grad_scaler(mixed_precision: MixedPrecision, device: torch.device,
+                     handler: GradScalerKwargs | None = None) -> torch.amp.GradScaler | None:
+    """A ``GradScaler`` for fp16 on devices that support one; ``None`` otherwise.
+
+    Example:
+        >>> make_grad_scaler("fp16", torch.device("cpu")) is not None
+        True
+    """
+    if mixed_precision != "fp16" or device.type == "xla":
+        return None
+    kwargs = (handler or GradScalerKwargs()).to_kwargs()
+    return torch.amp.GradScaler(device.type, **kwargs)
+
+
+def _to_fp32(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor
+
+
+def convert_outputs_to_fp32(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``forward`` so half-precision tensors in its output come back as float32."""
+    @functools.wraps(forward)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        return recursively_apply(_to_fp32, forward(*args, **kwargs))
+
+    return wrapped
+
+
+def wrap_forward(model: torch.nn.Module, mixed_precision: MixedPrecision, device: torch.device,
+                 handler: AutocastKwargs | None = None) -> None:
+    """Run ``model``'s forward under autocast with fp32 outputs; undone by :func:`unwrap_forward`."""
+    original = model.forward
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with autocast_context(mixed_precision, device, handler):
+            out = original(*args, **kwargs)
+        return recursively_apply(_to_fp32, out)
+
+    forward._nbaccel_original = original  # type: ignore[attr-defined]
+    model.forward = forward  # type: ignore[method-assign]
+
+
+def unwrap_forward(model: torch.nn.Module) -> None:
+    """Remove the :func:`wrap_forward` wrapper from ``model`` (if any)."""
+    forward = model.__dict__.get("forward")
+    if forward is not None and hasattr(forward, "_nbaccel_original"):
+        original = forward._nbaccel_original
+        if getattr(original, "__self__", None) is model and original.__func__ is type(model).forward:
+            del model.__dict__["forward"]
+        else:
+            model.forward = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def maybe_autocast(enabled: bool, mixed_precision: MixedPrecision, device: torch.device,
+                   handler: AutocastKwargs | None = None) -> Iterator[None]:
+    """:func:`autocast_context` when ``enabled``, else nothing."""
+    with autocast_context(mixed_precision, device, handler) if enabled else contextlib.nullcontext():
+        yield
