@@ -1,0 +1,328 @@
+"""Reading checkpoints: single files, sharded ``*.index.json`` checkpoints, and folders.
+
+A safetensors file is read by its header alone until a tensor is wanted; each tensor is then
+read straight into its own fresh buffer (one copy from the page cache, nothing left mapped),
+so a loaded tensor owns exactly its bytes. A truncated or corrupt file is found from the header
+before any weight is loaded. ``.bin``/``.pt`` pickles are loaded with ``weights_only=True`` only
+(memory-mapped when saved in torch's zip format): a pickle that would run code is refused, and
+its code never runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from nbaccel.errors import CheckpointError, UnsafeCheckpointError
+
+__all__ = [
+    "Checkpoint",
+    "SafetensorsFile",
+    "TensorInfo",
+    "load_pickle_checkpoint",
+    "open_checkpoint",
+    "read_tensor",
+]
+
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+_MAX_HEADER = 100 * 2**20  # the safetensors format caps its header at 100 MB
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor's bytes are: a file, an absolute offset, a length, dtype and shape."""
+
+    path: str
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def read_tensor(info: TensorInfo) -> torch.Tensor:
+    """Read one tensor into a new CPU tensor that owns its memory.
+
+    Raises:
+        CheckpointError: the file ends before the tensor does.
+
+    Example:
+        >>> import tempfile, safetensors.torch
+        >>> path = tempfile.mktemp(suffix=".safetensors")
+        >>> safetensors.torch.save_file({"w": torch.ones(2)}, path)
+        >>> read_tensor(SafetensorsFile(path).tensors["w"])
+        tensor([1., 1.])
+    """
+    out = torch.empty(info.shape, dtype=info.dtype)
+    if info.nbytes == 0:
+        return out
+    view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+    fd = os.open(info.path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < info.nbytes:
+            n = os.preadv(fd, [view[done:]], info.offset + done)
+            if n == 0:
+                raise CheckpointError(
+                    f"{info.path} ends after {info.offset + done} bytes, inside a tensor that "
+                    f"should end at byte {info.offset + info.nbytes}: the file is truncated. "
+                    "Save or download it again.", path=info.path)
+            done += n
+    finally:
+        os.close(fd)
+    return out
+
+
+class SafetensorsFile:
+    """A safetensors file's index, read from its header and checked against the file's size.
+
+    Attributes:
+        path: the file.
+        tensors: ``{name: TensorInfo}``.
+        metadata: the header's ``__metadata__`` (``{}`` when absent).
+
+    Raises:
+        CheckpointError: the file is missing, truncated or its header is corrupt.
+
+    Example:
+        >>> import tempfile, safetensors.torch
+        >>> path = tempfile.mktemp(suffix=".safetensors")
+        >>> safetensors.torch.save_file({"w": torch.ones(2, 3)}, path)
+        >>> SafetensorsFile(path).tensors["w"].shape
+        (2, 3)
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = str(path)
+        try:
+            size = os.path.getsize(self.path)
+            with open(self.path, "rb") as f:
+                head = f.read(8)
+                length = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+                raw = f.read(length) if length is not None and length <= _MAX_HEADER else b""
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint file {self.path} does not exist.",
+                                  path=self.path) from None
+        if length is None or length > size - 8 or length > _MAX_HEADER:
+            raise self._corrupt(f"its header claims {length} bytes but the file has {size}: it "
+                                "is truncated, or not a safetensors file")
+        try:
+            header = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise self._corrupt(f"its header is not valid JSON ({exc})") from None
+        if not isinstance(header, dict):
+            raise self._corrupt("its header is not a JSON object")
+        self.metadata = header.pop("__metadata__", None) or {}
+        data_start, data_size = 8 + length, size - 8 - length
+        self.tensors = {name: self._entry(name, e, data_start, data_size)
+                        for name, e in header.items()}
+
+    def _corrupt(self, why: str, key: str | None = None) -> CheckpointError:
+        return CheckpointError(
+            f"cannot read {self.path} as safetensors: {why}. Save or download the file again.",
+            path=self.path, key=key)
+
+    def _entry(self, name: str, entry: object, start: int, size: int) -> TensorInfo:
+        try:
+            dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+            shape = tuple(int(d) for d in entry["shape"])
+            begin, end = (int(o) for o in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise self._corrupt(f"the header entry of {name!r} is malformed ({entry!r})",
+                                key=name) from None
+        if end > size:
+            raise self._corrupt(f"tensor {name!r} ends at data byte {end} but the file holds "
+                                f"only {size} data bytes: the file is truncated", key=name)
+        expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if end - begin != expected or begin < 0:
+            raise self._corrupt(f"tensor {name!r} spans bytes {begin}..{end}, which does not "
+                                f"match its shape {shape} and dtype {dtype}", key=name)
+        return TensorInfo(self.path, start + begin, end - begin, dtype, shape)
+
+
+def load_pickle_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Load a ``.bin``/``.pt`` state dict with ``weights_only=True``, memory-mapped if possible.
+
+    Raises:
+        UnsafeCheckpointError: the pickle holds objects that would run code (none of it runs).
+        CheckpointError: the file is missing, corrupt, or holds something other than tensors.
+
+    Example:
+        >>> import tempfile
+        >>> path = tempfile.mktemp(suffix=".bin"); torch.save({"w": torch.zeros(1)}, path)
+        >>> load_pickle_checkpoint(path)
+        {'w': tensor([0.])}
+    """
+    path = str(path)
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint file {path} does not exist.", path=path)
+    try:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as exc:
+            if "zipfile" not in str(exc) and "mmap" not in str(exc):
+                raise
+            state = torch.load(path, map_location="cpu", weights_only=True)  # legacy format
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpointError(
+            f"refused to load {path}: it is a pickle that holds more than tensors, and loading "
+            f"it would run code ({str(exc).splitlines()[-1] if str(exc) else exc!r}). Nothing "
+            "from it was run. Convert trusted checkpoints to safetensors, or re-save only the "
+            "state dict with torch.save(model.state_dict(), path).", path=path) from None
+    except (RuntimeError, EOFError, OSError, ValueError, struct.error) as exc:
+        raise CheckpointError(f"cannot read {path} as a torch checkpoint: {exc}. Save or "
+                              "download it again.", path=path) from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
+        raise CheckpointError(
+            f"{path} holds a {type(state).__name__} that is not a flat state dict of tensors. "
+            "Save model.state_dict() instead.", path=path)
+    return state
+
+
+class Checkpoint:
+    """The tensors of one checkpoint (a file, a sharded index, or a folder), by name.
+
+    Safetensors shards are described by their headers and read per tensor; pickle shards are
+    loaded (memory-mapped) when first opened.
+
+    Example:
+        >>> import tempfile, safetensors.torch
+        >>> path = tempfile.mktemp(suffix=".safetensors")
+        >>> safetensors.torch.save_file({"w": torch.ones(2)}, path)
+        >>> ckpt = open_checkpoint(path); sorted(ckpt.keys()), ckpt.shape("w")
+        (['w'], (2,))
+    """
+
+    def __init__(self, path: str, files: list[str], weight_map: dict[str, str] | None) -> None:
+        self.path = path
+        self.files = files
+        self._safetensors = {f: SafetensorsFile(f) for f in files if f.endswith(".safetensors")}
+        self._pickled = {f: load_pickle_checkpoint(f) for f in files if f not in
+                         self._safetensors}
+        self._where: dict[str, str] = {}
+        for f in files:
+            names = self._safetensors[f].tensors if f in self._safetensors else self._pickled[f]
+            self._where.update(dict.fromkeys(names, f))
+        for key, f in (weight_map or {}).items():
+            if self._where.get(key) != f:
+                raise CheckpointError(
+                    f"the index {path} says {key!r} is in {f}, but that file does not hold it. "
+                    "The index and its shards are out of step: save the checkpoint again.",
+                    path=f, key=key)
+
+    def keys(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._where
+
+    def file_of(self, key: str) -> str:
+        return self._where[key]
+
+    def location(self, key: str) -> TensorInfo | None:
+        """Where the tensor's bytes are, if it lives in a safetensors file."""
+        f = self._where[key]
+        return self._safetensors[f].tensors[key] if f in self._safetensors else None
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        info = self.location(key)
+        return info.shape if info else tuple(self._pickled[self._where[key]][key].shape)
+
+    def dtype(self, key: str) -> torch.dtype:
+        info = self.location(key)
+        return info.dtype if info else self._pickled[self._where[key]][key].dtype
+
+    def read(self, key: str) -> torch.Tensor:
+        """The tensor, on CPU (a fresh tensor for safetensors; memory-mapped for pickles)."""
+        info = self.location(key)
+        return read_tensor(info) if info else self._pickled[self._where[key]][key]
+
+
+def _index_files(index: Path) -> tuple[list[str], dict[str, str]]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint index {index} does not exist.",
+                              path=str(index)) from None
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+        raise CheckpointError(
+            f"{index} is not a checkpoint index: expected JSON with a 'weight_map' object of "
+            "tensor name -> shard file. Save the checkpoint again.", path=str(index)) from None
+    files = sorted(set(weight_map.values()))
+    paths = {f: str(index.parent / f) for f in files}
+    for f, p in paths.items():
+        if not os.path.exists(p):
+            key = next(k for k, v in weight_map.items() if v == f)
+            raise CheckpointError(f"the index {index} lists shard {f} (holding {key!r}), which "
+                                  f"does not exist in {index.parent}.", path=p, key=key)
+    return list(paths.values()), {k: paths[v] for k, v in weight_map.items()}
+
+
+def _folder_files(folder: Path) -> tuple[list[str], dict[str, str] | None]:
+    for pattern in ("*.safetensors.index.json", "*.index.json"):
+        indexes = sorted(folder.glob(pattern))
+        if len(indexes) == 1:
+            return _index_files(indexes[0])
+        if len(indexes) > 1:
+            raise CheckpointError(
+                f"{folder} holds several checkpoint indexes {[p.name for p in indexes]}; pass "
+                "the one to load as `checkpoint`.", path=str(folder))
+    for suffixes in ((".safetensors",), _PICKLE_SUFFIXES):
+        found = sorted(p for p in folder.iterdir() if p.suffix in suffixes)
+        if len(found) == 1:
+            return [str(found[0])], None
+        if len(found) > 1:
+            raise CheckpointError(
+                f"{folder} holds several weight files {[p.name for p in found]} and no "
+                "*.index.json saying how they fit together; pass one file as `checkpoint`.",
+                path=str(folder))
+    raise CheckpointError(
+        f"{folder} holds no checkpoint: no *.index.json, *.safetensors, *.bin, *.pt or *.pth "
+        "file.", path=str(folder))
+
+
+def open_checkpoint(checkpoint: str | os.PathLike) -> Checkpoint:
+    """Open a checkpoint: a weights file, a ``*.index.json`` of shards, or a folder of either.
+
+    Raises:
+        CheckpointError: the path does not exist, is of an unknown kind, or its files are
+            missing, truncated or corrupt.
+        UnsafeCheckpointError: a pickle shard would run code.
+
+    Example:
+        >>> import tempfile, safetensors.torch
+        >>> folder = tempfile.mkdtemp()
+        >>> safetensors.torch.save_file({"w": torch.ones(1)}, f"{folder}/model.safetensors")
+        >>> list(open_checkpoint(folder).keys())
+        ['w']
+    """
+    path = Path(checkpoint)
+    if path.is_dir():
+        files, weight_map = _folder_files(path)
+    elif path.name.endswith(".json"):
+        files, weight_map = _index_files(path)
+    elif not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist.", path=str(path))
+    elif path.suffix in (".safetensors", *_PICKLE_SUFFIXES):
+        files, weight_map = [str(path)], None
+    else:
+        raise CheckpointError(
+            f"cannot tell what kind of checkpoint {path} is: expected a folder, a "
+            "*.index.json, or a .safetensors, .bin, .pt or .pth file.", path=str(path))
+    return Checkpoint(str(path), files, weight_map)

@@ -1,0 +1,275 @@
+"""Device maps: which device each part of a model lives on, inferred from budgets or checked.
+
+A device map is ``{module or tensor name: device}``, where a device is a GPU index, ``"cpu"``
+or ``"disk"`` (``""`` names the whole model). :func:`infer_auto_device_map` fills GPUs first,
+then CPU, then disk, never splitting a no-split block; :func:`resolve_device_map` turns the
+strings ``"auto"``, ``"balanced"``, ``"balanced_low_0"`` and ``"sequential"`` into a map, and
+checks a map given by hand against the model.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from typing import Literal, get_args
+
+import torch
+from torch import nn
+
+from nbaccel.big_modeling.sizes import (MaxMemory, compute_module_sizes, find_tied_parameters,
+                                        get_balanced_memory, get_max_layer_size,
+                                        get_max_memory)
+from nbaccel.big_modeling.tensors import Device
+from nbaccel.errors import DeviceMapError
+
+__all__ = [
+    "DeviceMapStrategy",
+    "check_device_map",
+    "device_for",
+    "infer_auto_device_map",
+    "resolve_device_map",
+]
+
+DeviceMapStrategy = Literal["auto", "balanced", "balanced_low_0", "sequential"]
+MapDevice = int | str  # normalized: GPU index, "cpu", "disk", "mps" or "meta"
+_NAMED = ("cpu", "disk", "mps", "meta")
+_log = logging.getLogger(__name__)
+
+
+def infer_auto_device_map(model: nn.Module, max_memory: MaxMemory | None = None,
+                          no_split_module_classes: Sequence[str] | None = None,
+                          dtype: torch.dtype | str | None = None,
+                          special_dtypes: Mapping[str, torch.dtype] | None = None,
+                          verbose: bool = False, clean_result: bool = True,
+                          offload_buffers: bool = False) -> dict[str, MapDevice]:
+    """Place a model's modules on GPUs first, then CPU, then disk, within ``max_memory``.
+
+    Modules are placed in the order they are defined; a module that does not fit is split into
+    its children unless its class is in ``no_split_module_classes``. When part of the model
+    will be offloaded, the largest no-split piece is kept free on the execution device (and on
+    CPU), because offloaded weights are loaded there to run.
+
+    Args:
+        model: the model (usually built with ``init_empty_weights``).
+        max_memory: ``{device: size}``; measured with :func:`get_max_memory` when ``None``.
+        no_split_module_classes: class names kept whole (for example a transformer block).
+        dtype: the dtype the weights will be loaded in.
+        special_dtypes: ``{tensor name: dtype}`` exceptions to ``dtype``.
+        verbose: log each decision (logger ``nbaccel.big_modeling.device_map``).
+        clean_result: merge children placed on one device into their parent.
+        offload_buffers: accepted for Accelerate compatibility; buffers are counted either way.
+
+    Returns:
+        ``{name: device}`` covering the whole model.
+
+    Example:
+        >>> m = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])  # 288 B each
+        >>> infer_auto_device_map(m, {"cpu": 700})
+        {'0': 'cpu', '1': 'disk', '2': 'disk', '3': 'disk'}
+    """
+    budget = get_max_memory(max_memory)
+    devices: list[MapDevice] = [d for d in budget if d != "disk" and budget[d] > 0] + ["disk"]
+    sizes = compute_module_sizes(model, dtype=dtype, special_dtypes=special_dtypes)
+    no_split = set(no_split_module_classes or ())
+    queue = _pieces(model, "")
+    gpus = [d for d in devices if isinstance(d, int)]
+    main = {gpus[0], "cpu"} if gpus else {"cpu"}
+    room = sum(budget[d] for d in gpus) if gpus else budget.get("cpu", 0)
+    reserve = get_max_layer_size(queue, sizes, list(no_split))[0] if sizes[""] > room else 0
+    tied = _tied_aliases(model)
+    device_map: dict[str, MapDevice] = {}
+    index, used = 0, 0
+    while queue:
+        name, piece = queue.pop(0)
+        device = devices[index]
+        size = sizes[name] + _tied_extra(model, name, tied, device_map, device)
+        limit = math.inf if device == "disk" else budget[device] - (reserve if device in main
+                                                                     else 0)
+        if used + size <= limit:
+            device_map[name] = device
+            used += size
+            if verbose:
+                _log.info("put %r (%d bytes) on %r", name, size, device)
+            continue
+        if isinstance(piece, nn.Module) and type(piece).__name__ not in no_split and \
+                list(piece.children()):
+            queue = _pieces(piece, name) + queue
+            continue
+        if verbose:
+            _log.info("%r (%d bytes) does not fit on %r (%d of %s used)", name, size, device,
+                      used, limit)
+        index, used = index + 1, 0
+        queue.insert(0, (name, piece))
+    return _clean(model, device_map) if clean_result else device_map
+
+
+def _pieces(module: nn.Module, prefix: str) -> list[tuple[str, nn.Module | torch.Tensor]]:
+    """A module's direct parameters, children and direct buffers, with full names."""
+    dot = f"{prefix}." if prefix else ""
+    return [*((dot + n, t) for n, t in module.named_parameters(recurse=False)),
+            *((dot + n, c) for n, c in module.named_children()),
+            *((dot + n, t) for n, t in module.named_buffers(recurse=False))]
+
+
+def _tied_aliases(model: nn.Module) -> dict[str, str]:
+    """``{alias: canonical}`` for tied parameters; the canonical name is the one counted."""
+    counted = {n for n, _ in model.named_parameters()}
+    aliases = {}
+    for group in find_tied_parameters(model):
+        canonical = next(n for n in group if n in counted)
+        aliases.update({n: canonical for n in group if n != canonical})
+    return aliases
+
+
+def _inside(name: str, prefix: str) -> bool:
+    return not prefix or name == prefix or name.startswith(f"{prefix}.")
+
+
+def _tied_extra(model: nn.Module, name: str, tied: Mapping[str, str],
+                device_map: Mapping[str, MapDevice], device: MapDevice) -> int:
+    """Bytes the tied aliases inside ``name`` cost on ``device``: none where their canonical
+    tensor is inside ``name`` too or already lives on ``device``."""
+    extra = 0
+    for alias, canonical in tied.items():
+        if _inside(alias, name) and not _inside(canonical, name) \
+                and device_for(canonical, device_map) != device:
+            tensor = model.get_parameter(alias)
+            extra += tensor.numel() * tensor.element_size()
+    return extra
+
+
+def _clean(model: nn.Module, device_map: dict[str, MapDevice]) -> dict[str, MapDevice]:
+    """Merge entries under one module into that module where they all share a device."""
+    for prefix, _ in model.named_modules():
+        under = [k for k in device_map if not prefix or k == prefix or k.startswith(f"{prefix}.")]
+        if len(under) > 1 and len({device_map[k] for k in under}) == 1:
+            device = device_map[under[0]]
+            for k in under:
+                del device_map[k]
+            device_map[prefix] = device
+    order = {n: i for i, (n, _) in enumerate([*model.named_modules(),
+                                              *model.named_parameters(),
+                                              *model.named_buffers()])}
+    return dict(sorted(device_map.items(), key=lambda kv: order.get(kv[0], 0)))
+
+
+def device_for(name: str, device_map: Mapping[str, MapDevice],
+               default: MapDevice | None = None) -> MapDevice | None:
+    """The device of tensor or module ``name``: the entry with the longest matching prefix.
+
+    Example:
+        >>> device_for("blocks.3.fc.weight", {"blocks": "cpu", "blocks.3": "disk"})
+        'disk'
+    """
+    parts = name.split(".")
+    for i in range(len(parts), -1, -1):
+        key = ".".join(parts[:i])
+        if key in device_map:
+            return device_map[key]
+    return default
+
+
+def _normalize_device(name: str, device: object, gpus: int) -> MapDevice:
+    valid = (f"GPU indices 0..{gpus - 1}, 'cuda:N', " if gpus else "") + \
+        "'cpu', 'disk', 'mps', 'meta'"
+    if isinstance(device, torch.device):
+        device = device.type if device.index is None else f"{device.type}:{device.index}"
+    if device == "cuda":
+        device = 0
+    if isinstance(device, str) and device.startswith("cuda:") and device[5:].isdigit():
+        device = int(device[5:])
+    if isinstance(device, int) and not isinstance(device, bool):
+        if 0 <= device < gpus:
+            return device
+        raise DeviceMapError(
+            f"the device map puts {name!r} on GPU {device}, but this machine has {gpus} visible "
+            f"GPU(s). Valid devices: {valid}. Use 'cpu' or 'disk' there, or "
+            "device_map='auto' to choose.", key=name, value=device, valid=valid)
+    if device in _NAMED:
+        return device
+    raise DeviceMapError(
+        f"the device map puts {name!r} on {device!r} ({type(device).__name__}), which is not a "
+        f"device. Valid devices: {valid}. For example: {{{name!r}: 'cpu'}}.",
+        key=name, value=device, valid=valid)
+
+
+def check_device_map(model: nn.Module, device_map: Mapping[str, Device]
+                     ) -> dict[str, MapDevice]:
+    """Check a device map against a model and normalize its devices.
+
+    Every name must be a module or tensor of the model (``""`` is the whole model), every
+    device must exist, and every tensor of the model must be covered.
+
+    Raises:
+        DeviceMapError: an unknown name or device, or a tensor left unplaced.
+
+    Example:
+        >>> check_device_map(torch.nn.Linear(2, 2), {"": torch.device("cpu")})
+        {'': 'cpu'}
+    """
+    from nbaccel.environment import cuda_device_count
+
+    if not isinstance(device_map, Mapping):
+        raise DeviceMapError(
+            f"device_map must be a dict of name -> device or one of "
+            f"{list(get_args(DeviceMapStrategy))} (got {device_map!r} of type "
+            f"{type(device_map).__name__}). For the whole model on CPU: device_map={{'': 'cpu'}}.",
+            key="device_map", value=device_map, valid=list(get_args(DeviceMapStrategy)))
+    gpus = cuda_device_count()
+    names = {n for n, _ in model.named_modules(remove_duplicate=False)}
+    tensors = [n for n, _ in [*model.named_parameters(remove_duplicate=False),
+                              *model.named_buffers(remove_duplicate=False)]]
+    known = names | set(tensors)
+    normalized: dict[str, MapDevice] = {}
+    for name, device in device_map.items():
+        if not isinstance(name, str) or name not in known:
+            close = difflib.get_close_matches(str(name), sorted(known - {""}), n=3)
+            raise DeviceMapError(
+                f"the device map names {name!r}, which is not a module or tensor of "
+                f"{type(model).__name__}" + (f"; did you mean {close}?" if close else ".") +
+                " Valid names are those of model.named_modules() and model.state_dict(), and "
+                "'' for the whole model.", key=str(name), value=device, valid=close)
+        normalized[name] = _normalize_device(name, device, gpus)
+    unplaced = [t for t in tensors if device_for(t, normalized) is None]
+    if unplaced:
+        raise DeviceMapError(
+            f"the device map leaves {len(unplaced)} tensor(s) without a device, first "
+            f"{unplaced[:3]}. Add their modules to the map, or add '' as a catch-all.",
+            key=unplaced[0], value=None, valid="a device for every tensor")
+    return normalized
+
+
+def resolve_device_map(model: nn.Module, device_map: DeviceMapStrategy | Mapping[str, Device],
+                       max_memory: MaxMemory | None = None,
+                       no_split_module_classes: Sequence[str] | None = None,
+                       dtype: torch.dtype | str | None = None,
+                       offload_buffers: bool = False) -> dict[str, MapDevice]:
+    """A checked device map, inferring one from a strategy name.
+
+    ``"auto"`` and ``"balanced"`` spread the model evenly over the GPUs, ``"balanced_low_0"``
+    keeps GPU 0 as free as possible, ``"sequential"`` fills each GPU in turn; each then
+    overflows to CPU and disk. On a CPU-only machine all four fill CPU, then disk.
+
+    Raises:
+        DeviceMapError: an unknown strategy, or a map that does not fit the model.
+
+    Example:
+        >>> resolve_device_map(torch.nn.Linear(2, 2), "auto", max_memory={"cpu": "1GiB"})
+        {'': 'cpu'}
+    """
+    if isinstance(device_map, str):
+        strategies = get_args(DeviceMapStrategy)
+        if device_map not in strategies:
+            raise DeviceMapError(
+                f"device_map={device_map!r} is not a strategy. Valid strategies: "
+                f"{list(strategies)}; or pass a dict, e.g. device_map={{'': {device_map!r}}} "
+                "to put the whole model on one device.",
+                key="device_map", value=device_map, valid=list(strategies))
+        if device_map != "sequential":
+            max_memory = get_balanced_memory(model, max_memory, no_split_module_classes, dtype,
+                                             low_zero=device_map == "balanced_low_0")
+        device_map = infer_auto_device_map(model, max_memory, no_split_module_classes, dtype,
+                                           offload_buffers=offload_buffers)
+    return check_device_map(model, device_map)

@@ -1,0 +1,308 @@
+"""Dispatching a model over devices with hooks: ``dispatch_model`` and the offload shortcuts.
+
+Each device-map entry gets an :class:`AlignDevicesHook`. Entries on an offload device (disk;
+also CPU when a GPU executes) keep their weights on the meta device between calls and read them
+from one :class:`OffloadedWeightsLoader` just before they run; each offloaded entry starts
+reading the next one's weights on a background thread before it computes. The map is recorded
+as ``model.hf_device_map``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from nbaccel.big_modeling.device_map import MapDevice, check_device_map, device_for
+from nbaccel.big_modeling.hooks import (AlignDevicesHook, CpuOffload, UserCpuOffloadHook,
+                                        _default_execution_device, add_hook_to_module)
+from nbaccel.big_modeling.offload import (IndexEntry, OffloadedWeightsLoader, PrefixedDataset,
+                                          offload_state_dict)
+from nbaccel.big_modeling.tensors import Device, named_module_tensors
+from nbaccel.errors import CheckpointMismatchError, DeviceMapError
+
+__all__ = ["cpu_offload", "cpu_offload_with_hook", "disk_offload", "dispatch_model"]
+
+
+def _torch_device(device: MapDevice) -> torch.device:
+    return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+
+
+def _split_overlaps(model: nn.Module, device_map: dict[str, MapDevice]) -> dict[str, MapDevice]:
+    """Rewrite a map so no entry lies inside another (``{"": "cpu", "b.1": "disk"}`` becomes
+    one entry per piece), so each entry can get one hook."""
+    changed = True
+    while changed:
+        changed = False
+        for name in list(device_map):
+            inner = [k for k in device_map if k != name and (not name or k.startswith(f"{name}."))]
+            if not inner:
+                continue
+            module = model.get_submodule(name)
+            dot = f"{name}." if name else ""
+            pieces = [*(n for n, _ in module.named_parameters(recurse=False)),
+                      *(n for n, _ in module.named_children()),
+                      *(n for n, _ in module.named_buffers(recurse=False))]
+            device = device_map.pop(name)
+            for piece in pieces:
+                device_map.setdefault(dot + piece, device)
+            changed = True
+            break
+    return device_map
+
+
+def _entries_by_module(model: nn.Module, device_map: Mapping[str, MapDevice]
+                       ) -> dict[str, tuple[MapDevice, bool]]:
+    """``{module name: (device, whole)}``: a whole-module entry, or one module's direct tensors
+    (``whole=False``), which must then share one device."""
+    modules = {n for n, _ in model.named_modules(remove_duplicate=False)}
+    hooks: dict[str, tuple[MapDevice, bool]] = {}
+    for name, device in device_map.items():
+        if name in modules:
+            hooks[name] = (device, True)
+            continue
+        owner = name.rpartition(".")[0]
+        if owner in hooks and hooks[owner][0] != device:
+            raise DeviceMapError(
+                f"the device map puts tensors of module {owner!r} on different devices "
+                f"({hooks[owner][0]!r} and {device!r} for {name!r}); a module's own tensors "
+                f"must share a device. Map the module instead: {{{owner!r}: 'cpu'}}.",
+                key=name, value=device, valid=[hooks[owner][0]])
+        hooks[owner] = (device, False)
+    order = {n: i for i, (n, _) in enumerate(model.named_modules(remove_duplicate=False))}
+    return dict(sorted(hooks.items(), key=lambda kv: order[kv[0]]))
+
+
+def _weights_map(model: nn.Module, names: Sequence[str],
+                 state_dict: Mapping[str, torch.Tensor] | None,
+                 offload_dir: str | os.PathLike | None,
+                 offload_index: Mapping[str, IndexEntry] | None) -> OffloadedWeightsLoader:
+    """The loader for the offloaded tensors ``names``: given values, the index, or the
+    module's own (real) values, in that order."""
+    loader = OffloadedWeightsLoader(state_dict=state_dict, save_folder=offload_dir,
+                                    index=offload_index)
+    tensors = dict(named_module_tensors(model, recurse=True))
+    ram = {}
+    for name in names:
+        if name in loader:
+            continue
+        if not tensors[name].is_meta:
+            ram[name] = tensors[name]
+            continue
+        raise CheckpointMismatchError(
+            f"{name!r} is offloaded but has no weights: it is on the meta device and neither "
+            "state_dict nor the offload index holds it. Load the weights first, e.g. with "
+            "load_checkpoint_and_dispatch(model, checkpoint, device_map).",
+            missing_keys=(name,))
+    loader.state_dict.update(ram)
+    loader.all_keys = [*loader.state_dict, *(k for k in loader.index if k not in ram)]
+    return loader
+
+
+def _check_loaded(model: nn.Module, names: Sequence[str]) -> None:
+    tensors = dict(named_module_tensors(model, recurse=True))
+    meta = [n for n in names if tensors[n].is_meta]
+    if meta:
+        raise CheckpointMismatchError(
+            f"{len(meta)} tensor(s) placed on a device are still on the meta device (no "
+            f"weights), first {meta[:3]}. Load them first, e.g. with "
+            "load_checkpoint_and_dispatch(model, checkpoint, device_map).",
+            missing_keys=tuple(meta))
+
+
+def _chain_prefetch(hooks: Sequence[tuple[AlignDevicesHook, list[str]]]) -> None:
+    """Each offloaded hook starts fetching the next one's weights once its own are loaded."""
+    for (hook, _), (nxt, names) in zip(hooks, hooks[1:]):
+        prefetch = getattr(nxt.weights_map, "prefetch", None)
+        if prefetch is not None and names:
+            hook.prefetch = functools.partial(prefetch, names)
+
+
+def dispatch_model(model: nn.Module, device_map: Mapping[str, Device],
+                   main_device: Device | None = None,
+                   state_dict: Mapping[str, torch.Tensor] | None = None,
+                   offload_dir: str | os.PathLike | None = None,
+                   offload_index: Mapping[str, IndexEntry] | None = None,
+                   offload_buffers: bool = False,
+                   skip_keys: str | Sequence[str] | None = None,
+                   preload_module_classes: Sequence[str] | None = None,
+                   force_hooks: bool = False) -> nn.Module:
+    """Place a model's parts on their devices and attach the hooks that run it across them.
+
+    Args:
+        model: the model, its resident weights loaded (offloaded ones may be on meta).
+        device_map: ``{module or tensor name: device}``.
+        main_device: where offloaded parts run; the first GPU in the map, else CPU.
+        state_dict: values for offloaded tensors, kept in RAM.
+        offload_dir: an offload folder (``index.json`` and ``.dat``/safetensors references).
+        offload_index: an index to use instead of ``offload_dir/index.json``.
+        offload_buffers: offload the buffers of offloaded parts too.
+        skip_keys: keyword arguments of ``forward`` the hooks leave where they are.
+        preload_module_classes: accepted for Accelerate compatibility; each entry's hook
+            already loads all of its submodules' weights.
+        force_hooks: attach hooks even when everything is on one device.
+
+    Returns:
+        The model, with ``model.hf_device_map``.
+
+    Raises:
+        DeviceMapError: the map does not fit the model, or splits a module's own tensors.
+        CheckpointMismatchError: a placed tensor has no weights (still on meta).
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+        >>> x = torch.ones(1, 2); ref = model(x)
+        >>> model = dispatch_model(model, {"0": "cpu", "1": "disk"})
+        >>> model[1].weight.device.type, torch.equal(model(x), ref)
+        ('meta', True)
+    """
+    checked = check_device_map(model, device_map)
+    devices = set(checked.values())
+    if len(devices) == 1 and devices != {"disk"} and not force_hooks:
+        device = next(iter(devices))
+        if device != "meta":
+            _check_loaded(model, [n for n, _ in named_module_tensors(model, recurse=True)])
+            model.to(_torch_device(device))
+        model.hf_device_map = dict(checked)
+        return model
+    if main_device is None:
+        main_device = next((d for d in checked.values() if d not in ("cpu", "disk")), "cpu")
+    main: MapDevice = check_device_map(model, {"": main_device})[""]
+    offloaded = ("disk",) if main in ("cpu", "mps") else ("cpu", "disk")
+    entries = _entries_by_module(model, _split_overlaps(model, dict(checked)))
+    names_of = {}
+    for name, (_, whole) in entries.items():
+        module = model.get_submodule(name)
+        dot = f"{name}." if name else ""
+        names_of[name] = [dot + n for n, _ in named_module_tensors(
+            module, include_buffers=offload_buffers, recurse=whole)]
+    offloaded_names = [n for m, (d, _) in entries.items() if d in offloaded for n in names_of[m]]
+    resident = [n for m, (d, _) in entries.items() if d not in offloaded and d != "meta"
+                for n in names_of[m]]
+    _check_loaded(model, resident)
+    loader = _weights_map(model, offloaded_names, state_dict, offload_dir, offload_index) \
+        if offloaded_names else None
+    chain = []
+    for name, (device, whole) in entries.items():
+        offload = device in offloaded
+        execution = main if offload else device
+        hook = AlignDevicesHook(
+            execution_device=_torch_device(execution), offload=offload, io_same_device=not name,
+            weights_map=(PrefixedDataset(loader, f"{name}.") if name else loader) if offload
+            else None, offload_buffers=offload_buffers, place_submodules=whole,
+            skip_keys=skip_keys)
+        add_hook_to_module(model.get_submodule(name), hook, append=True)
+        if offload:
+            dot = len(name) + 1 if name else 0
+            chain.append((hook, [n[dot:] for n in names_of[name]]))
+    if "" not in entries:
+        add_hook_to_module(model, AlignDevicesHook(io_same_device=True, skip_keys=skip_keys),
+                           append=True)
+    _chain_prefetch(chain)
+    model.hf_device_map = dict(checked)
+    return model
+
+
+def _offload_every_module(model: nn.Module, execution_device: torch.device,
+                          weights: Mapping[str, torch.Tensor], offload_buffers: bool) -> None:
+    chain = []
+    for name, module in model.named_modules():
+        names = [n for n, _ in named_module_tensors(module, include_buffers=offload_buffers)]
+        if not names and name:
+            continue
+        view = PrefixedDataset(weights, f"{name}.") if name else weights
+        hook = AlignDevicesHook(execution_device, offload=bool(names), io_same_device=not name,
+                                weights_map=view, offload_buffers=offload_buffers)
+        add_hook_to_module(module, hook, append=True)
+        if names:
+            chain.append((hook, names))
+    _chain_prefetch(chain)
+
+
+def cpu_offload(model: nn.Module, execution_device: Device | None = None,
+                offload_buffers: bool = False,
+                state_dict: Mapping[str, torch.Tensor] | None = None,
+                preload_module_classes: Sequence[str] | None = None) -> nn.Module:
+    """Keep every weight in CPU RAM and load each module's onto ``execution_device`` as it runs.
+
+    Args:
+        model: the model.
+        execution_device: where modules run (the first GPU by default, else CPU).
+        offload_buffers: offload buffers too.
+        state_dict: the weights to use (default: the model's own, moved to CPU).
+        preload_module_classes: accepted for Accelerate compatibility.
+
+    Returns:
+        The model.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2)); x = torch.ones(1, 2)
+        >>> ref = model(x); model = cpu_offload(model, "cpu")
+        >>> torch.equal(model(x), ref)
+        True
+    """
+    device = _torch_device(check_device_map(model, {"": execution_device})[""]) \
+        if execution_device is not None else _default_execution_device()
+    if state_dict is None:
+        state_dict = {n: t.to("cpu") for n, t in named_module_tensors(model, recurse=True)}
+    _offload_every_module(model, device, OffloadedWeightsLoader(state_dict=state_dict),
+                          offload_buffers)
+    model.hf_device_map = {"": "cpu"}
+    return model
+
+
+def disk_offload(model: nn.Module, offload_dir: str | os.PathLike,
+                 execution_device: Device | None = None, offload_buffers: bool = False,
+                 preload_module_classes: Sequence[str] | None = None) -> nn.Module:
+    """Write the weights to ``offload_dir`` (unless it already holds them) and run from there.
+
+    Args:
+        model: the model.
+        offload_dir: the offload folder; reused as it is when it has an ``index.json``.
+        execution_device: where modules run (the first GPU by default, else CPU).
+        offload_buffers: offload buffers too.
+        preload_module_classes: accepted for Accelerate compatibility.
+
+    Returns:
+        The model.
+
+    Example:
+        >>> import tempfile
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2)); x = torch.ones(1, 2)
+        >>> ref = model(x); model = disk_offload(model, tempfile.mkdtemp(), "cpu")
+        >>> torch.equal(model(x), ref)
+        True
+    """
+    if not os.path.exists(os.path.join(offload_dir, "index.json")):
+        offload_state_dict(offload_dir, dict(named_module_tensors(model, recurse=True)))
+    device = _torch_device(check_device_map(model, {"": execution_device})[""]) \
+        if execution_device is not None else _default_execution_device()
+    _offload_every_module(model, device, OffloadedWeightsLoader(save_folder=offload_dir),
+                          offload_buffers)
+    model.hf_device_map = {"": "disk"}
+    return model
+
+
+def cpu_offload_with_hook(model: nn.Module, execution_device: Device | None = None,
+                          prev_module_hook: UserCpuOffloadHook | None = None
+                          ) -> tuple[nn.Module, UserCpuOffloadHook]:
+    """Keep a whole model on CPU and move it to ``execution_device`` when called (pipelines).
+
+    Returns:
+        ``(model, hook)``; ``hook.offload()`` sends the model back to CPU, and passing it as
+        the next model's ``prev_module_hook`` does that automatically.
+
+    Example:
+        >>> a, hook_a = cpu_offload_with_hook(torch.nn.Linear(2, 2), "cpu")
+        >>> b, hook_b = cpu_offload_with_hook(torch.nn.Linear(2, 2), "cpu", prev_module_hook=hook_a)
+        >>> b(a(torch.ones(1, 2))).shape
+        torch.Size([1, 2])
+    """
+    device = _torch_device(check_device_map(model, {"": execution_device})[""]) \
+        if execution_device is not None else None
+    hook = CpuOffload(execution_device=device, prev_module_hook=prev_module_hook)
+    add_hook_to_module(model, hook, append=True)
+    return model, UserCpuOffloadHook(model, hook)

@@ -1,0 +1,272 @@
+"""Loading a checkpoint into a model, by device map, and loading then dispatching in one call.
+
+The checkpoint is checked against the model first (keys, tied aliases, shapes) from file
+headers alone, so a mismatch leaves the model untouched. Then each tensor is read once, straight
+to where the device map puts it. Weights mapped to ``"disk"`` that live in a safetensors file
+are not read at all: the offload index points into the checkpoint's own file. Only weights from
+pickle checkpoints are copied into the offload folder.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+import torch
+from torch import nn
+
+from nbaccel.big_modeling.checkpoint_files import Checkpoint, open_checkpoint
+from nbaccel.big_modeling.device_map import (DeviceMapStrategy, MapDevice, check_device_map,
+                                             device_for, resolve_device_map)
+from nbaccel.big_modeling.offload import IndexEntry, offload_weight, save_offload_index
+from nbaccel.big_modeling.sizes import MaxMemory, find_tied_parameters
+from nbaccel.big_modeling.tensors import Device, set_module_tensor_to_device
+from nbaccel.errors import CheckpointMismatchError, ConfigError
+
+__all__ = ["load_checkpoint_and_dispatch", "load_checkpoint_in_model"]
+
+
+def _sources(model: nn.Module, ckpt: Checkpoint, strict: bool) -> dict[str, str]:
+    """``{model tensor: checkpoint key}``; a tied alias reads its group's stored copy."""
+    tensors = model.state_dict(keep_vars=True)
+    group_of = {n: g for g in find_tied_parameters(model) for n in g}
+    sources, missing, shapes = {}, [], {}
+    for name, tensor in tensors.items():
+        stored = [n for n in group_of.get(name, [name]) if n in ckpt]
+        if name in ckpt:
+            stored = [name]
+        if not stored:
+            if tensor.is_meta or strict:
+                missing.append(name)
+            continue
+        sources[name] = stored[0]
+        if ckpt.shape(stored[0]) != tuple(tensor.shape):
+            shapes[name] = (ckpt.shape(stored[0]), tuple(tensor.shape))
+    missing += [n for n, b in model.named_buffers(remove_duplicate=False)
+                if b.is_meta and n not in tensors]  # non-persistent: no checkpoint has them
+    unexpected = sorted(set(ckpt.keys()) - set(tensors))
+    if missing or shapes or (strict and unexpected):
+        parts = [f"missing keys {missing[:5]}" + (" ..." if len(missing) > 5 else "")] * \
+            bool(missing)
+        parts += [f"shape mismatches (checkpoint, model) {dict(list(shapes.items())[:5])}"] * \
+            bool(shapes)
+        parts += [f"unexpected keys {unexpected[:5]}"] * bool(strict and unexpected)
+        raise CheckpointMismatchError(
+            f"the checkpoint {ckpt.path} does not match {type(model).__name__}: "
+            f"{'; '.join(parts)}. The model was left unchanged. Check that the checkpoint was "
+            "saved from this model's class and configuration.", path=ckpt.path,
+            missing_keys=tuple(missing), unexpected_keys=tuple(unexpected),
+            mismatched_shapes=shapes)
+    if unexpected:
+        warnings.warn(f"the checkpoint {ckpt.path} holds {len(unexpected)} tensor(s) the model "
+                      f"does not have, first {unexpected[:5]}; they were ignored (pass "
+                      "strict=True to make this an error).", stacklevel=3)
+    unloaded = [n for n in tensors if n not in sources]
+    if unloaded:
+        warnings.warn(f"the checkpoint {ckpt.path} has no values for {len(unloaded)} tensor(s), "
+                      f"first {unloaded[:5]}; they keep their current values (pass strict=True "
+                      "to make this an error).", stacklevel=3)
+    return sources
+
+
+def _target_dtype(name: str, stored: torch.dtype, current: torch.dtype,
+                  dtype: torch.dtype | None, keep_in_fp32: Sequence[str]) -> torch.dtype:
+    if not stored.is_floating_point:
+        return stored
+    if any(f".{m}." in f".{name}." for m in keep_in_fp32):
+        return torch.float32
+    if dtype is not None:
+        return dtype
+    return current if current.is_floating_point else stored
+
+
+def _home(name: str, tensor: torch.Tensor, device_map: Mapping[str, MapDevice] | None,
+          is_buffer: bool, offload_buffers: bool) -> MapDevice:
+    if device_map is None:
+        return "cpu" if tensor.is_meta else (tensor.device.index if tensor.is_cuda
+                                             else tensor.device.type)
+    device = device_for(name, device_map)
+    return "cpu" if device == "disk" and is_buffer and not offload_buffers else device
+
+
+def _share(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Make ``name`` refer to the very tensor another tied name already holds."""
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner)
+    if leaf in module._parameters:
+        module._parameters[leaf] = tensor
+    else:
+        module._buffers[leaf] = tensor
+
+
+def _load(model: nn.Module, checkpoint: str | os.PathLike,
+          device_map: Mapping[str, MapDevice] | None, offload_folder: str | os.PathLike | None,
+          dtype: torch.dtype | None, offload_buffers: bool, keep_in_fp32: Sequence[str],
+          strict: bool, index_needs_folder: bool) -> dict[str, IndexEntry]:
+    ckpt = open_checkpoint(checkpoint)
+    sources = _sources(model, ckpt, strict)
+    tensors = model.state_dict(keep_vars=True)
+    buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
+    homes = {n: _home(n, tensors[n], device_map, n in buffers, offload_buffers) for n in sources}
+    copies = [n for n in sources if homes[n] == "disk" and ckpt.location(sources[n]) is None]
+    if offload_folder is None and (copies or (index_needs_folder and "disk" in homes.values())):
+        first = (copies or [n for n in homes if homes[n] == "disk"])[0]
+        raise ConfigError(
+            f"the device map puts {first!r} on 'disk', which needs an offload folder "
+            + ("because the checkpoint stores it in a pickle file" if copies else
+               "to hold the offload index") + " (got offload_folder=None). Pass "
+            "offload_folder='offload' (any writable folder).",
+            key="offload_folder", value=None, valid="a writable folder path")
+    index: dict[str, IndexEntry] = {}
+    loaded: dict[tuple[str, MapDevice], torch.Tensor] = {}
+    resident_first = sorted(sources, key=lambda n: homes[n] == "disk")
+    for name in resident_first:
+        key, home, current = sources[name], homes[name], tensors[name]
+        target = _target_dtype(name, ckpt.dtype(key), current.dtype, dtype, keep_in_fp32)
+        shared = loaded.get((key, home))
+        if home == "disk":  # tied to a resident tensor: share it rather than offload a copy
+            shared = next((t for (k, _), t in loaded.items() if k == key), None)
+        if shared is not None and shared.dtype == target:
+            _share(model, name, shared)  # a tied alias: one tensor, never a second read
+        elif home == "disk":
+            location = ckpt.location(key)
+            if location is None:
+                offload_weight(ckpt.read(key).to(target), name, offload_folder, index)
+            else:
+                index[name] = {"safetensors_file": location.path, "weight_name": key,
+                               "dtype": str(target).removeprefix("torch.")}
+            set_module_tensor_to_device(model, name, "meta", dtype=target)
+        elif home == "meta":
+            set_module_tensor_to_device(model, name, "meta", dtype=target)
+        else:
+            set_module_tensor_to_device(model, name, home, value=ckpt.read(key), dtype=target)
+            loaded[(key, home)] = model.get_parameter(name) if name not in buffers \
+                else model.get_buffer(name)
+    if offload_folder is not None and (copies or index_needs_folder):
+        save_offload_index(index, offload_folder)
+    return index
+
+
+def load_checkpoint_in_model(model: nn.Module, checkpoint: str | os.PathLike,
+                             device_map: Mapping[str, Device] | None = None,
+                             offload_folder: str | os.PathLike | None = None,
+                             dtype: torch.dtype | str | None = None,
+                             offload_state_dict: bool | None = None,
+                             offload_buffers: bool = False,
+                             keep_in_fp32_modules: Sequence[str] | None = None,
+                             strict: bool = False) -> None:
+    """Load a checkpoint into a model (often built with ``init_empty_weights``), by device map.
+
+    Args:
+        model: the model; its tensors may be on the meta device.
+        checkpoint: a ``.safetensors``/``.bin``/``.pt`` file, a ``*.index.json`` of shards, or a
+            folder holding either.
+        device_map: ``{module name: device}``; ``None`` loads every tensor where it is (meta
+            tensors to CPU).
+        offload_folder: where weights mapped to ``"disk"`` go; from safetensors checkpoints only
+            a small ``index.json`` pointing into the checkpoint is written there.
+        dtype: load floating-point weights in this dtype.
+        offload_state_dict: accepted for Accelerate compatibility; unneeded, since checkpoint
+            shards are memory-mapped or read per tensor, never held whole.
+        offload_buffers: with ``"disk"`` modules, offload their buffers too.
+        keep_in_fp32_modules: module names whose weights stay in float32 whatever ``dtype``.
+        strict: make unexpected keys, and missing keys of tensors that already have values,
+            errors instead of warnings (a missing tensor still on meta is always an error).
+
+    Raises:
+        CheckpointMismatchError: missing or unexpected keys, or shape mismatches; the model is
+            unchanged.
+        CheckpointError: a file is missing, truncated or corrupt.
+        UnsafeCheckpointError: a pickle would run code.
+        DeviceMapError: the device map does not fit the model.
+        ConfigError: a ``"disk"`` entry without ``offload_folder``.
+
+    Example:
+        >>> import tempfile, safetensors.torch
+        >>> path = tempfile.mktemp(suffix=".safetensors")
+        >>> safetensors.torch.save_file(torch.nn.Linear(2, 2).state_dict(), path)
+        >>> from nbaccel.big_modeling.init import init_empty_weights
+        >>> with init_empty_weights():
+        ...     model = torch.nn.Linear(2, 2)
+        >>> load_checkpoint_in_model(model, path)
+        >>> model.weight.device.type
+        'cpu'
+    """
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."))
+    checked = None if device_map is None else check_device_map(model, device_map)
+    _load(model, checkpoint, checked, offload_folder, dtype, offload_buffers,
+          list(keep_in_fp32_modules or ()), strict, index_needs_folder=True)
+
+
+def load_checkpoint_and_dispatch(model: nn.Module, checkpoint: str | os.PathLike,
+                                 device_map: DeviceMapStrategy | Mapping[str, Device] | None = None,
+                                 max_memory: MaxMemory | None = None,
+                                 no_split_module_classes: Sequence[str] | None = None,
+                                 offload_folder: str | os.PathLike | None = None,
+                                 offload_buffers: bool = False,
+                                 dtype: torch.dtype | str | None = None,
+                                 offload_state_dict: bool | None = None,
+                                 skip_keys: str | Sequence[str] | None = None,
+                                 preload_module_classes: Sequence[str] | None = None,
+                                 force_hooks: bool = False, strict: bool = False,
+                                 keep_in_fp32_modules: Sequence[str] | None = None) -> nn.Module:
+    """Load a checkpoint and dispatch the model over devices, offloading what does not fit.
+
+    Disk-offloaded weights of a safetensors checkpoint are read from the checkpoint's own files
+    when their module runs, so ``offload_folder`` is only needed (and written to) for pickle
+    checkpoints.
+
+    Args:
+        model: the model, usually built with ``init_empty_weights``.
+        checkpoint: a file, a ``*.index.json`` of shards, or a folder holding either.
+        device_map: a map, or ``"auto"``, ``"balanced"``, ``"balanced_low_0"``,
+            ``"sequential"``; ``None`` only loads.
+        max_memory: ``{device: size}`` budget for the strategies (default: what is free).
+        no_split_module_classes: class names kept whole on one device (transformer blocks).
+        offload_folder: where pickle weights mapped to ``"disk"`` are copied.
+        offload_buffers: offload buffers of offloaded modules too.
+        dtype: load floating-point weights in this dtype.
+        offload_state_dict: accepted for Accelerate compatibility; unneeded here.
+        skip_keys: keyword arguments of ``forward`` the hooks leave where they are.
+        preload_module_classes: accepted for Accelerate compatibility; every offloaded entry
+            already loads all of its submodules' weights before it runs.
+        force_hooks: attach hooks even when everything is on one device.
+        strict: as in :func:`load_checkpoint_in_model`.
+        keep_in_fp32_modules: as in :func:`load_checkpoint_in_model`.
+
+    Returns:
+        The dispatched model, with ``model.hf_device_map`` set.
+
+    Raises:
+        CheckpointMismatchError, CheckpointError, UnsafeCheckpointError, DeviceMapError,
+        ConfigError: as in :func:`load_checkpoint_in_model` and :func:`resolve_device_map`.
+
+    Example:
+        >>> import tempfile, safetensors.torch
+        >>> path = tempfile.mktemp(suffix=".safetensors")
+        >>> full = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+        >>> safetensors.torch.save_file(full.state_dict(), path)
+        >>> from nbaccel.big_modeling.init import init_empty_weights
+        >>> with init_empty_weights():
+        ...     model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+        >>> model = load_checkpoint_and_dispatch(model, path, "auto", max_memory={"cpu": 700})
+        >>> model.hf_device_map
+        {'0': 'cpu', '1': 'disk', '2': 'disk', '3': 'disk'}
+        >>> x = torch.ones(1, 8); torch.equal(model(x), full(x))
+        True
+    """
+    from nbaccel.big_modeling.dispatch import dispatch_model
+
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."))
+    checked = None if device_map is None else resolve_device_map(
+        model, device_map, max_memory, no_split_module_classes, dtype, offload_buffers)
+    index = _load(model, checkpoint, checked, offload_folder, dtype, offload_buffers,
+                  list(keep_in_fp32_modules or ()), strict, index_needs_folder=False)
+    if checked is None:
+        return model
+    return dispatch_model(model, checked, offload_dir=offload_folder, offload_index=index,
+                          offload_buffers=offload_buffers, skip_keys=skip_keys,
+                          force_hooks=force_hooks)
+

@@ -1,0 +1,301 @@
+"""Sizes: of modules, of devices (``max_memory``), balanced budgets, and tied parameters.
+
+Memory budgets are ``{device: bytes}`` with GPU indices first, then ``"mps"``, ``"cpu"`` and
+``"disk"``. Sizes may be given as strings (``"512MiB"``, ``"10GB"``, ``"1.5GiB"``). Counting
+GPUs never initializes CUDA (it goes through NVML), so a budget given by the caller can be
+checked in a process that will fork later.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from nbaccel.errors import ConfigError
+
+__all__ = [
+    "MaxMemory",
+    "compute_module_sizes",
+    "convert_file_size_to_int",
+    "dtype_byte_size",
+    "find_tied_parameters",
+    "get_balanced_memory",
+    "get_max_layer_size",
+    "get_max_memory",
+]
+
+MaxMemory = Mapping[int | str, int | str]
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
+_NAMED_DEVICES = ("mps", "cpu", "disk")
+
+
+def convert_file_size_to_int(size: int | str) -> int:
+    """Bytes in a size given as an int or a string such as ``"512MiB"``, ``"10GB"``, ``"1.5GiB"``.
+
+    ``KB``/``MB``/``GB`` are powers of 1000, ``KiB``/``MiB``/``GiB`` powers of 1024; a lower-case
+    trailing ``b`` means bits (``"8Mb"`` is 1 MB), as in Accelerate.
+
+    Raises:
+        ConfigError: the size is negative, not a number, or has an unknown unit.
+
+    Example:
+        >>> convert_file_size_to_int("512MiB"), convert_file_size_to_int("1GB")
+        (536870912, 1000000000)
+    """
+    if isinstance(size, bool) or not isinstance(size, (int, str)):
+        raise ConfigError(
+            f"a memory size must be an int (bytes) or a string such as '512MiB' "
+            f"(got {size!r} of type {type(size).__name__}). Write it as max_memory={{'cpu': "
+            "'512MiB'}.", key="max_memory", value=size, valid="int bytes or '<number><unit>'")
+    if isinstance(size, int):
+        if size < 0:
+            raise ConfigError(f"a memory size must be >= 0 bytes (got {size}).",
+                              key="max_memory", value=size, valid="int >= 0")
+        return size
+    match = _SIZE.match(size)
+    unit = match.group(2).upper() if match else None
+    if match is None or unit not in _UNITS:
+        raise ConfigError(
+            f"cannot read the memory size {size!r}: expected a number and a unit, one of "
+            f"{sorted(u for u in _UNITS if u)} (case-insensitive), e.g. '512MiB' or '10GB'.",
+            key="max_memory", value=size, valid=sorted(u for u in _UNITS if u))
+    value = float(match.group(1)) * _UNITS[unit]
+    if match.group(2).endswith("b") and unit != "":  # bits, as Accelerate reads "Mb"
+        value /= 8
+    return int(value)
+
+
+def dtype_byte_size(dtype: torch.dtype) -> float:
+    """Bytes per element of ``dtype`` (``torch.bool`` counts 1/8, as in Accelerate).
+
+    Example:
+        >>> dtype_byte_size(torch.float16)
+        2
+    """
+    if dtype == torch.bool:
+        return 1 / 8
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _tensor_size(tensor: torch.Tensor, dtype: torch.dtype | None) -> int:
+    if dtype is not None and tensor.is_floating_point():
+        return int(tensor.numel() * dtype_byte_size(dtype))
+    return int(tensor.numel() * dtype_byte_size(tensor.dtype))
+
+
+def compute_module_sizes(model: nn.Module, dtype: torch.dtype | str | None = None,
+                         special_dtypes: Mapping[str, torch.dtype] | None = None,
+                         buffers_only: bool = False) -> dict[str, int]:
+    """Bytes of every module (and tensor), by name; ``""`` is the whole model.
+
+    A tied parameter counts once, under the first name it has.
+
+    Args:
+        model: the model (its tensors may be on the meta device).
+        dtype: count floating-point tensors as this dtype (the dtype they will be loaded in).
+        special_dtypes: ``{tensor name: dtype}`` exceptions to ``dtype``.
+        buffers_only: count only buffers.
+
+    Returns:
+        ``{name: bytes}`` for ``""``, every module prefix and every tensor.
+
+    Example:
+        >>> compute_module_sizes(torch.nn.Linear(2, 2))[""]
+        24
+    """
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."))
+    special = dict(special_dtypes or {})
+    sizes: dict[str, int] = defaultdict(int)
+    tensors = list(model.named_buffers()) if buffers_only else \
+        [*model.named_parameters(), *model.named_buffers()]
+    for name, tensor in tensors:
+        size = _tensor_size(tensor, special.get(name, dtype))
+        parts = name.split(".")
+        for i in range(len(parts) + 1):
+            sizes[".".join(parts[:i])] += size
+    return sizes
+
+
+def find_tied_parameters(model: nn.Module) -> list[list[str]]:
+    """Groups of parameter names that share one tensor (e.g. an LM head tied to its embedding).
+
+    Returns:
+        Sorted groups, each sorted; untied parameters are not listed.
+
+    Example:
+        >>> m = torch.nn.ModuleDict({"a": torch.nn.Linear(2, 2), "b": torch.nn.Linear(2, 2)})
+        >>> m.b.weight = m.a.weight
+        >>> find_tied_parameters(m)
+        [['a.weight', 'b.weight']]
+    """
+    by_id: dict[int, list[str]] = defaultdict(list)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_id[id(param)].append(name)
+    return sorted(sorted(names) for names in by_id.values() if len(names) > 1)
+
+
+def _gpu_count() -> int:
+    from nbaccel.environment import cuda_device_count
+
+    return cuda_device_count()
+
+
+def _available_cpu_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # pragma: no cover
+
+
+def _device_key(key: object, gpus: int) -> int | str:
+    valid = f"GPU indices 0..{gpus - 1} or " if gpus else ""
+    valid += "'cpu', 'disk', 'mps'"
+    if isinstance(key, str) and re.fullmatch(r"cuda:\d+", key):
+        key = int(key.split(":")[1])
+    if isinstance(key, int) and not isinstance(key, bool):
+        if 0 <= key < gpus:
+            return key
+        raise ConfigError(
+            f"max_memory names GPU {key}, but this machine has {gpus} visible GPU(s). Valid "
+            f"keys: {valid}. Drop the key, or check CUDA_VISIBLE_DEVICES.",
+            key="max_memory", value=key, valid=valid)
+    if key in _NAMED_DEVICES:
+        return key
+    raise ConfigError(
+        f"max_memory has the key {key!r} ({type(key).__name__}), which is not a device. Valid "
+        f"keys: {valid}. For example: max_memory={{'cpu': '512MiB'}}.",
+        key="max_memory", value=key, valid=valid)
+
+
+def _sorted_budget(budget: dict[int | str, int]) -> dict[int | str, int]:
+    gpus = sorted(k for k in budget if isinstance(k, int))
+    return {k: budget[k] for k in [*gpus, *(n for n in _NAMED_DEVICES if n in budget)]}
+
+
+def get_max_memory(max_memory: MaxMemory | None = None) -> dict[int | str, int]:
+    """The memory budget per device, in bytes, in device order (GPUs, ``"mps"``, CPU, disk).
+
+    With ``max_memory`` given, it is checked and converted to bytes, and CUDA is not
+    initialized. Without it, each GPU's free memory and the available RAM are measured.
+
+    Args:
+        max_memory: ``{device: size}``; sizes as ints or strings such as ``"512MiB"``.
+
+    Returns:
+        ``{device: bytes}``.
+
+    Raises:
+        ConfigError: ``max_memory`` is not a mapping, names an unknown device or a GPU this
+            machine does not have, or holds an unreadable size.
+
+    Example:
+        >>> get_max_memory({"cpu": "1GiB"})
+        {'cpu': 1073741824}
+    """
+    gpus = _gpu_count()
+    if max_memory is None:
+        budget: dict[int | str, int] = {}
+        for i in range(gpus):  # measuring free GPU memory needs CUDA: only here
+            budget[i] = torch.cuda.mem_get_info(i)[0]
+        budget["cpu"] = _available_cpu_memory()
+        return budget
+    if not isinstance(max_memory, Mapping):
+        raise ConfigError(
+            f"max_memory must be a dict of device -> size (got {max_memory!r} of type "
+            f"{type(max_memory).__name__}). For example: max_memory={{0: '10GiB', 'cpu': "
+            "'30GiB'}.", key="max_memory", value=max_memory, valid="dict[int | str, int | str]")
+    budget = {}
+    for key, size in max_memory.items():
+        budget[_device_key(key, gpus)] = convert_file_size_to_int(size)
+    return _sorted_budget(budget)
+
+
+def get_max_layer_size(modules: Sequence[tuple[str, nn.Module | torch.Tensor]],
+                       module_sizes: Mapping[str, int],
+                       no_split_module_classes: Sequence[str]) -> tuple[int, list[str]]:
+    """The largest unsplittable piece among ``modules``: a leaf, or a no-split block.
+
+    Args:
+        modules: ``(name, module or tensor)`` pairs to search, recursing into children.
+        module_sizes: from :func:`compute_module_sizes`.
+        no_split_module_classes: class names never split across devices.
+
+    Returns:
+        ``(bytes, names of the pieces of that size)``.
+
+    Example:
+        >>> m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 4))
+        >>> get_max_layer_size(list(m.named_children()), compute_module_sizes(m), [])
+        (48, ['1'])
+    """
+    best, names = 0, []
+    todo = list(modules)
+    while todo:
+        name, module = todo.pop(0)
+        children = list(module.named_children()) if isinstance(module, nn.Module) else []
+        if not children or type(module).__name__ in no_split_module_classes:
+            size = module_sizes[name]
+            if size > best:
+                best, names = size, [name]
+            elif size == best:
+                names.append(name)
+        else:
+            prefix = f"{name}." if name else ""
+            todo = [(prefix + n, c) for n, c in children] + todo
+    return best, names
+
+
+def get_balanced_memory(model: nn.Module, max_memory: MaxMemory | None = None,
+                        no_split_module_classes: Sequence[str] | None = None,
+                        dtype: torch.dtype | str | None = None,
+                        special_dtypes: Mapping[str, torch.dtype] | None = None,
+                        low_zero: bool = False) -> dict[int | str, int]:
+    """A budget that spreads the model evenly over the GPUs (for ``device_map="balanced"``).
+
+    With one GPU or none, the budget is returned unchanged (CPU and disk are never balanced).
+
+    Args:
+        model: the model to place.
+        max_memory: the upper bounds, as for :func:`get_max_memory`.
+        no_split_module_classes: class names never split across devices.
+        dtype: the dtype weights will be loaded in.
+        special_dtypes: ``{tensor name: dtype}`` exceptions to ``dtype``.
+        low_zero: keep GPU 0 as empty as possible (``"balanced_low_0"``), for generation.
+
+    Returns:
+        ``{device: bytes}``.
+
+    Example:
+        >>> get_balanced_memory(torch.nn.Linear(2, 2), {"cpu": 1000})
+        {'cpu': 1000}
+    """
+    budget = get_max_memory(max_memory)
+    gpus = [k for k in budget if isinstance(k, int) and budget[k] > 0]
+    if len(gpus) <= 1:
+        return budget
+    sizes = compute_module_sizes(model, dtype=dtype, special_dtypes=special_dtypes)
+    share = sizes[""] // (len(gpus) - 1 if low_zero else len(gpus))
+    leaves = [n for n, m in model.named_modules() if not list(m.children())]
+    no_split = list(no_split_module_classes or [])
+    buffer = get_max_layer_size(list(model.named_children()), sizes, no_split)[0]
+    if not no_split:
+        buffer = max(buffer, max((sizes[n] for n in leaves), default=0))
+    for i in gpus:
+        budget[i] = min(budget[i], share + buffer)
+    if low_zero:
+        rest = sum(budget[i] for i in gpus[1:])
+        budget[gpus[0]] = min(budget[gpus[0]], max(0, sizes[""] - rest))
+    return budget

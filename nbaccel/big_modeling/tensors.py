@@ -1,0 +1,199 @@
+"""Moving a module's named tensors, and nested inputs, between devices.
+
+These are the small operations every hook and loader is built from: put one parameter or
+buffer of a module on a device (optionally with new values), list a module's tensors, send a
+nested structure of tensors somewhere, and find where a nested structure lives.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from nbaccel.errors import CheckpointMismatchError, DeviceMapError
+
+__all__ = [
+    "Device",
+    "clear_device_cache",
+    "find_device",
+    "named_module_tensors",
+    "send_to_device",
+    "set_module_tensor_to_device",
+]
+
+# What a device map value may be: a GPU index, a name such as "cpu", "cuda:1", "disk", "meta".
+Device = int | str | torch.device
+
+
+def _owner(module: nn.Module, tensor_name: str) -> tuple[nn.Module, str]:
+    """The submodule that holds ``tensor_name`` and the tensor's own short name."""
+    *path, leaf = tensor_name.split(".")
+    owner = module
+    for part in path:
+        child = getattr(owner, part, None)
+        if not isinstance(child, nn.Module):
+            raise DeviceMapError(
+                f"{tensor_name!r} does not name a tensor of {type(module).__name__}: it has no "
+                f"submodule {part!r}. List valid names with `dict(model.named_parameters())`.",
+                key=tensor_name, value=None, valid="names from model.state_dict()")
+        owner = child
+    if leaf not in owner._parameters and leaf not in owner._buffers:
+        raise DeviceMapError(
+            f"{tensor_name!r} does not name a tensor of {type(module).__name__}: "
+            f"{type(owner).__name__} has no parameter or buffer {leaf!r}. List valid names with "
+            "`model.state_dict().keys()`.",
+            key=tensor_name, value=None, valid="names from model.state_dict()")
+    return owner, leaf
+
+
+def set_module_tensor_to_device(module: nn.Module, tensor_name: str, device: Device,
+                                value: torch.Tensor | None = None,
+                                dtype: torch.dtype | str | None = None) -> None:
+    """Put one parameter or buffer of ``module`` on ``device``, optionally with new values.
+
+    A parameter stays a parameter of the same class with the same ``requires_grad``. ``value``
+    already on ``device`` is used as it is, without a copy. Moving to ``"meta"`` frees the data.
+
+    Args:
+        module: the module holding the tensor (directly or in a submodule).
+        tensor_name: dotted name as in ``module.state_dict()``, e.g. ``"blocks.0.fc.weight"``.
+        device: where to put it (``0``, ``"cuda:1"``, ``"cpu"``, ``"meta"``).
+        value: new values of the same shape; ``None`` moves the current values.
+        dtype: cast floating-point values to this dtype on the way.
+
+    Raises:
+        DeviceMapError: ``tensor_name`` is not a tensor of ``module``.
+        CheckpointMismatchError: ``value`` has a different shape from the tensor.
+
+    Example:
+        >>> lin = torch.nn.Linear(2, 2, device="meta")
+        >>> set_module_tensor_to_device(lin, "weight", "cpu", value=torch.ones(2, 2))
+        >>> lin.weight.device.type, lin.weight.requires_grad
+        ('cpu', True)
+    """
+    owner, leaf = _owner(module, tensor_name)
+    is_param = leaf in owner._parameters
+    old = owner._parameters[leaf] if is_param else owner._buffers[leaf]
+    if old is None:
+        return
+    device = _as_torch_device(device)
+    if value is not None and tuple(value.shape) != tuple(old.shape):
+        raise CheckpointMismatchError(
+            f"values for {tensor_name!r} have shape {tuple(value.shape)}, but the model's tensor "
+            f"has shape {tuple(old.shape)}. Check that the checkpoint was saved from this "
+            "model's configuration.",
+            mismatched_shapes={tensor_name: (tuple(value.shape), tuple(old.shape))})
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."))
+    new = old if value is None else value
+    target = None
+    if dtype is not None and new.is_floating_point():
+        target = dtype
+    elif value is not None and new.is_floating_point() and old.is_floating_point():
+        target = old.dtype  # as load_state_dict does: values take the model's dtype
+    new = new.to(device) if target in (None, new.dtype) else new.to(device=device, dtype=target)
+    if is_param:
+        if type(new) is not type(old):
+            new = type(old)(new.detach(), requires_grad=old.requires_grad)
+        owner._parameters[leaf] = new
+    else:
+        owner._buffers[leaf] = new
+
+
+def _as_torch_device(device: Device) -> torch.device:
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    return torch.device(device)
+
+
+def named_module_tensors(module: nn.Module, include_buffers: bool = True,
+                         recurse: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """A module's parameters (and buffers), by every name they have (tied ones under each).
+
+    Args:
+        module: the module.
+        include_buffers: also list buffers.
+        recurse: also list the tensors of submodules.
+
+    Returns:
+        An iterator of ``(name, tensor)``.
+
+    Example:
+        >>> [n for n, _ in named_module_tensors(torch.nn.BatchNorm1d(2))]
+        ['weight', 'bias', 'running_mean', 'running_var', 'num_batches_tracked']
+    """
+    yield from module.named_parameters(recurse=recurse, remove_duplicate=False)
+    if include_buffers:
+        yield from module.named_buffers(recurse=recurse, remove_duplicate=False)
+
+
+def send_to_device(data: Any, device: Device, skip_keys: Sequence[str] | str | None = None,
+                   non_blocking: bool = False) -> Any:
+    """Send every tensor in a nested list/tuple/dict (or object with ``.to``) to ``device``.
+
+    Args:
+        data: a tensor, or nested lists, tuples (named too) and mappings of them.
+        device: where to send the tensors.
+        skip_keys: mapping keys whose values are left where they are.
+        non_blocking: copy asynchronously where the device allows.
+
+    Returns:
+        The same structure, with tensors on ``device``.
+
+    Example:
+        >>> send_to_device({"x": torch.ones(1)}, "cpu")["x"].device.type
+        'cpu'
+    """
+    if isinstance(skip_keys, str):
+        skip_keys = [skip_keys]
+    if isinstance(data, torch.Tensor) or hasattr(data, "to") and not isinstance(data, nn.Module):
+        if isinstance(data, torch.Tensor) and data.device == _as_torch_device(device):
+            return data
+        try:
+            return data.to(_as_torch_device(device), non_blocking=non_blocking)
+        except TypeError:
+            return data.to(_as_torch_device(device))
+    if isinstance(data, tuple) and hasattr(data, "_fields"):
+        return type(data)(*(send_to_device(v, device, skip_keys, non_blocking) for v in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(send_to_device(v, device, skip_keys, non_blocking) for v in data)
+    if isinstance(data, Mapping):
+        skip = set(skip_keys or ())
+        return type(data)({k: v if k in skip else send_to_device(v, device, skip_keys,
+                                                                  non_blocking)
+                           for k, v in data.items()})
+    return data
+
+
+def find_device(data: Any) -> torch.device | None:
+    """The device of the first tensor found in a nested structure, or ``None``.
+
+    Example:
+        >>> find_device([1, {"a": torch.ones(1)}])
+        device(type='cpu')
+    """
+    if isinstance(data, torch.Tensor):
+        return data.device
+    values = data.values() if isinstance(data, Mapping) else \
+        data if isinstance(data, (list, tuple)) else ()
+    for v in values:
+        found = find_device(v)
+        if found is not None:
+            return found
+    return None
+
+
+def clear_device_cache(garbage_collection: bool = False) -> None:
+    """Release cached accelerator memory (CUDA's caching allocator), if CUDA is in use.
+
+    Example:
+        >>> clear_device_cache()
+    """
+    if garbage_collection:
+        gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
