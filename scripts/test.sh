@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Set up from nothing and run the whole test suite (main suite, browser test, torch_xla suite).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+if [ -f .ci/browser_setup.sh ]; then
+  bash .ci/browser_setup.sh .venv
+fi
+export OMP_NUM_THREADS=1
+status=0
+.venv/bin/python -m pytest -q -p no:cacheprovider "$@" || status=$?
+if [ -f tests/run_xla.sh ] && [ "${NBACCEL_SKIP_XLA:-0}" != "1" ]; then
+  bash tests/run_xla.sh || status=$?
+fi
+exit $status

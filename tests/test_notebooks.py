@@ -1,0 +1,39 @@
+"""Every notebook in notebooks/ runs top to bottom in a real kernel, and is committed clean."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+# 04_tpu needs torch_xla: it runs in the torch_xla environment (tests/run_xla.sh).
+MAIN_SUITE = [nb for nb in NOTEBOOKS if "tpu" not in nb.stem]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_is_committed_without_outputs(path):
+    nb = nbformat.read(path, as_version=4)
+    dirty = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and (c.outputs or c.execution_count)]
+    assert not dirty, f"{path.name}: cells {dirty} have outputs; strip them before committing"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", MAIN_SUITE, ids=[p.stem for p in MAIN_SUITE])
+def test_notebook_runs_in_a_real_kernel_under_two_minutes(path, monkeypatch, tmp_path):
+    monkeypatch.setenv("JUPYTER_PATH", str(Path(sys.prefix) / "share" / "jupyter"))
+    monkeypatch.chdir(tmp_path)
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(nb, timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}})
+    start = time.monotonic()
+    client.execute()  # raises CellExecutionError, with the cell and traceback, on any error
+    elapsed = time.monotonic() - start
+    assert elapsed < 120, f"{path.name} took {elapsed:.0f}s"
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    assert not errors
