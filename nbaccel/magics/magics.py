@@ -1,0 +1,267 @@
+"""The ``%%accel_launch``, ``%accel_config`` and ``%accel_env`` magics, in one ``Magics`` class.
+
+``%%accel_launch`` runs its cell on N workers through :func:`nbaccel.notebook_launcher`: the
+settings are layered config file < session defaults (``%accel_config``'s "Use for this session")
+< the cell's flags; a bad flag is a ``UsageError`` and nothing starts; the last expression of
+rank 0 is the cell's value and ``-o`` names come back into the notebook; a worker's failure is
+shown as that rank's traceback through the cell's own lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import linecache
+from collections.abc import Sequence
+from typing import Any, Literal, get_args
+
+from IPython.core.displayhook import DisplayHook
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from nbaccel.config import LaunchConfig, StartMethod, load_config
+from nbaccel.environment import MixedPrecision, config_file_path, in_colab, in_notebook
+from nbaccel.errors import ConfigError, EnvironmentStateError, PayloadPicklingError
+from nbaccel.magics.cell import CellProgram, CellResult, run_cell_program
+from nbaccel.magics.render import attach_renderer, render_interrupt
+from nbaccel.magics.session import SessionDefaults
+
+__all__ = ["AccelMagics"]
+
+StatusMode = Literal["auto", "widget", "text", "none"]
+_STATUS_MODES = get_args(StatusMode)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds (got {text!r})") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds (got {text!r})")
+    return value
+
+
+def _hang_timeout(text: str) -> float | None:
+    return None if text.lower() in ("none", "off") else _positive_float(text)
+
+
+def _ranks(text: str) -> list[int]:
+    try:
+        return [int(p) for p in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be rank numbers such as 0 or 0,1 (got {text!r})") from None
+
+
+def _out_names(values: Sequence[str]) -> list[str]:
+    names = [n for v in values for n in v.replace(",", " ").split()]
+    bad = [n for n in names if not n.isidentifier()]
+    if bad:
+        raise UsageError(f"-o/--out takes variable names (got {bad[0]!r}). Fix: -o model,losses")
+    return names
+
+
+def _usage(exc: Exception) -> UsageError:
+    return UsageError(f"%%accel_launch: {exc}")
+
+
+@magics_class
+class AccelMagics(Magics):
+    """nbaccel's magics; ``%load_ext nbaccel`` registers one instance per shell.
+
+    Attributes:
+        session: the "Use for this session" defaults applied to every ``%%accel_launch``.
+    """
+
+    def __init__(self, shell: Any = None) -> None:
+        super().__init__(shell)
+        self.session = SessionDefaults()
+
+    # ------------------------------------------------------------------ %%accel_launch
+    @magic_arguments()
+    @argument("-n", "--num_processes", type=int, default=None,
+              help="workers on this machine (default: the config's, else one per GPU or up to 4 CPUs)")
+    @argument("--mixed_precision", choices=get_args(MixedPrecision), default=None,
+              help="mixed precision the workers' Accelerator uses")
+    @argument("--cpu", action="store_true", default=None, help="run on CPU processes even where GPUs exist")
+    @argument("--config_file", default=None, help="config file to read instead of the default one")
+    @argument("--start_method", choices=get_args(StartMethod), default=None,
+              help="how workers start (default: fork when safe, else spawn)")
+    @argument("--timeout", type=_positive_float, default=None, help="stop the launch after this many seconds")
+    @argument("--hang_timeout", type=_hang_timeout, default=120.0,
+              help="stop ranks silent this long after others finished ('none' to disable; default 120)")
+    @argument("--ranks", type=_ranks, default=None, help="show only these ranks' output, e.g. 0 or 0,1")
+    @argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
+    @argument("--num_nodes", type=int, default=None, help="machines taking part (multi-node)")
+    @argument("--node_rank", type=int, default=None, help="this machine's rank (multi-node)")
+    @argument("--rdzv_endpoint", default="", help="host:port of the rendezvous (multi-node)")
+    @argument("-o", "--out", nargs="+", default=(), metavar="NAME",
+              help="names to set in the notebook after the run, from rank 0 (see --all-ranks)")
+    @argument("--all-ranks", "--all_ranks", dest="all_ranks", action="store_true",
+              help="set each -o name to a {rank: value} dict from every rank")
+    @argument("--status", choices=_STATUS_MODES, default="auto",
+              help="live status panel: a widget, plain text at the end, or none (default: auto)")
+    @cell_magic
+    def accel_launch(self, line: str, cell: str) -> Any:
+        """Run this cell on several worker processes, like ``notebook_launcher`` would run a function.
+
+        The cell runs in every worker, in a namespace seeded from the notebook's: the notebook's
+        own names under fork; under spawn, the names the cell uses, sent by value. Rank 0's last
+        expression is the cell's value. Options mirror ``notebook_launcher``.
+
+        Example::
+
+            %%accel_launch -n 2 -o losses
+            from nbaccel import Accelerator
+            accelerator = Accelerator()
+            losses = train(accelerator)
+            accelerator.num_processes
+        """
+        args = parse_argstring(self.accel_launch, line)
+        out_names = _out_names(args.out)
+        config = self._config(args)
+        n = self._plan(config).num_processes
+        if args.ranks is not None:
+            bad = [r for r in args.ranks if not 0 <= r < n]
+            if bad:
+                raise UsageError(f"%%accel_launch: --ranks names rank {bad[0]}, but this launch has ranks "
+                                 f"0..{n - 1}. Fix: --ranks {','.join(map(str, range(min(n, 2))))}")
+        program = self._program(line, cell, out_names, args.all_ranks)
+        observer = self._observer(args.status, n, config)
+        results = self._launch(program, config, args, observer)
+        return self._finish(results, out_names, args.all_ranks, cell)
+
+    def _config(self, args: argparse.Namespace) -> LaunchConfig:
+        endpoint_host, endpoint_port = None, None
+        if args.rdzv_endpoint:
+            host, _, port = args.rdzv_endpoint.rpartition(":")
+            if not host or not port.isdigit():
+                raise UsageError(f"%%accel_launch: --rdzv_endpoint must be host:port (got {args.rdzv_endpoint!r}). "
+                                 "Fix: --rdzv_endpoint 10.0.0.1:29500")
+            endpoint_host, endpoint_port = host, int(port)
+        try:
+            base = load_config(args.config_file, missing_ok=False) if args.config_file else load_config()
+            return self.session.apply(base).with_overrides(
+                num_processes=args.num_processes, mixed_precision=args.mixed_precision, use_cpu=args.cpu,
+                start_method=args.start_method, timeout=args.timeout,
+                main_process_port=args.port if args.port is not None else endpoint_port,
+                num_machines=args.num_nodes, machine_rank=args.node_rank, main_process_ip=endpoint_host)
+        except ConfigError as exc:
+            raise _usage(exc) from None
+
+    @staticmethod
+    def _plan(config: LaunchConfig) -> Any:
+        from nbaccel.launch.preflight import plan_launch
+
+        if config.num_machines > 1:  # the elastic agent decides; report this machine's share
+            return argparse.Namespace(num_processes=config.num_processes or 1)
+        try:
+            return plan_launch(config)
+        except (ConfigError, EnvironmentStateError) as exc:
+            raise _usage(exc) from None
+
+    def _program(self, line: str, cell: str, out_names: Sequence[str], all_ranks: bool) -> CellProgram:
+        shell = self.shell
+        first = f"%%accel_launch {line}".rstrip()
+        cell_lines = [first + "\n"] + [text + "\n" for text in cell.splitlines()]
+        number = shell.execution_count
+        filename = shell.compile.cache("".join(cell_lines), number, raw_code="".join(cell_lines) + "#nbaccel")
+        mapped = getattr(shell.compile, "_filename_map", {})
+        sources = {name: linecache.cache[name] for name in mapped if name in linecache.cache and name != filename}
+        return CellProgram(shell.transform_cell(cell), filename=filename, first_line=2, cell_lines=cell_lines,
+                           user_ns=shell.user_ns, hidden=shell.user_ns_hidden, out_names=out_names,
+                           all_ranks=all_ranks, sources=sources)
+
+    @staticmethod
+    def _observer(mode: StatusMode, n: int, config: LaunchConfig) -> Any:
+        if mode == "none":
+            return None
+        from nbaccel.widgets.status_panel import status_observer
+
+        return status_observer(n, prefer="widget" if mode != "text" else "text",
+                               title=f"%%accel_launch: {n} process{'es' if n != 1 else ''}")
+
+    def _launch(self, program: CellProgram, config: LaunchConfig, args: argparse.Namespace, observer: Any) -> Any:
+        from nbaccel.launch.launcher import notebook_launcher
+
+        try:
+            return notebook_launcher(
+                run_cell_program, (program,), config=config, output_ranks=args.ranks,
+                return_all=args.all_ranks, hang_timeout=args.hang_timeout, rdzv_endpoint=args.rdzv_endpoint,
+                rdzv_backend=config.rdzv_backend, master_addr=config.main_process_ip or "127.0.0.1",
+                observer=observer)
+        except KeyboardInterrupt:
+            raise render_interrupt(observer) from None
+        except PayloadPicklingError as exc:
+            cause = exc.__cause__ if isinstance(exc.__cause__, PayloadPicklingError) else exc
+            raise attach_renderer(cause, self.shell) from None
+        except ConfigError as exc:
+            if getattr(exc, "launch_failures", None) is None:
+                raise _usage(exc) from None
+            raise attach_renderer(exc, self.shell)  # noqa: B904 - a worker's own ConfigError
+        except BaseException as exc:
+            raise attach_renderer(exc, self.shell)  # noqa: B904 - keep the worker's exception as it is
+
+    def _finish(self, results: Any, out_names: Sequence[str], all_ranks: bool, cell: str) -> Any:
+        if all_ranks:
+            per_rank: dict[int, CellResult] = {r: v for r, v in (results or {}).items() if isinstance(v, CellResult)}
+            for name in out_names:
+                self.shell.user_ns[name] = {r: res.outputs[name] for r, res in sorted(per_rank.items())}
+            root = per_rank.get(0)
+        else:
+            root = results if isinstance(results, CellResult) else None
+            if root is not None:
+                self.shell.user_ns.update(root.outputs)
+        if root is None or DisplayHook.semicolon_at_end_of_expression(cell):
+            return None
+        return root.value
+
+    # ------------------------------------------------------------------ %accel_config
+    @magic_arguments()
+    @argument("--config_file", default=None, help="the config file to edit (default: nbaccel's own)")
+    @argument("--text", action="store_true", help="print the config as text instead of showing the panel")
+    @argument("--clear_session", action="store_true", help="forget this session's defaults")
+    @line_magic
+    def accel_config(self, line: str) -> Any:
+        """Show the launch configuration panel: edit, validate, save, or use for this session.
+
+        Example::
+
+            %accel_config
+        """
+        args = parse_argstring(self.accel_config, line)
+        if args.clear_session:
+            self.session.clear()
+            print("nbaccel: session defaults cleared; launches use the config file alone.")
+            return None
+        path = args.config_file or str(config_file_path())
+        try:
+            base = load_config(args.config_file, missing_ok=False) if args.config_file else load_config()
+            shown = self.session.apply(base)
+        except ConfigError as exc:
+            raise UsageError(f"%accel_config: {exc}") from None
+        from nbaccel.widgets.config_panel import ConfigPanel, widgets_available
+
+        panel = ConfigPanel(shown, path=path, base=base, on_use=self.session.set)
+        if args.text or not widgets_available() or not (in_notebook() or in_colab()):
+            print(panel.text())
+            return None
+        from IPython.display import display
+
+        display(panel)
+        return None
+
+    # ------------------------------------------------------------------ %accel_env
+    @line_magic
+    def accel_env(self, line: str) -> None:
+        """Print the environment report, the same as ``nbaccel env`` in a terminal.
+
+        Example::
+
+            %accel_env
+        """
+        if line.strip():
+            raise UsageError(f"%accel_env takes no arguments (got {line.strip()!r}). Fix: %accel_env")
+        from nbaccel.cli.env_cmd import env_report
+
+        print(env_report())

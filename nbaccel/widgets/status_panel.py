@@ -1,0 +1,302 @@
+"""The live status of a launch: one row per rank (state, elapsed time, last line), full output.
+
+:class:`LaunchStatus` keeps the per-rank record and renders it as plain text; it implements
+:class:`~nbaccel.launch.events.LaunchObserver`. :class:`StatusPanel` shows the same record as an
+ipywidgets panel that redraws at most a few times a second, from the launch's own events and a
+small ticker thread, so following a launch never slows it down. :class:`TextStatus` prints the
+record once the launch ends, for terminals and logs. :func:`status_observer` picks one.
+"""
+
+from __future__ import annotations
+
+import html
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from nbaccel.environment import in_colab, in_notebook
+from nbaccel.launch.events import RankState
+from nbaccel.widgets import import_widgets, widgets_available
+
+__all__ = ["LaunchStatus", "RankRecord", "StatusPanel", "TextStatus", "status_observer"]
+
+_KEEP_LINES = 2000  # per rank, for the collapsible full output
+_SHOWN_LINES = 400  # redrawn while running; everything kept is shown once the launch ends
+_COLORS: dict[str, str] = {"starting": "#6b7280", "running": "#2563eb", "finished": "#16a34a",
+                           "failed": "#dc2626", "stopped": "#d97706"}
+
+
+@dataclass
+class RankRecord:
+    """What the panel knows about one rank."""
+
+    rank: int
+    state: RankState = "starting"
+    started: float | None = None
+    ended: float | None = None
+    last_line: str = ""
+    lines: deque[str] = field(default_factory=lambda: deque(maxlen=_KEEP_LINES))
+    line_count: int = 0
+
+    def elapsed(self, now: float, launched: float | None) -> float:
+        """Seconds since the rank started (or since the launch, while it is starting)."""
+        begin = self.started if self.started is not None else launched
+        if begin is None:
+            return 0.0
+        return max(0.0, (self.ended if self.ended is not None else now) - begin)
+
+
+class LaunchStatus:
+    """The per-rank record of one launch, as plain text; a :class:`LaunchObserver`.
+
+    Args:
+        num_processes: the ranks expected (``on_launch`` may correct it).
+        title: the first line of the report.
+
+    Example:
+        >>> status = LaunchStatus(2)
+        >>> status.on_launch([0, 1], "fork"); status.on_state(0, "running")
+        >>> status.on_output(0, "stdout", "epoch 1"); status.records[0].last_line
+        'epoch 1'
+    """
+
+    def __init__(self, num_processes: int, title: str = "nbaccel launch") -> None:
+        self.title = title
+        self.start_method = ""
+        self.launched: float | None = None
+        self.ended: float | None = None
+        self.ok: bool | None = None
+        self.records: dict[int, RankRecord] = {r: RankRecord(r) for r in range(num_processes)}
+
+    # ------------------------------------------------------------------ observer
+    def on_launch(self, ranks: Sequence[int], start_method: str) -> None:
+        """The workers are about to start."""
+        self.launched = time.monotonic()
+        self.start_method = start_method
+        self.records = {r: self.records.get(r) or RankRecord(r) for r in ranks}
+
+    def on_state(self, rank: int, state: RankState) -> None:
+        """Rank ``rank`` moved to ``state``."""
+        record = self.records.setdefault(rank, RankRecord(rank))
+        now = time.monotonic()
+        if state == "running" and record.started is None:
+            record.started = now
+        elif state in ("finished", "failed", "stopped") and record.ended is None:
+            record.ended = now
+        record.state = state
+
+    def on_output(self, rank: int, stream: Literal["stdout", "stderr"], line: str) -> None:
+        """Rank ``rank`` printed ``line``."""
+        record = self.records.get(rank)
+        if record is None:
+            record = self.records.setdefault(rank, RankRecord(rank))
+        record.lines.append(line)
+        record.line_count += 1
+        if line.strip():
+            record.last_line = line
+
+    def on_end(self, ok: bool) -> None:
+        """Every worker is gone."""
+        self.ended = time.monotonic()
+        self.ok = ok
+        for record in self.records.values():
+            if record.state in ("starting", "running"):
+                record.state = "stopped"
+            if record.ended is None:
+                record.ended = self.ended
+
+    # ------------------------------------------------------------------ views
+    def overall(self) -> str:
+        """``"starting"``, ``"running"``, ``"finished"``, ``"failed"`` or ``"stopped"``."""
+        states = {r.state for r in self.records.values()}
+        if self.ok is None:
+            return "running" if self.launched is not None and states - {"starting"} else "starting"
+        if self.ok:
+            return "finished"
+        return "failed" if "failed" in states else "stopped"
+
+    def total_elapsed(self) -> float:
+        """Seconds since the launch began (until it ended)."""
+        if self.launched is None:
+            return 0.0
+        return (self.ended if self.ended is not None else time.monotonic()) - self.launched
+
+    def text(self) -> str:
+        """The status as plain text, one line per rank."""
+        now = time.monotonic()
+        method = f", {self.start_method}" if self.start_method else ""
+        lines = [f"{self.title}{method}: {self.overall()} after {self.total_elapsed():.1f} s"]
+        for record in self.records.values():
+            last = record.last_line if len(record.last_line) <= 100 else record.last_line[:97] + "..."
+            lines.append(f"  [rank{record.rank}] {record.state:<8} {record.elapsed(now, self.launched):6.1f} s"
+                         f"  {record.line_count} lines  last: {last}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.text()
+
+
+class TextStatus(LaunchStatus):
+    """Prints the per-rank summary once the launch ends (terminals, logs, no ipywidgets).
+
+    Example:
+        >>> status = TextStatus(1)
+        >>> status.on_launch([0], "fork"); status.on_end(True)  # doctest: +ELLIPSIS
+        nbaccel launch, fork: finished after ...
+    """
+
+    def on_end(self, ok: bool) -> None:
+        """Every worker is gone: print the summary."""
+        super().on_end(ok)
+        print(self.text(), file=sys.stdout, flush=True)
+
+
+class StatusPanel(LaunchStatus):
+    """The live status as an ipywidgets panel; its plain-text form is :meth:`text`.
+
+    Args:
+        num_processes: the ranks expected.
+        title: the panel's heading.
+        interval: seconds between redraws (events in between are batched).
+
+    Raises:
+        MissingDependencyError: ipywidgets is not installed.
+
+    Example:
+        >>> panel = StatusPanel(2)
+        >>> notebook_launcher(train, num_processes=2, observer=panel)  # doctest: +SKIP
+    """
+
+    def __init__(self, num_processes: int, title: str = "nbaccel launch", *, interval: float = 0.25) -> None:
+        super().__init__(num_processes, title)
+        widgets = import_widgets("the launch status panel")
+        self.interval = interval
+        self._lock = threading.Lock()
+        self._last_draw = 0.0
+        self._ticker: threading.Thread | None = None
+        self._done = threading.Event()
+        self._handle: Any = None
+        self._heading = widgets.HTML()
+        self._table = widgets.HTML()
+        self._outputs = widgets.Accordion(children=[], selected_index=None)
+        self._box = widgets.VBox([self._heading, self._table, self._outputs])
+        self._box.add_class("nbaccel-status")
+        self._widgets = widgets
+        self._build_outputs()
+        self.draw()
+
+    def _build_outputs(self) -> None:
+        children = []
+        for record in self.records.values():
+            child = self._widgets.HTML()
+            child.add_class(f"nbaccel-output-rank{record.rank}")
+            children.append(child)
+        self._outputs.children = children
+        self._outputs.titles = tuple(f"rank {r} output" for r in self.records)
+
+    # ------------------------------------------------------------------ observer
+    def on_launch(self, ranks: Sequence[int], start_method: str) -> None:
+        """Show the panel and start the ticker that keeps elapsed times fresh."""
+        known = list(self.records)
+        super().on_launch(ranks, start_method)
+        if list(self.records) != known:
+            self._build_outputs()
+        self.draw()
+        from IPython.display import display
+
+        self._handle = display(self, display_id=True)
+        self._ticker = threading.Thread(target=self._tick, name="nbaccel-status", daemon=True)
+        self._ticker.start()
+
+    def on_state(self, rank: int, state: RankState) -> None:
+        """A state change is drawn at once (there are only a few per rank)."""
+        super().on_state(rank, state)
+        self.draw()
+
+    def on_output(self, rank: int, stream: Literal["stdout", "stderr"], line: str) -> None:
+        """Record the line; redraw only if the last redraw is older than ``interval``."""
+        super().on_output(rank, stream, line)
+        if time.monotonic() - self._last_draw >= self.interval:
+            self.draw()
+
+    def on_end(self, ok: bool) -> None:
+        """Stop the ticker, draw the final state with every rank's full output."""
+        super().on_end(ok)
+        self._done.set()
+        if self._ticker is not None:
+            self._ticker.join(timeout=1.0)
+        self.draw(final=True)
+        if self._handle is not None:
+            self._handle.update(self)  # refreshes the text/plain form saved in the notebook
+
+    def _tick(self) -> None:
+        while not self._done.wait(self.interval * 2):
+            if time.monotonic() - self._last_draw >= self.interval:
+                self.draw()
+
+    # ------------------------------------------------------------------ drawing
+    def draw(self, final: bool = False) -> None:
+        """Redraw the heading, the rank table and the open (or, when ``final``, every) output."""
+        with self._lock:
+            self._last_draw = time.monotonic()
+            overall = self.overall()
+            method = f" · {html.escape(self.start_method)}" if self.start_method else ""
+            self._heading.value = (f"<b>{html.escape(self.title)}</b>{method} · "
+                                   f"<span style='color:{_COLORS[overall]}'>{overall}</span> · "
+                                   f"{self.total_elapsed():.1f} s")
+            self._table.value = self._table_html()
+            open_index = self._outputs.selected_index
+            for index, (record, child) in enumerate(zip(self.records.values(), self._outputs.children)):
+                if final or index == open_index:
+                    child.value = self._output_html(record, None if final else _SHOWN_LINES)
+            self._outputs.titles = tuple(f"rank {r.rank} output ({r.line_count} lines)"
+                                         for r in self.records.values())
+
+    def _table_html(self) -> str:
+        now = time.monotonic()
+        rows = []
+        for r in self.records.values():
+            rows.append(
+                f"<tr><td style='padding:0 8px'>rank {r.rank}</td>"
+                f"<td style='padding:0 8px;color:{_COLORS[r.state]};font-weight:bold'>{r.state}</td>"
+                f"<td style='padding:0 8px;text-align:right'>{r.elapsed(now, self.launched):.1f} s</td>"
+                f"<td style='padding:0 8px;font-family:monospace;max-width:60em;overflow:hidden;"
+                f"text-overflow:ellipsis;white-space:nowrap'>{html.escape(r.last_line)}</td></tr>")
+        head = ("<tr><th style='text-align:left;padding:0 8px'>rank</th><th style='text-align:left;"
+                "padding:0 8px'>state</th><th style='padding:0 8px'>elapsed</th><th style='text-align:left;"
+                "padding:0 8px'>last line</th></tr>")
+        return f"<table class='nbaccel-ranks'>{head}{''.join(rows)}</table>"
+
+    @staticmethod
+    def _output_html(record: RankRecord, limit: int | None) -> str:
+        lines = list(record.lines)
+        if limit is not None:
+            lines = lines[-limit:]
+        hidden = record.line_count - len(lines)
+        note = f"... {hidden} earlier lines not shown\n" if hidden else ""
+        text = html.escape(note + "\n".join(lines))
+        return f"<pre style='max-height:24em;overflow:auto;margin:0'>{text}</pre>"
+
+    # ------------------------------------------------------------------ display
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+        bundle = self._box._repr_mimebundle_(**kwargs)
+        bundle["text/plain"] = self.text()
+        return bundle
+
+
+def status_observer(num_processes: int, *, prefer: Literal["widget", "text"] = "widget",
+                    title: str = "nbaccel launch") -> LaunchStatus:
+    """The status observer for a launch: a widget panel in notebooks, else a text summary.
+
+    Example:
+        >>> observer = status_observer(2, prefer="text")
+        >>> type(observer).__name__
+        'TextStatus'
+    """
+    if prefer == "widget" and widgets_available() and (in_notebook() or in_colab()):
+        return StatusPanel(num_processes, title)
+    return TextStatus(num_processes, title)
