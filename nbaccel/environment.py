@@ -331,31 +331,73 @@ def xla_installed() -> bool:
 
 
 def xla_runtime_initialized() -> bool:
-    """Whether the XLA runtime has been initialized in this process (torch_xla then refuses to launch)."""
-    xlac = sys.modules.get("torch_xla._XLAC")
-    if xlac is None:
+    """Whether the XLA runtime has been initialized in this process (torch_xla then refuses to launch).
+
+    Asks ``torch_xla._XLAC._xla_runtime_is_initialized()``, which only reads a flag; when
+    torch_xla has not been imported the runtime cannot have started, and nothing is imported.
+    """
+    if "torch_xla" not in sys.modules:
         return False
+    xlac = sys.modules.get("_XLAC") or getattr(sys.modules["torch_xla"], "_XLAC", None)
     probe = getattr(xlac, "_xla_runtime_is_initialized", None)
     return bool(probe()) if probe is not None else False
 
 
-def tpu_detected(env: Mapping[str, str] | None = None) -> bool:
-    """Whether a TPU is available: ``$NBACCEL_TPU`` overrides; else the runtime's signs.
+_TPU_ENV_SIGNS = ("TPU_ACCELERATOR_TYPE", "TPU_NAME", "TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES",
+                  "TPU_PROCESS_BOUNDS", "COLAB_TPU_ADDR", "XRT_TPU_CONFIG")
+_GOOGLE_PCI_VENDOR = "0x1ae0"
+_TPU_PCI_DEVICE_IDS = ("0x0027", "0x005e", "0x0063", "0x006f", "0x0056", "0x0062", "0x0076")  # torch_xla's list
 
-    Signs are ``PJRT_DEVICE=TPU``, the TPU variables Colab, Kaggle and TPU VMs set, or the
-    accelerator device files; any of them counts only when torch_xla is installed.
+
+def _tpu_pci_device_ids(root: str = "/") -> list[str]:
+    """PCI device ids of the TPU chips on this machine (Google's vendor id, torch_xla's device ids)."""
+    found = []
+    for vendor_path in sorted(glob.glob(os.path.join(root, "sys/bus/pci/devices/*/vendor"))):
+        try:
+            if Path(vendor_path).read_text().strip() != _GOOGLE_PCI_VENDOR:
+                continue
+            device = Path(vendor_path).with_name("device").read_text().strip()
+        except OSError:
+            continue
+        if device in _TPU_PCI_DEVICE_IDS:
+            found.append(device)
+    return found
+
+
+def tpu_detected(env: Mapping[str, str] | None = None, *, root: str = "/") -> bool:
+    """Whether a TPU is here, without initializing the XLA runtime (or importing torch_xla).
+
+    ``NBACCEL_TPU=1`` / ``NBACCEL_TPU=0`` decides outright (``1`` also routes a CPU-runtime launch,
+    ``PJRT_DEVICE=CPU``, through torch_xla). Otherwise torch_xla must be installed, and then:
+    ``PJRT_DEVICE=TPU`` says yes and any other ``PJRT_DEVICE`` (``CPU``, ``CUDA``) says no; the
+    variables Colab, Kaggle and TPU VMs set (``TPU_ACCELERATOR_TYPE``, ``TPU_NAME``,
+    ``TPU_WORKER_ID``, ``COLAB_TPU_ADDR``, ...), a TPU chip on the PCI bus (how torch_xla itself
+    looks), or TPU device files (``/dev/accel0``...) say yes.
+
+    Args:
+        env: the environment to read (default ``os.environ``).
+        root: the filesystem root holding ``sys/bus/pci`` and ``dev`` (for tests).
+
+    Raises:
+        ConfigError: ``NBACCEL_TPU`` holds something other than 0 or 1.
+
+    Example:
+        >>> tpu_detected({"NBACCEL_TPU": "0", "PJRT_DEVICE": "TPU"})
+        False
     """
     env = os.environ if env is None else env
     if _FORCE_TPU in env:
         return _flag(env, _FORCE_TPU)
     if not xla_installed():
         return False
-    if env.get("PJRT_DEVICE", "").upper() == "TPU":
+    pjrt = env.get("PJRT_DEVICE", "").strip().upper()
+    if pjrt:
+        return pjrt.split("_")[0] == "TPU"
+    if any(env.get(k) for k in _TPU_ENV_SIGNS):
         return True
-    if any(k in env for k in ("COLAB_TPU_ADDR", "TPU_NAME", "TPU_ACCELERATOR_TYPE",
-                              "TPU_WORKER_ID", "KAGGLE_TPU")):
+    if _tpu_pci_device_ids(root):
         return True
-    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+    return bool(glob.glob(os.path.join(root, "dev/accel[0-9]*")))
 
 
 def fork_unsafe_reason() -> str | None:

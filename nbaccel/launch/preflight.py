@@ -107,7 +107,7 @@ def plan_launch(config: LaunchConfig) -> LaunchPlan:
         if kind == "cuda":
             n = usable
         elif kind == "xla":
-            n = 0  # the XLA launcher uses every core the runtime reports
+            n = 0  # replaced below by what the XLA runtime reports
         else:
             n = max(1, min(cpu_count(), _MAX_AUTO_CPU_WORKERS))
             notes.append(f"nbaccel: no GPU found; using {n} CPU processes (one per core, at most "
@@ -116,7 +116,13 @@ def plan_launch(config: LaunchConfig) -> LaunchPlan:
         raise ConfigError(f"num_processes={n} but only {usable} GPU(s) are usable. Fix: pass num_processes<="
                           f"{usable}, or use_cpu=True for CPU processes.", key="num_processes", value=n,
                           valid=f"1..{usable}")
-    method, reason = _start_method(config.start_method)
+    if kind == "xla":  # torch_xla.launch with fork, over 1 or every device the runtime reports
+        from nbaccel.launch.xla import check_xla_launch
+
+        n = check_xla_launch(config.num_processes, config.start_method)
+        method, reason = "fork", None
+    else:
+        method, reason = _start_method(config.start_method)
     if reason:
         notes.append(reason)
     if kind == "xla":

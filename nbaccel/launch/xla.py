@@ -1,0 +1,615 @@
+"""Launching on TPUs (and torch_xla's CPU runtime) through ``torch_xla.launch``, with nbaccel's promises.
+
+``torch_xla.launch`` starts one process per TPU chip and, inside each, one thread per XLA device
+(two per chip on TPU v2/v3, one on v4 and later; on the CPU runtime ``CPU_NUM_DEVICES`` threads
+in one process). It discards what the function returns. nbaccel wraps it like this::
+
+    notebook (supervisor)  ──fork──►  host process (own process group)
+        ▲  per-rank pipes                 └─ torch_xla.launch(start_method="fork")
+        │  ctl / stdout / stderr               └─ replica process × chips
+        └──────────────────────────────────────────└─ replica thread × devices per chip
+
+The caller creates a control, stdout and stderr pipe per rank before forking the host, so every
+replica, whichever process or thread it runs in, reports ``started`` / ``result`` / ``error``
+frames on its own pipe and the usual :class:`~nbaccel.launch.supervisor.Supervisor` reads them:
+output arrives labelled per rank, results of any size come back (moved to CPU), and the first
+failure is raised with its remote traceback.
+
+Output: a replica process that holds one replica points its fd 1 and 2 at that rank's pipes, so
+even C++ output is labelled. Where several replica threads share a process, only Python-level
+writes to ``sys.stdout`` / ``sys.stderr`` from the replica's own thread are labelled with its
+rank; what native code, other threads, or handlers bound to the original streams write is shown
+with the ``[xla]`` label.
+
+Where torch_xla limits the promises:
+
+- A replica cannot be stopped alone: the first failure stops the whole process group (SIGTERM,
+  then SIGKILL), which is what torch_xla does too.
+- When a replica process dies in native code (an XLA abort, an OOM kill), torch_xla only
+  reports a broken process pool, so every rank that had not reported is named, not the one
+  process that died; its Python stacks (``faulthandler``) are in the ``[xla]`` or rank output.
+- Replica processes are torch_xla's, not ours: they are tied to the host (they die with it),
+  the host dies with the caller, and the host's process group is killed when the launch ends,
+  so none outlives it, unless a replica starts its own session (``setsid``).
+- Only fork: the notebook must not have initialized the XLA runtime (it then holds the TPU and
+  no replica could use it); restarting the kernel is the only fix. Spawn is refused.
+- ``num_processes`` can only be 1 or every device the runtime reports (torch_xla's rule).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import faulthandler
+import glob
+import io
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from nbaccel.environment import (
+    WorkerSettings,
+    _tpu_pci_device_ids,
+    apply_environment,
+    worker_environment,
+    xla_installed,
+    xla_runtime_initialized,
+)
+from nbaccel.errors import (
+    ConfigError,
+    EnvironmentStateError,
+    LaunchError,
+    MissingDependencyError,
+    PayloadPicklingError,
+)
+from nbaccel.launch.events import LaunchObserver, RankState
+from nbaccel.launch.failures import WorkerFailure, raise_failures
+from nbaccel.launch.frames import write_frame
+from nbaccel.launch.output import OutputRelay, Stream
+from nbaccel.launch.payload import dumps_result, loads
+from nbaccel.launch.supervisor import Supervisor, WorkerHandle
+from nbaccel.launch.worker import WorkerSpec, _report_error, die_with_parent, run_worker
+
+__all__ = ["HOST_RANK", "ReplicaInfo", "current_replica", "launch_xla", "xla_replica_count"]
+
+HOST_RANK = -1
+"""The pseudo-rank of the torch_xla host process in output labels and failure reports."""
+
+_CORES_PER_CHIP = {"0x0027": 2}  # TPU v2/v3 chips hold two XLA devices; later chips one
+_PROBE = ("import torch_xla.runtime as xr, torch_xla.core.xla_model as xm; "
+          "print(len(xm.get_xla_supported_devices()) * max(1, xr.local_process_count()))")
+
+
+# --------------------------------------------------------------------------- counting
+
+
+def _tpu_chips(root: str = "/") -> list[int]:
+    """XLA devices per TPU chip on the PCI bus, one entry per chip."""
+    return [_CORES_PER_CHIP.get(device, 1) for device in _tpu_pci_device_ids(root)]
+
+
+def _positive_env_int(env: Mapping[str, str], name: str) -> int | None:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ConfigError(f"environment variable {name} must be a positive int (got {raw!r}). Fix: unset it, "
+                          f"or set it to the number of XLA devices to use, e.g. {name}=1.", key=name, value=raw,
+                          valid="a positive int")
+    return value
+
+
+def _process_bounds(env: Mapping[str, str]) -> int | None:
+    raw = env.get("TPU_PROCESS_BOUNDS", "").strip()
+    if not raw:
+        return None
+    size = 1
+    for part in raw.split(","):
+        size *= int(part)
+    return size
+
+
+def probe_replica_count(timeout: float = 120.0) -> int:
+    """Ask a throwaway child interpreter how many XLA devices the runtime reports.
+
+    The child initializes the runtime (and, on a TPU, holds it until it exits); this process does
+    not. Used when the count cannot be read from the environment or the PCI bus.
+
+    Raises:
+        LaunchError: the child failed or printed no count.
+    """
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise LaunchError(f"asking the XLA runtime for its device count took over {timeout:g}s. Fix: set "
+                          "num_processes=1, or check the runtime with `python -c 'import torch_xla; "
+                          "print(torch_xla.device())'`.") from None
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines or not lines[-1].isdigit():
+        tail = "\n".join(done.stderr.strip().splitlines()[-5:])
+        raise LaunchError(f"could not ask the XLA runtime for its device count (exit code {done.returncode}):\n"
+                          f"{tail}\nFix: check that `python -c 'import torch_xla; print(torch_xla.device())'` "
+                          "works here, or pass num_processes=1.")
+    return int(lines[-1])
+
+
+def xla_replica_count(env: Mapping[str, str] | None = None, *, root: str = "/") -> int:
+    """How many replicas ``torch_xla.launch`` would start here, without initializing the runtime.
+
+    ``PJRT_DEVICE=CPU``: ``CPU_NUM_DEVICES`` (default 1). A TPU: the chips on the PCI bus (limited
+    by ``TPU_PROCESS_BOUNDS``) times the devices per chip. Anything else is asked of a child
+    process (:func:`probe_replica_count`).
+
+    Example:
+        >>> xla_replica_count({"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"})
+        4
+    """
+    env = os.environ if env is None else env
+    device = env.get("PJRT_DEVICE", "").upper().split("_")[0]
+    chips = _tpu_chips(root) if device in ("", "TPU") else []
+    if device == "CPU" or (device == "" and not chips):
+        return _positive_env_int(env, "CPU_NUM_DEVICES") or 1
+    if device == "TPU" and chips:
+        bounds = _process_bounds(env)
+        used = chips[: bounds] if bounds else chips
+        return sum(used)
+    return probe_replica_count()
+
+
+def check_xla_launch(num_processes: int | None, start_method: str | None,
+                     env: Mapping[str, str] | None = None) -> int:
+    """Validate an XLA launch request before anything starts; returns how many replicas to run.
+
+    Raises:
+        MissingDependencyError: torch_xla is not installed.
+        EnvironmentStateError: the XLA runtime is already initialized in this process.
+        ConfigError: ``start_method="spawn"``, or a ``num_processes`` torch_xla cannot run.
+    """
+    if not xla_installed():
+        raise MissingDependencyError(
+            "this launch runs through torch_xla (a TPU was detected or distributed_type='XLA'), but torch_xla "
+            "is not installed. Fix: `pip install torch_xla` matching your torch version, or pass use_cpu=True "
+            "(NBACCEL_TPU=0 turns TPU detection off).", package="torch_xla", needed_for="notebook_launcher on XLA",
+            install="pip install torch_xla")
+    if xla_runtime_initialized():
+        raise EnvironmentStateError(
+            "the XLA runtime is already initialized in this process (something used an XLA device: "
+            "torch_xla.device(), xm.xla_device(), a tensor moved to 'xla'), so it holds the device and torch_xla "
+            "cannot start replicas. Fix: restart the kernel and call notebook_launcher before touching the XLA "
+            "device in the notebook.")
+    if start_method == "spawn":
+        raise ConfigError("start_method='spawn' is not supported on XLA: nbaccel runs torch_xla.launch with fork "
+                          "so replicas get the function and their pipes from memory. Fix: pass start_method=None "
+                          "or 'fork'.", key="start_method", value=start_method, valid=("fork", None))
+    replicas = xla_replica_count(env)
+    if num_processes is None or num_processes == replicas:
+        return replicas
+    if num_processes == 1:
+        return 1
+    raise ConfigError(f"num_processes={num_processes!r}, but torch_xla runs either one replica or one per XLA "
+                      f"device and this runtime reports {replicas}. Fix: pass num_processes=None (all "
+                      f"{replicas}) or 1; to use fewer devices set CPU_NUM_DEVICES (CPU runtime) or "
+                      "TPU_PROCESS_BOUNDS/TPU_VISIBLE_CHIPS before launching.", key="num_processes",
+                      value=num_processes, valid=sorted({1, replicas}))
+
+
+# --------------------------------------------------------------------------- replica side
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """Who the calling replica thread is, as the XLA launcher set it up.
+
+    Attributes:
+        rank: the replica's global ordinal.
+        world_size: replicas in the launch.
+        shares_process: other replicas run as threads of the same process (TPU v2/v3, the CPU runtime).
+    """
+
+    rank: int
+    world_size: int
+    shares_process: bool
+
+
+@dataclass(frozen=True)
+class _ReplicaJob:
+    """What every replica needs; set in the host before ``torch_xla.launch`` forks the replicas."""
+
+    function: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: Mapping[str, Any]
+    world_size: int
+    pipes: tuple[tuple[int, int, int], ...]  # (ctl, stdout, stderr) write ends, per rank
+    host_pid: int
+
+
+_JOB: _ReplicaJob | None = None
+_local = threading.local()
+_process_lock = threading.Lock()
+_process_pid: int | None = None  # the process whose one-time replica setup has run
+
+
+def current_replica() -> ReplicaInfo | None:
+    """The calling thread's replica, inside a function started by :func:`launch_xla`; else ``None``.
+
+    Example:
+        >>> current_replica() is None  # outside a launch
+        True
+    """
+    return getattr(_local, "info", None)
+
+
+class _RoutedStream(io.TextIOBase):
+    """``sys.stdout``/``sys.stderr`` of a process with several replica threads: each writes to its own pipe."""
+
+    def __init__(self, name: Stream, fallback: TextIO) -> None:
+        self._name = name
+        self._fallback = fallback
+
+    def _target(self) -> TextIO:
+        streams = getattr(_local, "streams", None)
+        return streams[self._name] if streams else self._fallback
+
+    def write(self, text: str) -> int:  # type: ignore[override]
+        return self._target().write(text)
+
+    def flush(self) -> None:
+        self._target().flush()
+
+    def fileno(self) -> int:
+        return self._target().fileno()
+
+    def isatty(self) -> bool:
+        return False
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return "utf-8"
+
+
+def _line_stream(fd: int) -> TextIO:
+    return io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), line_buffering=True, write_through=True)
+
+
+def _setup_process_once(job: _ReplicaJob) -> bool:
+    """One-time setup of a replica process; returns whether replicas share it as threads."""
+    global _process_pid
+    import torch_xla.runtime as xr
+
+    with _process_lock:
+        shared = xr.addressable_device_count() > 1
+        if _process_pid != os.getpid():
+            _process_pid = os.getpid()
+            if os.getpid() != job.host_pid:
+                die_with_parent(job.host_pid)
+            if shared:
+                sys.stdout = _RoutedStream("stdout", sys.stdout)  # type: ignore[assignment]
+                sys.stderr = _RoutedStream("stderr", sys.stderr)  # type: ignore[assignment]
+                faulthandler.enable(all_threads=True)  # native crashes: every thread's stack, [xla]-labelled
+        return shared
+
+
+def _enter_replica(job: _ReplicaJob, rank: int) -> None:
+    shared = _setup_process_once(job)
+    _, out_fd, err_fd = job.pipes[rank]
+    if shared:
+        _local.streams = {"stdout": _line_stream(out_fd), "stderr": _line_stream(err_fd)}
+    else:  # the only replica here: the whole process's output is this rank's
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(out_fd, 1)
+        os.dup2(err_fd, 2)
+        sys.stdout = sys.__stdout__ = _line_stream(1)
+        sys.stderr = sys.__stderr__ = _line_stream(2)
+        faulthandler.enable(all_threads=True)
+    _local.info = ReplicaInfo(rank=rank, world_size=job.world_size, shares_process=shared)
+
+
+def _leave_replica() -> None:
+    for stream in getattr(_local, "streams", {}).values():
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    _local.streams = None
+    _local.info = None
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def _replica_main(index: int) -> None:
+    """What ``torch_xla.launch`` runs in every replica: run the function, report on this rank's pipe."""
+    job = _JOB
+    assert job is not None, "nbaccel's XLA replica entry ran outside launch_xla"
+    ctl_fd = job.pipes[index][0]
+    spec = WorkerSpec(rank=index, env={}, ctl_fd=ctl_fd, parent_pid=job.host_pid)
+    try:
+        _enter_replica(job, index)
+        write_frame(ctl_fd, "started", {"pid": os.getpid(), "time": time.time()})
+        try:
+            result = job.function(*job.args, **job.kwargs)
+        except SystemExit as stop:
+            if stop.code not in (None, 0):
+                raise
+            result = None
+        try:
+            payload = dumps_result(result)
+        except Exception as exc:  # noqa: BLE001
+            raise PayloadPicklingError(
+                f"rank {index} returned a {type(result).__qualname__} that cannot be pickled back to the "
+                f"caller: {exc}. Fix: return plain data (tensors, numbers, dicts, state_dict()).",
+                object_path="return value", object_type=type(result).__qualname__) from exc
+        write_frame(ctl_fd, "result", payload)
+    except BaseException as exc:  # noqa: BLE001 - reported; the supervisor then stops the whole launch
+        try:
+            _report_error(spec, exc)
+        except BaseException:  # noqa: BLE001 - the missing report still tells the supervisor
+            pass
+    finally:
+        _leave_replica()
+
+
+def _host_main(job: _ReplicaJob, single: bool) -> None:
+    """The host process (nbaccel's settings already in its environment): run the replicas."""
+    global _JOB
+    if single and os.environ.get("PJRT_DEVICE", "").upper() == "CPU":
+        apply_environment({"CPU_NUM_DEVICES": "1"})
+    _JOB = job
+    import torch_xla
+
+    torch_xla.launch(_replica_main, start_method="fork", debug_single_process=single)
+
+
+# --------------------------------------------------------------------------- caller side
+
+
+class _HostHandle(WorkerHandle):
+    """The host process; signals go to its whole process group (the host and every replica)."""
+
+    def send(self, sig: int) -> None:
+        try:
+            os.killpg(self.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+@dataclass
+class _ReplicaHandle(WorkerHandle):
+    """One replica, seen through its pipes: it has ended once it reported, or once the host is gone."""
+
+    host: _HostHandle | None = None
+
+    def poll(self) -> bool:
+        if self.exited:
+            return True
+        if self.result is not None or self.error is not None or self._host_gone():
+            self.exited = True
+        return self.exited
+
+    def _host_gone(self) -> bool:
+        host = self.host
+        assert host is not None
+        if host.exited:
+            return True
+        try:  # peek without reaping: the host's own exit is handled on its handle
+            return os.waitid(os.P_PID, host.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:
+            return True
+
+    def send(self, sig: int) -> None:
+        if self.host is not None:
+            self.host.send(sig)
+
+
+class _XlaRelay(OutputRelay):
+    """Labels the host process's own output ``[xla]`` and always shows it."""
+
+    def _label(self, rank: int) -> str:
+        return "[xla]: " if rank == HOST_RANK else super()._label(rank)
+
+    def _visible(self, rank: int) -> bool:
+        return rank == HOST_RANK or super()._visible(rank)
+
+
+class _XlaSupervisor(Supervisor):
+    """The supervisor, with one host handle (first) and one handle per replica."""
+
+    def __init__(self, host: _HostHandle, replicas: Sequence[_ReplicaHandle], relay: OutputRelay,
+                 observer: LaunchObserver | None, **kwargs: Any) -> None:
+        super().__init__([host, *replicas], relay, observer, **kwargs)
+        self.host = host
+        self.replicas = list(replicas)
+        self._host_failure: WorkerFailure | None = None
+
+    def run(self) -> dict[int, Any]:
+        """As :meth:`Supervisor.run`, counting and reporting only the replicas (not the host)."""
+        try:
+            failures = self._watch(time.monotonic())
+        except BaseException:
+            self._stop_all(interrupted=True)
+            raise
+        finally:
+            self._kill_remaining()
+            self._close()
+        if failures:
+            raise_failures(failures, len(self.replicas), [r for r in self._stopped if r != HOST_RANK])
+        return {h.rank: loads(h.result) for h in self.replicas if h.result is not None}
+
+    def _set_state(self, handle: WorkerHandle, state: RankState) -> None:
+        if handle is self.host:
+            handle.state = state
+        else:
+            super()._set_state(handle, state)
+
+    def _on_message(self, handle: WorkerHandle, kind: str, body: Any) -> None:
+        if kind == "started" and handle is not self.host:
+            handle.pid = body["pid"]  # the replica's own process (signals still go to the host's group)
+        super()._on_message(handle, kind, body)
+
+    def _on_exit(self, handle: WorkerHandle) -> WorkerFailure | None:
+        if handle is self.host:
+            return self._on_host_exit()
+        self._drain(handle)  # a report may still be in the pipe
+        if handle.result is None and handle.error is None and handle.rank not in self._stopped:
+            return self._unreported(handle)
+        failure = super()._on_exit(handle)
+        if all(r.exited for r in self.replicas) and not self.host.exited:
+            self.host.result_at = time.monotonic()  # every rank is done: the host gets a grace to tear down
+        return failure
+
+    def _on_host_exit(self) -> WorkerFailure | None:
+        failure = super()._on_exit(self.host)
+        for replica in self.replicas:
+            if not replica.exited:
+                self._drain(replica)  # frames still in a pipe decide whether the rank reported
+        if failure is None or any(r.state != "starting" for r in self.replicas):
+            self._host_failure = failure
+            return None  # the replicas' own reports (or their absence) say what went wrong
+        message = f"torch_xla.launch failed in the host process before any replica started: {failure.message}"
+        return dataclasses.replace(failure, message=message)
+
+    def _unreported(self, handle: WorkerHandle) -> WorkerFailure | None:
+        if handle.state == "starting":
+            self._set_state(handle, "stopped")
+            return None
+        self._set_state(handle, "failed")
+        host = self._host_failure
+        said = ""
+        if host is not None and host.exc_type:
+            said = f" torch_xla reported: {host.exc_type}: {host.message.strip().splitlines()[-1]}"
+        in_host = handle.pid == self.host.pid  # one replica, run inside the host: its exit is the host's
+        return WorkerFailure(
+            rank=handle.rank, pid=handle.pid, time=host.time if host is not None else time.time(),
+            exitcode=self.host.exitcode if in_host else None, signal=self.host.signal if in_host else None,
+            message="its replica process ended without reporting an exception (a crash in native code such as "
+                    "an XLA abort, an OOM kill, or os._exit); look for a faulthandler stack in the output "
+                    f"above.{said}")
+
+    def dump_stacks(self, wait: float = 1.0) -> dict[int, str]:
+        running = [h for h in self.replicas if not h.exited and h.state == "running"]
+        self.relay.capturing = {h.rank for h in running} | {HOST_RANK}
+        self.host.send(signal.SIGUSR1)  # every process of the group dumps all its threads
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            self._pump(0.05)
+        self.relay.capturing = set()
+        shared = "\n".join(self.relay.captured.pop(HOST_RANK, []))
+        return {h.rank: "\n".join(self.relay.captured.pop(h.rank, [])) or shared for h in running}
+
+
+def _start_host(function: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], n: int,
+                env: Mapping[str, str]) -> tuple[_HostHandle, list[_ReplicaHandle]]:
+    """Fork the host process (its own process group) with a control/stdout/stderr pipe per rank."""
+    host_pipes = [os.pipe() for _ in range(3)]
+    rank_pipes = [[os.pipe() for _ in range(3)] for _ in range(n)]
+    read_ends = [r for r, _ in host_pipes] + [r for trio in rank_pipes for r, _ in trio]
+    parent = os.getpid()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: fork with threads
+        pid = os.fork()
+    if pid == 0:  # the host; never returns
+        try:
+            os.setpgid(0, 0)  # Jupyter's interrupt (sent to the kernel's group) reaches only the caller
+            job = _ReplicaJob(function=function, args=tuple(args), kwargs=dict(kwargs), world_size=n,
+                              pipes=tuple(tuple(w for _, w in trio) for trio in rank_pipes),  # type: ignore[misc]
+                              host_pid=os.getpid())
+            spec = WorkerSpec(rank=HOST_RANK, env=env, ctl_fd=host_pipes[0][1], parent_pid=parent,
+                              out_fd=host_pipes[1][1], err_fd=host_pipes[2][1], close_fds=read_ends)
+        except BaseException:  # noqa: BLE001
+            os._exit(1)
+        run_worker(spec, _host_main, (job, n == 1), {})
+    try:
+        os.setpgid(pid, pid)  # also here, so signals reach the group even before the child ran
+    except (PermissionError, ProcessLookupError):
+        pass
+    for trio in [host_pipes, *rank_pipes]:
+        for _, write_end in trio:
+            os.close(write_end)
+    host = _HostHandle(rank=HOST_RANK, pid=pid, ctl_fd=host_pipes[0][0], out_fd=host_pipes[1][0],
+                       err_fd=host_pipes[2][0])
+    replicas = [_ReplicaHandle(rank=r, pid=pid, ctl_fd=trio[0][0], out_fd=trio[1][0], err_fd=trio[2][0], host=host)
+                for r, trio in enumerate(rank_pipes)]
+    return host, replicas
+
+
+def _check_ranks(output_ranks: Iterable[int] | int | None, n: int) -> frozenset[int] | None:
+    from nbaccel.launch.launcher import _check_ranks as check
+
+    return check(output_ranks, n)
+
+
+def launch_xla(function: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], plan: Any, *,
+               output_ranks: Iterable[int] | int | None = None, return_all: bool = False,
+               timeout: float | None = None, observer: LaunchObserver | None = None,
+               hang_timeout: float | None = 120.0) -> Any:
+    """Run ``function`` on every XLA device through ``torch_xla.launch`` and bring its results back.
+
+    Called by :func:`~nbaccel.launch.launcher.notebook_launcher` when the plan's device kind is
+    ``"xla"``; ``plan.num_processes`` is 1 or the number of devices the runtime reports.
+
+    Returns:
+        Rank 0's return value (moved to CPU), or ``{rank: value}`` when ``return_all``.
+
+    Raises:
+        ConfigError: ``output_ranks`` names a rank that does not exist.
+        LaunchTimeoutError: ``timeout`` passed or the hang watchdog fired.
+        KeyboardInterrupt: the caller was interrupted; the host and every replica were stopped.
+        BaseException: the root-cause replica's own exception, with ``launch_failures`` attached.
+
+    Example:
+        >>> def where():
+        ...     import torch_xla.runtime as xr
+        ...     return xr.global_ordinal()
+        >>> launch_xla(where, (), {}, plan_launch(LaunchConfig(distributed_type="XLA")))  # doctest: +SKIP
+        0
+    """
+    n = plan.num_processes
+    shown = _check_ranks(output_ranks, n)
+    import torch_xla  # noqa: F401 - imported once here (about 5 s), not in every host process
+
+    settings: WorkerSettings = plan.settings
+    env = worker_environment(settings, threads=plan.threads)
+    relay = _XlaRelay(show=shown, on_line=_without_host(observer.on_output) if observer is not None else None)
+    if observer is not None:
+        observer.on_launch(list(range(n)), "fork")
+    host, replicas = _start_host(function, args, kwargs, n, env)
+    supervisor = _XlaSupervisor(host, replicas, relay, observer, timeout=timeout, hang_timeout=hang_timeout)
+    ok = False
+    try:
+        results = supervisor.run()
+        ok = True
+    finally:
+        _kill_group(host.pid)
+        if observer is not None:
+            observer.on_end(ok)
+    return results if return_all else results.get(0)
+
+
+def _without_host(on_output: Callable[[int, Stream, str], None]) -> Callable[[int, Stream, str], None]:
+    def forward(rank: int, stream: Stream, line: str) -> None:
+        if rank != HOST_RANK:
+            on_output(rank, stream, line)
+    return forward
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL whatever is left in the host's process group (replicas orphaned by a dead host)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
