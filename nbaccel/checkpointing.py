@@ -381,6 +381,9 @@ def load_accelerator_state(acc: Any, input_dir: str | Path | None, strict: bool 
     source = resolve_checkpoint(folder)
     _read_models(acc, source, strict)
     _read_rest(acc, source)
+    marker = source / MARKER
+    if marker.is_file():  # the accumulation counter, so a resumed run syncs on the same micro-batches
+        acc.step = int(json.loads(marker.read_text()).get("step", 0))
     if acc.project_configuration.automatic_checkpoint_naming and input_dir is None:
         acc.project_configuration.iteration = int(folder.name.split("_")[-1]) + 1
     acc.wait_for_everyone()

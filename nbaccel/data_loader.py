@@ -176,6 +176,8 @@ class DataLoaderDispatcher(DataLoaderShard):
                 first = batch if first is None else first
                 if flags[1]:
                     self.end_of_dataloader = True
+                    if self.remainder == -1 and self.total_batch_size:
+                        self.remainder = (find_batch_size(batch) or 0) % self.total_batch_size
                 if index >= self.skip_batches:
                     yield self._place(self._slice(batch, first))
                 index += 1
@@ -205,18 +207,31 @@ def _loader_kwargs(loader: DataLoader) -> dict[str, Any]:
         {"in_order": loader.in_order} if hasattr(loader, "in_order") else {})
 
 
-def _shared_generator(sampler: Any) -> torch.Generator | None:
-    """Give a shuffling sampler a generator with rank 0's state, so every rank shuffles alike."""
-    if not isinstance(sampler, RandomSampler):
-        return None
-    if sampler.generator is None:
-        sampler.generator = torch.Generator()
-        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
-        sampler.generator.manual_seed(int(broadcast(seed, from_process=0).item()))
-    else:
-        state = sampler.generator.get_state()
-        sampler.generator.set_state(broadcast(state, from_process=0))
-    return sampler.generator
+def _new_shared_generator() -> torch.Generator:
+    """A generator seeded from rank 0's torch RNG (so ``set_seed`` decides it), the same on every rank."""
+    generator = torch.Generator()
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+    generator.manual_seed(int(broadcast(seed, from_process=0).item()))
+    return generator
+
+
+def _shared_generator(sampler: Any, loader_generator: torch.Generator | None) -> torch.Generator:
+    """The generator that decides a pass's order and worker seeds, with rank 0's state on every rank.
+
+    A shuffling sampler gets it (so every rank shuffles alike); the rebuilt loader draws its
+    worker base seed from it too, so iterating never consumes the global RNG and a resumed run
+    draws the same random numbers (dropout) as the original.
+    """
+    if isinstance(sampler, RandomSampler) and not isinstance(sampler, SeedableRandomSampler):
+        if sampler.generator is None:
+            sampler.generator = loader_generator or _new_shared_generator()
+        else:
+            sampler.generator.set_state(broadcast(sampler.generator.get_state(), from_process=0))
+        return sampler.generator
+    if loader_generator is not None:
+        loader_generator.set_state(broadcast(loader_generator.get_state(), from_process=0))
+        return loader_generator
+    return _new_shared_generator()
 
 
 def _seedable(sampler: RandomSampler, config: DataLoaderConfiguration) -> SeedableRandomSampler:
@@ -258,7 +273,7 @@ def prepare_data_loader(dataloader: DataLoader, device: torch.device | None = No
     dispatch = config.dispatch_batches if config.dispatch_batches is not None else (iterable and num_processes > 1)
     kwargs = _loader_kwargs(dataloader)
     if device is not None and device.type == "xla":
-        device = None  # batches reach the device through MpDeviceLoader instead (see wrap_for_xla)
+        device = None  # batches reach the device through MpDeviceLoader instead (see XlaDeviceLoader)
     common: dict[str, Any] = {"device": device, "gradient_state": gradient_state, "non_blocking": config.non_blocking}
     bs = dataloader.batch_size
     if dispatch and num_processes > 1:
@@ -271,15 +286,16 @@ def prepare_data_loader(dataloader: DataLoader, device: torch.device | None = No
                                             num_processes=num_processes, process_index=process_index,
                                             split_batches=config.split_batches)
         total = (bs if config.split_batches else (bs or 1) * num_processes) if bs else None
+        kwargs["generator"] = _shared_generator(None, dataloader.generator)
         return DataLoaderShard(shard_ds, batch_size=per, drop_last=dataloader.drop_last, total_batch_size=total,
-                               **common, **kwargs)
+                               sync_generator=kwargs["generator"], **common, **kwargs)
     sampler = dataloader.batch_sampler.sampler if hasattr(dataloader.batch_sampler, "sampler") else dataloader.sampler
     if isinstance(sampler, RandomSampler) and config.use_seedable_sampler:
         sampler = _seedable(sampler, config)
         batch_sampler: Any = BatchSampler(sampler, batch_size=bs, drop_last=dataloader.drop_last) if bs else None
     else:
         batch_sampler = dataloader.batch_sampler
-    generator = None if isinstance(sampler, SeedableRandomSampler) else _shared_generator(sampler)
+    generator = _shared_generator(sampler, dataloader.generator)
     if batch_sampler is None:
         batch_sampler = dataloader.batch_sampler
     if num_processes > 1:
@@ -289,7 +305,7 @@ def prepare_data_loader(dataloader: DataLoader, device: torch.device | None = No
     total = size if config.split_batches else (size * num_processes if size else None)
     kwargs.pop("generator", None)
     return DataLoaderShard(dataset, batch_sampler=batch_sampler, total_batch_size=total, sync_generator=generator,
-                           generator=dataloader.generator, source_drop_last=dataloader.drop_last, **common, **kwargs)
+                           generator=generator, source_drop_last=dataloader.drop_last, **common, **kwargs)
 
 
 def _prepare_dispatcher(dataloader: DataLoader, num_processes: int, process_index: int,
