@@ -164,7 +164,8 @@ class AccelMagics(Magics):
         shell = self.shell
         first = f"%%accel_launch {line}".rstrip()
         cell_lines = [first + "\n"] + [text + "\n" for text in cell.splitlines()]
-        number = shell.execution_count
+        running = getattr(shell.displayhook, "exec_result", None)  # this cell's In[N], however counted
+        number = getattr(running, "execution_count", None) or shell.execution_count
         filename = shell.compile.cache("".join(cell_lines), number, raw_code="".join(cell_lines) + "#nbaccel")
         mapped = getattr(shell.compile, "_filename_map", {})
         sources = {name: linecache.cache[name] for name in mapped if name in linecache.cache and name != filename}

@@ -1,0 +1,1 @@
+"""Tests of the IPython magics, in-process and in a real kernel."""
