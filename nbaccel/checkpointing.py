@@ -92,6 +92,13 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def _alias_key(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """What tied names share: the storage on CPU/CUDA; on XLA (no storage pointers) the tensor object."""
+    if tensor.device.type == "xla":
+        return ("xla", id(tensor))
+    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+
+
 def load_into(model: torch.nn.Module, weights: Mapping[str, torch.Tensor], strict: bool = True) -> None:
     """Load ``weights`` into ``model``; names missing only because they were tied aliases are fine.
 
@@ -101,10 +108,9 @@ def load_into(model: torch.nn.Module, weights: Mapping[str, torch.Tensor], stric
     result = model.load_state_dict(weights, strict=False)
     if not strict:
         return
-    own = model.state_dict()
-    present = {(t.untyped_storage().data_ptr(), t.storage_offset()) for n, t in own.items() if n in weights}
-    missing = [n for n in result.missing_keys
-               if (own[n].untyped_storage().data_ptr(), own[n].storage_offset()) not in present]
+    own = model.state_dict(keep_vars=True)
+    present = {_alias_key(t) for n, t in own.items() if n in weights}
+    missing = [n for n in result.missing_keys if _alias_key(own[n]) not in present]
     if missing or result.unexpected_keys:
         raise CheckpointMismatchError(
             f"the checkpoint does not fit {type(model).__name__}: missing keys {missing}, unexpected keys "
