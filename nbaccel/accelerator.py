@@ -264,7 +264,11 @@ class Accelerator(ProcessHelpers):
         self._require_deepspeed_absent_or_use()
         place = self.device_placement if device_placement is None else device_placement
         if place and not (self.fsdp_plugin is not None and self.fsdp_plugin.cpu_offload):
+            before = list(model.parameters()) if self.device.type == "xla" else []
             model = model.to(self.device)
+            if before:  # XLA: .to() makes new Parameter objects; the optimizers must follow them
+                _switch_parameters(before, list(model.parameters()),
+                                   list(_optimizers or []) + [o.optimizer for o in self._optimizers])
         if self._mixed_precision != "no":
             wrap_forward(model, self._mixed_precision, self.device, self.autocast_handler)
         trainable = any(p.requires_grad for p in model.parameters())
@@ -550,6 +554,17 @@ class Accelerator(ProcessHelpers):
         return (f"Accelerator(distributed_type={self.distributed_type!r}, num_processes={self.num_processes}, "
                 f"process_index={self.process_index}, device={self.device}, mixed_precision={self.mixed_precision!r}, "
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps})")
+
+
+def _switch_parameters(old: list[torch.nn.Parameter], new: list[torch.nn.Parameter],
+                       optimizers: list[torch.optim.Optimizer]) -> None:
+    """Point ``optimizers`` (param groups and state) at ``new`` where they held ``old`` (same order)."""
+    moved = {id(o): n for o, n in zip(old, new) if o is not n}
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["params"] = [moved.get(id(p), p) for p in group["params"]]
+        for param in [p for p in optimizer.state if id(p) in moved]:
+            optimizer.state[moved[id(param)]] = optimizer.state.pop(param)
 
 
 def _is_prepared(obj: Any) -> bool:
