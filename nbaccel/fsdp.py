@@ -38,8 +38,8 @@ def _wrap_targets(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin
         return [m for m in model.modules() if m is not model and type(m).__name__ in names]
     if plugin.auto_wrap_policy == "SIZE_BASED_WRAP":
         limit = plugin.min_num_params or 100_000_000
-        return [m for m in model.modules() if m is not model and any(True for _ in m.children())
-                and sum(p.numel() for p in m.parameters()) >= limit]
+        return [m for m in model.modules() if m is not model and type(m).forward is not torch.nn.Module.forward
+                and any(True for _ in m.children()) and sum(p.numel() for p in m.parameters()) >= limit]
     return []
 
 
@@ -111,6 +111,11 @@ def load_full_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.opti
     """Load a gathered optimizer state dict (present on every rank) into a sharded model's optimizer."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+    if not state_dict.get("state"):
+        # A stateless optimizer (plain SGD): torch cannot place an empty state; only hyperparameters remain.
+        for group, saved in zip(optimizer.param_groups, state_dict.get("param_groups", [])):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        return
     set_optimizer_state_dict(model, optimizer, state_dict, options=StateDictOptions(full_state_dict=True))
 
 

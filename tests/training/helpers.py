@@ -94,12 +94,12 @@ class CountingStream(IterableDataset):
             yield torch.tensor([i])
 
 
-def model_and_optimizer(seed: int = 0, lr: float = 0.05, kind: type[nn.Module] = TinyMLP
+def model_and_optimizer(seed: int = 0, lr: float = 0.05, kind: type[nn.Module] = TinyMLP, momentum: float = 0.0
                         ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """A freshly seeded model and its SGD optimizer."""
     torch.manual_seed(seed)
     model = kind()
-    return model, torch.optim.SGD(model.parameters(), lr=lr)
+    return model, torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
 
 
 def train_steps(accelerator: nbaccel.Accelerator, model: nn.Module, optimizer: Any, loader: Any,
