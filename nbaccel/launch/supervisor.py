@@ -49,6 +49,7 @@ class WorkerHandle:
     started_at: float | None = None
     result_at: float | None = None
     frames: FrameReader = field(default_factory=FrameReader)
+    pidfd: int | None = None
 
     def poll(self) -> bool:
         """Reap the process if it has exited; returns whether it has."""
@@ -80,6 +81,13 @@ class WorkerHandle:
                 os.kill(self.pid, sig)
             except ProcessLookupError:
                 pass
+
+
+def _open_pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):  # not Linux >= 5.3: exits are found by polling
+        return None
 
 
 class Supervisor:
@@ -114,6 +122,9 @@ class Supervisor:
             for fd, kind in ((handle.ctl_fd, "ctl"), (handle.out_fd, "stdout"), (handle.err_fd, "stderr")):
                 os.set_blocking(fd, False)
                 self._selector.register(fd, selectors.EVENT_READ, (handle, kind))
+            handle.pidfd = _open_pidfd(handle.pid)
+            if handle.pidfd is not None:  # wakes the loop the moment the worker exits
+                self._selector.register(handle.pidfd, selectors.EVENT_READ, (handle, "exit"))
 
     # ------------------------------------------------------------------ public
     def run(self) -> dict[int, Any]:
@@ -167,6 +178,11 @@ class Supervisor:
             self._read(handle, kind, key.fd)
 
     def _read(self, handle: WorkerHandle, kind: str, fd: int) -> bool:
+        if kind == "exit":
+            self._selector.unregister(fd)
+            os.close(fd)
+            handle.pidfd = None
+            return False
         try:
             data = os.read(fd, _READ_SIZE)
         except BlockingIOError:
@@ -186,6 +202,8 @@ class Supervisor:
     def _drain(self, handle: WorkerHandle) -> None:
         """Read what an exited worker left in its pipes (its write ends are closed now)."""
         deadline = time.monotonic() + 2.0
+        if handle.pidfd is not None:
+            self._read(handle, "exit", handle.pidfd)
         fds = [fd for fd in (handle.ctl_fd, handle.out_fd, handle.err_fd) if fd in self._selector.get_map()]
         while fds and time.monotonic() < deadline:
             for fd in list(fds):

@@ -1,0 +1,133 @@
+"""Launch overhead: nbaccel against Accelerate's notebook_launcher, torch elastic_launch and mp.spawn.
+
+For 2 and 4 CPU processes, each launcher runs the same function (join a gloo group, one
+all_reduce, leave); it records when it entered. We report the time until the last worker is in
+the function and the time until the launcher returns (median of ``--repeat`` runs), and ratios.
+
+Run: ``.venv/bin/python benchmarks/launch.py`` (needs ``pip install accelerate`` for its column).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def work(marks: str) -> None:
+    """The benchmarked function: note the entry time, then one collective."""
+    Path(marks, f"{os.environ.get('RANK', '0')}-{os.getpid()}").write_text(repr(time.time()))
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    value = torch.ones(1)
+    dist.all_reduce(value)
+    dist.destroy_process_group()
+
+
+def _spawn_entry(local_rank: int, marks: str, n: int, port: int) -> None:
+    os.environ.update(RANK=str(local_rank), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    work(marks)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def nbaccel_fork(n: int, marks: str) -> None:
+    from nbaccel import notebook_launcher
+
+    notebook_launcher(work, (marks,), num_processes=n, start_method="fork")
+
+
+def nbaccel_spawn(n: int, marks: str) -> None:
+    from nbaccel import notebook_launcher
+
+    notebook_launcher(work, (marks,), num_processes=n, start_method="spawn")
+
+
+def accelerate_fork(n: int, marks: str) -> None:
+    from accelerate import notebook_launcher
+
+    notebook_launcher(work, (marks,), num_processes=n, use_port=str(_free_port()))
+
+
+def elastic_fork(n: int, marks: str) -> None:
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, rdzv_backend="static",
+                          rdzv_endpoint=f"127.0.0.1:{_free_port()}", rdzv_configs={"rank": 0},
+                          max_restarts=0, monitor_interval=0.1, start_method="fork", run_id="bench")
+    elastic_launch(config, work)(marks)
+
+
+def mp_spawn(n: int, marks: str) -> None:
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_spawn_entry, args=(marks, n, _free_port()), nprocs=n, start_method="spawn")
+
+
+LAUNCHERS: dict[str, Callable[[int, str], None]] = {
+    "nbaccel fork": nbaccel_fork,
+    "nbaccel spawn": nbaccel_spawn,
+    "accelerate notebook_launcher": accelerate_fork,
+    "torch elastic_launch (fork)": elastic_fork,
+    "torch.multiprocessing spawn": mp_spawn,
+}
+
+
+def measure(launch: Callable[[int, str], None], n: int) -> tuple[float, float]:
+    """One run: (seconds until every worker entered, seconds until the launcher returned)."""
+    with tempfile.TemporaryDirectory() as marks:
+        start = time.time()
+        launch(n, marks)
+        returned = time.time() - start
+        entries = [float(p.read_text()) for p in Path(marks).iterdir()]
+    assert len(entries) == n, f"expected {n} workers, saw {len(entries)}"
+    return max(entries) - start, returned
+
+
+def main() -> None:
+    """Print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--processes", type=int, nargs="+", default=[2, 4])
+    args = parser.parse_args()
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        print("accelerate not installed: its column is skipped (pip install accelerate)", file=sys.stderr)
+        LAUNCHERS.pop("accelerate notebook_launcher")
+    for launch in LAUNCHERS.values():  # warm-up: first-use imports are not launch overhead
+        measure(launch, 2)
+    for n in args.processes:
+        rows = {}
+        for name, launch in LAUNCHERS.items():
+            runs = [measure(launch, n) for _ in range(args.repeat)]
+            rows[name] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
+        base_in, base_out = rows["nbaccel fork"]
+        print(f"\n{n} processes (median of {args.repeat}; ratio = that launcher / nbaccel fork)")
+        print(f"{'launcher':32} {'all in fn (s)':>14} {'returned (s)':>13} {'ratio in':>9} {'ratio ret':>10}")
+        for name, (t_in, t_out) in rows.items():
+            print(f"{name:32} {t_in:14.3f} {t_out:13.3f} {t_in / base_in:9.2f} {t_out / base_out:10.2f}")
+        spawn_ratio = rows["nbaccel spawn"][1] / rows["torch.multiprocessing spawn"][1]
+        print(f"nbaccel spawn / torch.multiprocessing spawn (returned): {spawn_ratio:.2f} (goal <= 1.1)")
+        if "accelerate notebook_launcher" in rows:
+            fork_ratio = base_out / rows["accelerate notebook_launcher"][1]
+            print(f"nbaccel fork / accelerate (returned): {fork_ratio:.2f} (goal <= 0.5)")
+
+
+if __name__ == "__main__":
+    main()
