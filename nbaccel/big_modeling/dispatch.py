@@ -31,15 +31,22 @@ def _torch_device(device: MapDevice) -> torch.device:
     return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
 
 
+def _never_called(model: nn.Module, name: str) -> bool:
+    """Containers such as ``ModuleList`` have no forward, so a hook on them would never run."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    return name in modules and type(modules[name]).forward is nn.Module.forward
+
+
 def _split_overlaps(model: nn.Module, device_map: dict[str, MapDevice]) -> dict[str, MapDevice]:
-    """Rewrite a map so no entry lies inside another (``{"": "cpu", "b.1": "disk"}`` becomes
-    one entry per piece), so each entry can get one hook."""
+    """Rewrite a map so each entry can get one hook that runs: no entry lies inside another
+    (``{"": "cpu", "b.1": "disk"}`` becomes one entry per piece), and containers without a
+    forward (``{"blocks": "disk"}`` for a ``ModuleList``) become one entry per child."""
     changed = True
     while changed:
         changed = False
         for name in list(device_map):
             inner = [k for k in device_map if k != name and (not name or k.startswith(f"{name}."))]
-            if not inner:
+            if not inner and not _never_called(model, name):
                 continue
             module = model.get_submodule(name)
             dot = f"{name}." if name else ""
