@@ -120,12 +120,7 @@ class AccelMagics(Magics):
         args = parse_argstring(self.accel_launch, line)
         out_names = _out_names(args.out)
         config = self._config(args)
-        n = self._plan(config).num_processes
-        if args.ranks is not None:
-            bad = [r for r in args.ranks if not 0 <= r < n]
-            if bad:
-                raise UsageError(f"%%accel_launch: --ranks names rank {bad[0]}, but this launch has ranks "
-                                 f"0..{n - 1}. Fix: --ranks {','.join(map(str, range(min(n, 2))))}")
+        n = self._plan(config).num_processes  # also fails early on a config this machine cannot run
         program = self._program(line, cell, out_names, args.all_ranks)
         observer = self._observer(args.status, n, config)
         results = self._launch(program, config, args, observer)
