@@ -309,7 +309,7 @@ class ConfigPanel:
     def _say(self, text: str, error: bool = False) -> None:
         if hasattr(self, "_message"):
             color = "#dc2626" if error else "#16a34a"
-            self._message.value = f"<span style='color:{color}'>{html.escape(text)}</span>"
+            self._message.value = f"<span style='color:{color}'>{html.escape(text, quote=False)}</span>"
             self._error_shown = error
 
     def _show_validation(self) -> None:

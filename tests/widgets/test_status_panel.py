@@ -1,0 +1,77 @@
+"""The live status panel and its plain-text forms, driven by a real launch and by events."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from nbaccel import notebook_launcher
+from nbaccel.errors import MissingDependencyError
+from nbaccel.widgets.status_panel import LaunchStatus, StatusPanel, TextStatus, status_observer
+
+
+def _work(lines: int) -> int:
+    import os
+
+    for i in range(lines):
+        print(f"step {i}")
+    if os.environ["RANK"] == "1":
+        raise RuntimeError("diverged")
+    return 0
+
+
+def test_panel_follows_a_real_failed_launch():
+    panel = StatusPanel(2, "test launch")
+    with pytest.raises(RuntimeError, match="diverged"):
+        notebook_launcher(_work, (3,), num_processes=2, observer=panel)
+    states = {r: rec.state for r, rec in panel.records.items()}
+    assert states[1] == "failed" and states[0] in ("finished", "stopped")
+    assert panel.records[0].last_line == "step 2" and panel.records[0].line_count == 3
+    assert "failed" in panel._heading.value
+    assert "<td style='padding:0 8px;color:#dc2626;font-weight:bold'>failed</td>" in panel._table.value
+    assert "step 0\nstep 1\nstep 2" in panel._outputs.children[0].value  # full output once it ended
+    text = panel._repr_mimebundle_()["text/plain"]
+    assert text.startswith("test launch, fork: failed after") and "[rank1] failed" in text
+
+
+def test_redraws_are_batched_while_lines_pour_in():
+    panel = StatusPanel(1, interval=10.0)
+    draws = []
+    panel._table.observe(lambda change: draws.append(change), names="value")
+    LaunchStatus.on_launch(panel, [0], "fork")  # the record only: no display outside a kernel
+    panel.on_state(0, "running")
+    before = len(draws)
+    for i in range(5000):
+        panel.on_output(0, "stdout", f"line {i}")
+    assert len(draws) - before <= 1
+    assert panel.records[0].last_line == "line 4999" and panel.records[0].line_count == 5000
+    panel.on_end(True)
+    final = panel._outputs.children[0].value
+    assert "... 3000 earlier lines not shown" in final and "line 4999" in final
+
+
+def test_text_status_prints_the_summary_when_the_launch_ends(capsys):
+    status = TextStatus(2, "plain")
+    status.on_launch([0, 1], "spawn")
+    status.on_state(0, "running")
+    status.on_output(0, "stdout", "loss 0.5")
+    status.on_output(0, "stdout", "   ")
+    status.on_state(0, "finished")
+    status.on_end(False)
+    out = capsys.readouterr().out
+    assert out.startswith("plain, spawn: stopped after")
+    assert "[rank0] finished" in out and "last: loss 0.5" in out and "[rank1] stopped" in out
+
+
+def test_without_ipywidgets_the_panel_says_how_to_install_and_text_is_used(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ipywidgets", None)
+    with pytest.raises(MissingDependencyError, match="pip install ipywidgets") as info:
+        StatusPanel(2)
+    assert info.value.package == "ipywidgets"
+    assert isinstance(status_observer(2), TextStatus)
+
+
+def test_outside_a_notebook_the_observer_is_text():
+    assert type(status_observer(2)) is TextStatus
+    assert type(status_observer(2, prefer="text")) is TextStatus
