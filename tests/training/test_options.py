@@ -1,0 +1,98 @@
+"""Accelerator options and plugins: validation, conflicts, DeepSpeed without deepspeed, compatibility shims."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from datetime import timedelta
+
+import pytest
+
+import nbaccel
+from nbaccel.config import LaunchConfig
+
+no_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is not None, reason="deepspeed is installed")
+
+
+@no_deepspeed
+def test_deepspeed_plugin_without_deepspeed_is_a_clear_error():
+    plugin = nbaccel.DeepSpeedPlugin(zero_stage=2, gradient_accumulation_steps=4)
+    assert plugin.deepspeed_config == {"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 4}
+    with pytest.raises(nbaccel.MissingDependencyError) as info:
+        nbaccel.Accelerator(deepspeed_plugin=plugin)
+    assert isinstance(info.value, ImportError)
+    assert (info.value.package, info.value.install) == ("deepspeed", "pip install deepspeed")
+
+
+def _make_accelerator() -> str:
+    return nbaccel.Accelerator().distributed_type
+
+
+@no_deepspeed
+def test_deepspeed_chosen_by_the_launch_config_fails_in_the_workers_with_the_same_error():
+    config = LaunchConfig(distributed_type="DEEPSPEED", deepspeed_config={"zero_stage": 3})
+    with pytest.raises(nbaccel.MissingDependencyError):
+        nbaccel.notebook_launcher(_make_accelerator, num_processes=2, config=config, timeout=60)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
+def test_deepspeed_with_deepspeed_installed_says_the_engine_is_not_wired():  # pragma: no cover - not installed here
+    accelerator = nbaccel.Accelerator(deepspeed_plugin=nbaccel.DeepSpeedPlugin(zero_stage=2))
+    with pytest.raises(nbaccel.ConfigError):
+        accelerator.prepare_model(__import__("torch").nn.Linear(1, 1))
+
+
+def test_deepspeed_plugin_reads_a_json_file_and_rejects_other_things(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2}))
+    plugin = nbaccel.DeepSpeedPlugin(hf_ds_config=str(path), zero_stage=3, offload_param_device="cpu",
+                                     gradient_clipping=1.0)
+    assert plugin.deepspeed_config == {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+                                       "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
+    assert nbaccel.DeepSpeedPlugin.from_config({"zero_stage": 1}).deepspeed_config["zero_optimization"]["stage"] == 1
+    with pytest.raises(nbaccel.ConfigError) as info:
+        nbaccel.DeepSpeedPlugin(hf_ds_config=42)
+    assert info.value.key == "hf_ds_config"
+    with pytest.raises(nbaccel.ConfigError) as info:
+        nbaccel.DeepSpeedPlugin(zero_stage=4)
+    assert info.value.valid == (0, 1, 2, 3)
+
+
+def test_kwargs_handlers_are_checked():
+    with pytest.raises(nbaccel.ConfigError) as info:
+        nbaccel.Accelerator(kwargs_handlers=[{"find_unused_parameters": True}])
+    assert info.value.key == "kwargs_handlers"
+    with pytest.raises(nbaccel.ConfigError, match="two GradScalerKwargs"):
+        nbaccel.Accelerator(kwargs_handlers=[nbaccel.GradScalerKwargs(), nbaccel.GradScalerKwargs()])
+    handler = nbaccel.InitProcessGroupKwargs(timeout=timedelta(seconds=30))
+    assert nbaccel.Accelerator(kwargs_handlers=[handler]).num_processes == 1
+    assert nbaccel.GradScalerKwargs(growth_interval=10).to_kwargs() == {"growth_interval": 10}
+
+
+def test_conflicting_arguments_are_config_errors():
+    with pytest.raises(nbaccel.ConfigError) as info:
+        nbaccel.Accelerator(gradient_accumulation_steps=2,
+                            gradient_accumulation_plugin=nbaccel.GradientAccumulationPlugin(num_steps=2))
+    assert info.value.key == "gradient_accumulation_steps"
+    with pytest.raises(nbaccel.ConfigError) as info:
+        nbaccel.Accelerator(split_batches=True, dataloader_config=nbaccel.DataLoaderConfiguration())
+    assert info.value.key == "split_batches"
+    with pytest.raises(nbaccel.ConfigError) as info:
+        nbaccel.GradientAccumulationPlugin(num_steps=0)
+    assert info.value.value == 0
+    with pytest.raises(nbaccel.ConfigError):
+        nbaccel.ProjectConfiguration("x", total_limit=-1)
+
+
+def test_shorthand_arguments_and_compatibility_shims():
+    accelerator = nbaccel.Accelerator(split_batches=True, even_batches=False, project_dir="runs/a")
+    assert accelerator.split_batches and not accelerator.even_batches and accelerator.project_dir == "runs/a"
+    assert accelerator.project_configuration.logging_dir == "runs/a"
+    with pytest.warns(UserWarning, match="no experiment trackers"):
+        tracked = nbaccel.Accelerator(log_with="tensorboard")
+    tracked.init_trackers("run", config={"lr": 1})
+    tracked.log({"loss": 1.0}, step=1)
+    tracked.end_training()
+    assert "num_processes=1" in repr(tracked) and "GradientState(num_steps=1" in repr(tracked.gradient_state)
+    assert tracked.use_distributed is False and tracked.optimizer_step_was_skipped is False
+    assert nbaccel.Accelerator(cpu=True).device.type == "cpu"
