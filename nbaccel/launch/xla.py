@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from nbaccel.environment import (
+    DistributedEnv,
     WorkerSettings,
     _tpu_pci_device_ids,
     apply_environment,
@@ -233,6 +234,7 @@ class _ReplicaJob:
     world_size: int
     pipes: tuple[tuple[int, int, int], ...]  # (ctl, stdout, stderr) write ends, per rank
     host_pid: int
+    settings: WorkerSettings
 
 
 _JOB: _ReplicaJob | None = None
@@ -314,6 +316,13 @@ def _enter_replica(job: _ReplicaJob, rank: int) -> None:
         sys.stdout = sys.__stdout__ = _line_stream(1)
         sys.stderr = sys.__stderr__ = _line_stream(2)
         faulthandler.enable(all_threads=True)
+        if job.world_size > 1:  # one process per replica (TPU v4 and later): torchrun's variables work
+            import torch_xla.runtime as xr
+
+            dist = DistributedEnv(rank=rank, local_rank=xr.local_ordinal(), world_size=job.world_size,
+                                  local_world_size=xr.local_device_count(), node_rank=0,
+                                  master_addr="127.0.0.1", master_port=0)
+            apply_environment(worker_environment(job.settings, dist))
     _local.info = ReplicaInfo(rank=rank, world_size=job.world_size, shares_process=shared)
 
 
@@ -513,7 +522,7 @@ class _XlaSupervisor(Supervisor):
 
 
 def _start_host(function: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], n: int,
-                env: Mapping[str, str]) -> tuple[_HostHandle, list[_ReplicaHandle]]:
+                settings: WorkerSettings, env: Mapping[str, str]) -> tuple[_HostHandle, list[_ReplicaHandle]]:
     """Fork the host process (its own process group) with a control/stdout/stderr pipe per rank."""
     host_pipes = [os.pipe() for _ in range(3)]
     rank_pipes = [[os.pipe() for _ in range(3)] for _ in range(n)]
@@ -527,7 +536,7 @@ def _start_host(function: Callable[..., Any], args: Sequence[Any], kwargs: Mappi
             os.setpgid(0, 0)  # Jupyter's interrupt (sent to the kernel's group) reaches only the caller
             job = _ReplicaJob(function=function, args=tuple(args), kwargs=dict(kwargs), world_size=n,
                               pipes=tuple(tuple(w for _, w in trio) for trio in rank_pipes),  # type: ignore[misc]
-                              host_pid=os.getpid())
+                              host_pid=os.getpid(), settings=settings)
             spec = WorkerSpec(rank=HOST_RANK, env=env, ctl_fd=host_pipes[0][1], parent_pid=parent,
                               out_fd=host_pipes[1][1], err_fd=host_pipes[2][1], close_fds=read_ends)
         except BaseException:  # noqa: BLE001
@@ -587,7 +596,7 @@ def launch_xla(function: Callable[..., Any], args: Sequence[Any], kwargs: Mappin
     relay = _XlaRelay(show=shown, on_line=_without_host(observer.on_output) if observer is not None else None)
     if observer is not None:
         observer.on_launch(list(range(n)), "fork")
-    host, replicas = _start_host(function, args, kwargs, n, env)
+    host, replicas = _start_host(function, args, kwargs, n, settings, env)
     supervisor = _XlaSupervisor(host, replicas, relay, observer, timeout=timeout, hang_timeout=hang_timeout)
     ok = False
     try:
