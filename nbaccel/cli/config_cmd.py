@@ -8,6 +8,8 @@ be piped in; an empty answer (or the end of input) takes the default shown in br
 from __future__ import annotations
 
 import argparse
+import glob
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +26,13 @@ _MAX_DEFAULT_CPU_PROCESSES = 4  # the same cap as an automatic launch
 _ATTEMPTS = 3
 
 
+def _gpu_count() -> int:
+    """GPUs visible, without importing torch (seconds) on a machine with no GPU device files."""
+    if "torch" not in sys.modules and not glob.glob("/dev/nvidia[0-9]*") and not os.path.exists("/dev/kfd"):
+        return 0
+    return cuda_device_count()
+
+
 def default_config(mixed_precision: MixedPrecision = "no") -> LaunchConfig:
     """A config for this machine: every GPU, else the TPU, else one CPU process per core (at most 4).
 
@@ -31,7 +40,7 @@ def default_config(mixed_precision: MixedPrecision = "no") -> LaunchConfig:
         >>> default_config().num_machines
         1
     """
-    gpus = cuda_device_count()
+    gpus = _gpu_count()
     if gpus:
         return LaunchConfig(distributed_type="MULTI_GPU" if gpus > 1 else "NO", num_processes=gpus,
                             mixed_precision=mixed_precision)
@@ -51,13 +60,15 @@ class _Asker:
 
     def ask(self, question: str, default: T, parse: Callable[[str], T], shown: str | None = None) -> T:
         label = shown if shown is not None else ("" if default is None else str(default))
-        for _ in range(_ATTEMPTS):
+        for attempt in range(_ATTEMPTS):
             self.out.write(f"{question} [{label}]: ")
             self.out.flush()
             line = "" if self.ended else self.inp.readline()
             if not line:
                 self.ended = True
                 self.out.write("\n")
+                if attempt:  # input ended before a wrong answer was corrected
+                    break
             elif not self.inp.isatty():  # piped answers: echo them so the transcript reads well
                 self.out.write(line if line.endswith("\n") else line + "\n")
             answer = line.strip()
@@ -67,8 +78,6 @@ class _Asker:
                 return parse(answer)
             except ValueError as exc:
                 self.out.write(f"  {exc}\n")
-                if self.ended:
-                    break
         raise ConfigError(f"no valid answer to {question!r} after {_ATTEMPTS} tries. Fix: answer with one of "
                           "the values listed, or press Enter for the default.", key=question, value=None,
                           valid="see the question")
@@ -142,7 +151,7 @@ def ask_config(base: LaunchConfig, inp: TextIO, out: TextIO) -> LaunchConfig:
         ConfigError: a question got no valid answer, or the answers do not fit together.
     """
     ask = _Asker(inp, out)
-    gpus = cuda_device_count()
+    gpus = _gpu_count()
     values: dict[str, Any] = _machines(ask, base)
     use_cpu = ask.ask("Run on CPU only (yes/no)?", base.use_cpu or not gpus, _yes_no,
                       "yes" if base.use_cpu or not gpus else "no")
