@@ -1,0 +1,137 @@
+"""The launcher across N replicas of torch_xla's CPU runtime (``CPU_NUM_DEVICES=N``).
+
+There the N replicas are threads of one process, as on a TPU v2/v3 chip, so this also covers the
+per-thread output labels. Collectives are not used: on the CPU runtime any of them aborts the
+process after about 10 s.
+
+What stays untested here, because it needs collectives across replicas or real TPU processes
+(``scripts/check_tpu.py`` checks each of these on a real TPU runtime):
+
+- gradient reduction across replicas in ``AcceleratedOptimizer.step`` (``xm.reduce_gradients``)
+  and in ``clip_grad_norm_`` / ``clip_grad_value_``;
+- ``gather`` / ``reduce`` / ``broadcast`` / ``pad_across_processes`` through XLA collectives;
+- ``wait_for_everyone`` as ``xm.rendezvous``;
+- ``MpDeviceLoader`` giving each replica its own shard of a prepared dataloader;
+- one process per chip (TPU v4 and later): fd-level output labels and the torchrun variables set
+  in each replica process, and the ``Accelerator`` seeing every replica's rank and world size;
+- ``save_state`` / ``save`` writing once (rank 0) while other replicas wait;
+- a replica process killed in native code while others live in other processes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("torch_xla")
+
+import torch  # noqa: E402
+
+from nbaccel import notebook_launcher  # noqa: E402
+from nbaccel.config import LaunchConfig  # noqa: E402
+from nbaccel.errors import ConfigError, ProcessExitedError  # noqa: E402
+
+pytestmark = pytest.mark.xla
+
+XLA = LaunchConfig(distributed_type="XLA")
+
+
+def launch(function, *args, **kwargs):
+    return notebook_launcher(function, args, config=XLA, **kwargs)
+
+
+def identify(scale):
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    from nbaccel.launch.xla import current_replica
+
+    rank = xr.global_ordinal()
+    print(f"hello from {rank}")
+    print(f"warning from {rank}", file=sys.stderr)
+    time.sleep(0.2)  # keep all replicas alive at once, each in its own thread
+    value = torch.full((2,), float(rank), device=torch_xla.device()) * scale
+    info = current_replica()
+    return {"rank": rank, "world": xr.world_size(), "value": value, "replica": (info.rank, info.world_size,
+                                                                              info.shares_process)}
+
+
+def test_every_replica_runs_with_its_ordinal_and_returns(devices, capsys):
+    n = devices(3)
+    results = launch(identify, 10.0, return_all=True)
+    assert sorted(results) == list(range(n))
+    for rank, result in results.items():
+        assert result["rank"] == rank and result["world"] == n
+        assert result["replica"] == (rank, n, True)
+        assert result["value"].device.type == "cpu" and result["value"].tolist() == [10.0 * rank] * 2
+    out, err = capsys.readouterr()
+    for rank in range(n):
+        assert f"[rank{rank}]: hello from {rank}\n" in out
+        assert f"[rank{rank}]: warning from {rank}\n" in err
+    assert launch(identify, 1.0)["rank"] == 0  # without return_all: rank 0's value
+
+
+def test_output_ranks_filter_only_the_output(devices, capsys):
+    devices(2)
+    results = launch(identify, 1.0, return_all=True, output_ranks=[1])
+    assert sorted(results) == [0, 1]
+    out, _ = capsys.readouterr()
+    assert "[rank1]: hello from 1" in out and "hello from 0" not in out
+
+
+def test_native_writes_of_shared_processes_are_labelled_xla(devices, capfd):
+    devices(2)
+
+    def native():
+        os.write(1, b"from the fd\n")  # C++ output cannot be told apart between threads
+        return 0
+    launch(native)
+    out, _ = capfd.readouterr()
+    assert "[xla]: from the fd\n" in out
+
+
+def test_one_failing_replica_is_the_root_cause_and_the_rest_stop(devices):
+    devices(3)
+
+    def fails_on_one():
+        import torch_xla.runtime as xr
+
+        if xr.global_ordinal() == 1:
+            raise ValueError("bad shard on replica 1")
+        time.sleep(30)
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="bad shard") as info:
+        launch(fails_on_one)
+    assert time.monotonic() - started < 15
+    failures = info.value.launch_failures
+    assert [f.rank for f in failures] == [1]
+    assert "stopped by nbaccel after the failure: ranks 0, 2" in info.value.__notes__[0]
+    assert "world size 3" in info.value.__notes__[0]
+
+
+def test_a_dead_replica_process_names_every_unreported_rank(devices):
+    devices(2)
+
+    def dies():
+        import torch_xla.runtime as xr
+
+        if xr.global_ordinal() == 1:
+            time.sleep(0.3)
+            os._exit(3)  # kills the whole replica process, as an XLA abort would
+        time.sleep(30)
+    with pytest.raises(ProcessExitedError) as info:
+        launch(dies)
+    failures = info.value.failures
+    assert sorted(f.rank for f in failures) == [0, 1]
+    assert "BrokenProcessPool" in failures[0].message and "without reporting" in failures[0].message
+
+
+def test_num_processes_must_be_one_or_all(devices):
+    devices(2)
+    with pytest.raises(ConfigError) as info:
+        notebook_launcher(identify, (1.0,), num_processes=3, config=XLA)
+    assert info.value.valid == [1, 2]
+    assert notebook_launcher(identify, (1.0,), num_processes=1, config=XLA, return_all=True)[0]["world"] == 1
