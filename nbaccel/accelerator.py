@@ -11,7 +11,6 @@ from :mod:`nbaccel.checkpointing`.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +22,7 @@ from torch.utils.data import DataLoader
 from nbaccel import checkpointing
 from nbaccel.data_loader import DataLoaderShard, XlaDeviceLoader, prepare_data_loader, skip_first_batches
 from nbaccel.environment import DistributedType, MixedPrecision
-from nbaccel.errors import ConfigError, MissingDependencyError
+from nbaccel.errors import ConfigError
 from nbaccel.gradient_state import GradientState
 from nbaccel.optimizer import AcceleratedOptimizer
 from nbaccel.plugins import (
@@ -37,6 +36,10 @@ from nbaccel.plugins import (
     InitProcessGroupKwargs,
     KwargsHandler,
     ProjectConfiguration,
+    collect_handlers,
+    resolve_accumulation_plugin,
+    resolve_dataloader_config,
+    resolve_deepspeed_plugin,
 )
 from nbaccel.precision import autocast_context, make_grad_scaler, unwrap_forward, validate_mixed_precision, wrap_forward
 from nbaccel.process_helpers import ProcessHelpers
@@ -44,9 +47,6 @@ from nbaccel.scheduler import AcceleratedScheduler
 from nbaccel.state import ProcessState
 
 __all__ = ["Accelerator"]
-
-_HANDLERS = (DistributedDataParallelKwargs, GradScalerKwargs, AutocastKwargs, InitProcessGroupKwargs)
-
 
 class Accelerator(ProcessHelpers):
     """Accelerate's ``Accelerator``: one object that makes a training loop distributed.
@@ -94,22 +94,23 @@ class Accelerator(ProcessHelpers):
                  gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
                  step_scheduler_with_optimizer: bool = True, kwargs_handlers: list[KwargsHandler] | None = None,
                  even_batches: bool | None = None, dispatch_batches: bool | None = None) -> None:
-        handlers = _collect_handlers(kwargs_handlers)
+        handlers = collect_handlers(kwargs_handlers)
         init_kwargs = handlers.get(InitProcessGroupKwargs, InitProcessGroupKwargs())
         self.state = ProcessState(cpu=cpu, backend=init_kwargs.backend, timeout=init_kwargs.timeout)
         settings = self.state.settings
         self._mixed_precision = validate_mixed_precision(mixed_precision or self.state.mixed_precision)
         self.device_placement = device_placement
-        self.dataloader_config = _dataloader_config(dataloader_config, split_batches, even_batches, dispatch_batches)
-        self.gradient_state = GradientState(_accumulation_plugin(gradient_accumulation_plugin,
-                                                                 gradient_accumulation_steps))
+        self.dataloader_config = resolve_dataloader_config(dataloader_config, split_batches, even_batches,
+                                                           dispatch_batches)
+        self.gradient_state = GradientState(resolve_accumulation_plugin(gradient_accumulation_plugin,
+                                                                        gradient_accumulation_steps))
         self.project_configuration = project_config or ProjectConfiguration(project_dir=project_dir)
         if project_dir is not None and project_config is not None:
             self.project_configuration.set_directories(project_dir)
         self.ddp_handler = handlers.get(DistributedDataParallelKwargs, DistributedDataParallelKwargs())
         self.autocast_handler = handlers.get(AutocastKwargs, AutocastKwargs())
         self.scaler_handler = handlers.get(GradScalerKwargs, GradScalerKwargs())
-        self.deepspeed_plugin = _deepspeed_plugin(deepspeed_plugin, settings)
+        self.deepspeed_plugin = resolve_deepspeed_plugin(deepspeed_plugin, settings)
         self.fsdp_plugin = fsdp_plugin or (FullyShardedDataParallelPlugin.from_config(settings.fsdp_config)
                                            if settings.distributed_type == "FSDP" else None)
         if self.fsdp_plugin is not None and self.state.num_processes == 1:
@@ -261,7 +262,7 @@ class Accelerator(ProcessHelpers):
         Example:
             >>> model = accelerator.prepare_model(torch.nn.Linear(4, 2))   # doctest: +SKIP
         """
-        self._require_deepspeed_absent_or_use()
+        self._refuse_deepspeed_engine()
         place = self.device_placement if device_placement is None else device_placement
         if place and not (self.fsdp_plugin is not None and self.fsdp_plugin.cpu_offload):
             before = list(model.parameters()) if self.device.type == "xla" else []
@@ -517,7 +518,7 @@ class Accelerator(ProcessHelpers):
         return str(checkpointing.load_accelerator_state(self, input_dir, strict))
 
     # ------------------------------------------------------------------ housekeeping
-    def _require_deepspeed_absent_or_use(self) -> None:
+    def _refuse_deepspeed_engine(self) -> None:
         if self.deepspeed_plugin is not None:
             raise ConfigError("DeepSpeed training through nbaccel's Accelerator is not implemented yet; run "
                               "the script with Hugging Face Accelerate, or drop the DeepSpeed settings",
@@ -569,48 +570,3 @@ def _switch_parameters(old: list[torch.nn.Parameter], new: list[torch.nn.Paramet
 
 def _is_prepared(obj: Any) -> bool:
     return isinstance(obj, (AcceleratedOptimizer, AcceleratedScheduler, DataLoaderShard))
-
-
-def _collect_handlers(handlers: list[KwargsHandler] | None) -> dict[type, Any]:
-    found: dict[type, Any] = {}
-    for handler in handlers or []:
-        kind = next((k for k in _HANDLERS if isinstance(handler, k)), None)
-        if kind is None:
-            raise ConfigError(f"kwargs_handlers items must be one of {[k.__name__ for k in _HANDLERS]} (got "
-                              f"{handler!r} of type {type(handler).__name__})", key="kwargs_handlers",
-                              value=handler, valid=[k.__name__ for k in _HANDLERS])
-        if kind in found:
-            raise ConfigError(f"kwargs_handlers holds two {kind.__name__} objects; pass one", key="kwargs_handlers",
-                              value=kind.__name__, valid="one handler per kind")
-        found[kind] = handler
-    return found
-
-
-def _dataloader_config(config: DataLoaderConfiguration | None, split_batches: bool | None,
-                       even_batches: bool | None, dispatch_batches: bool | None) -> DataLoaderConfiguration:
-    shorthands = {"split_batches": split_batches, "even_batches": even_batches, "dispatch_batches": dispatch_batches}
-    given = {k: v for k, v in shorthands.items() if v is not None}
-    if config is not None and given:
-        raise ConfigError(f"pass {sorted(given)} inside `dataloader_config`, not next to it",
-                          key=sorted(given)[0], value=given, valid="DataLoaderConfiguration(...) fields")
-    return config or DataLoaderConfiguration(**given)
-
-
-def _accumulation_plugin(plugin: GradientAccumulationPlugin | None, steps: int) -> GradientAccumulationPlugin:
-    if plugin is not None and steps != 1:
-        raise ConfigError(f"pass either gradient_accumulation_steps={steps} or gradient_accumulation_plugin, not "
-                          "both; put num_steps in the plugin", key="gradient_accumulation_steps", value=steps,
-                          valid="1 when a plugin is given")
-    return plugin or GradientAccumulationPlugin(num_steps=steps)
-
-
-def _deepspeed_plugin(plugin: DeepSpeedPlugin | None, settings: Any) -> DeepSpeedPlugin | None:
-    if plugin is None and settings.distributed_type == "DEEPSPEED":
-        plugin = DeepSpeedPlugin.from_config(settings.deepspeed_config)
-    if plugin is not None and importlib.util.find_spec("deepspeed") is None:
-        raise MissingDependencyError(
-            "DeepSpeed settings were given (DeepSpeedPlugin or distributed_type 'DEEPSPEED') but the `deepspeed` "
-            "package is not installed; install it with `pip install deepspeed`, or train without DeepSpeed "
-            "(FSDP2 via FullyShardedDataParallelPlugin shards too)", package="deepspeed",
-            needed_for="DeepSpeedPlugin", install="pip install deepspeed")
-    return plugin
