@@ -135,3 +135,25 @@ def test_num_processes_must_be_one_or_all(devices):
         notebook_launcher(identify, (1.0,), num_processes=3, config=XLA)
     assert info.value.valid == [1, 2]
     assert notebook_launcher(identify, (1.0,), num_processes=1, config=XLA, return_all=True)[0]["world"] == 1
+
+
+@pytest.mark.xfail(strict=True, reason="ProcessState keeps one state per process, so replica threads (TPU v2/v3, "
+                   "the CPU runtime) all see rank 0 of 1 on xla:0; needs per-thread state from "
+                   "nbaccel.launch.xla.current_replica() in nbaccel/state.py")
+def test_the_accelerator_sees_each_thread_replica(devices):
+    devices(2)
+
+    def replica_view():
+        import torch_xla.runtime as xr
+        from torch.utils.data import DataLoader, TensorDataset
+
+        from nbaccel import Accelerator
+
+        accelerator = Accelerator()
+        loader = accelerator.prepare(DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2))
+        seen = [v for (batch,) in loader for v in batch.cpu().tolist()]
+        return (xr.global_ordinal(), accelerator.process_index, accelerator.num_processes,
+                str(accelerator.device), seen)
+    results = launch(replica_view, return_all=True)
+    assert [r[1:4] for r in results.values()] == [(0, 2, "xla:0"), (1, 2, "xla:1")]
+    assert sorted(results[0][4] + results[1][4]) == [float(i) for i in range(8)]
