@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import faulthandler
-import glob
 import io
 import os
 import signal
@@ -51,7 +50,6 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TextIO
 
 from nbaccel.environment import (
@@ -78,7 +76,8 @@ from nbaccel.launch.payload import dumps_result, loads
 from nbaccel.launch.supervisor import Supervisor, WorkerHandle
 from nbaccel.launch.worker import WorkerSpec, _report_error, die_with_parent, run_worker
 
-__all__ = ["HOST_RANK", "ReplicaInfo", "current_replica", "launch_xla", "xla_replica_count"]
+__all__ = ["HOST_RANK", "ReplicaInfo", "check_xla_launch", "current_replica", "launch_xla", "probe_replica_count",
+           "xla_replica_count"]
 
 HOST_RANK = -1
 """The pseudo-rank of the torch_xla host process in output labels and failure reports."""
@@ -117,6 +116,8 @@ def _process_bounds(env: Mapping[str, str]) -> int | None:
         return None
     size = 1
     for part in raw.split(","):
+        if not part.strip().isdigit():
+            return None  # not a bound torch_xla can use either; it reports that itself
         size *= int(part)
     return size
 
@@ -556,12 +557,6 @@ def _start_host(function: Callable[..., Any], args: Sequence[Any], kwargs: Mappi
     return host, replicas
 
 
-def _check_ranks(output_ranks: Iterable[int] | int | None, n: int) -> frozenset[int] | None:
-    from nbaccel.launch.launcher import _check_ranks as check
-
-    return check(output_ranks, n)
-
-
 def launch_xla(function: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], plan: Any, *,
                output_ranks: Iterable[int] | int | None = None, return_all: bool = False,
                timeout: float | None = None, observer: LaunchObserver | None = None,
@@ -587,6 +582,8 @@ def launch_xla(function: Callable[..., Any], args: Sequence[Any], kwargs: Mappin
         >>> launch_xla(where, (), {}, plan_launch(LaunchConfig(distributed_type="XLA")))  # doctest: +SKIP
         0
     """
+    from nbaccel.launch.launcher import _check_ranks
+
     n = plan.num_processes
     shown = _check_ranks(output_ranks, n)
     import torch_xla  # noqa: F401 - imported once here (about 5 s), not in every host process
