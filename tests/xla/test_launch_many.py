@@ -157,3 +157,35 @@ def test_the_accelerator_sees_each_thread_replica(devices):
     results = launch(replica_view, return_all=True)
     assert [r[1:4] for r in results.values()] == [(0, 2, "xla:0"), (1, 2, "xla:1")]
     assert sorted(results[0][4] + results[1][4]) == [float(i) for i in range(8)]
+
+
+def test_replicas_die_with_a_killed_caller(devices):
+    import signal
+    import subprocess
+
+    devices(2)
+    code = ("import os, time\nfrom nbaccel import notebook_launcher\nfrom nbaccel.config import LaunchConfig\n"
+            "def f():\n    print('pid', os.getpid(), os.getppid(), flush=True)\n    time.sleep(60)\n"
+            "notebook_launcher(f, config=LaunchConfig(distributed_type='XLA'))\n")
+    caller = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              text=True)
+    try:
+        line = caller.stdout.readline()  # "[rankN]: pid REPLICA HOST"
+        replica, host = (int(v) for v in line.split()[-2:])
+        caller.send_signal(signal.SIGKILL)  # a kernel dying hard: no cleanup code runs
+        caller.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (_alive(replica) or _alive(host)):
+            time.sleep(0.1)
+        assert not _alive(host) and not _alive(replica), "the host or a replica outlived its caller"
+    finally:
+        caller.kill()
+        caller.stdout.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
