@@ -63,9 +63,9 @@ def run_ddp(data: TensorDataset, width: int, batch_size: int) -> tuple[int, floa
 
 def run_nbaccel(data: TensorDataset, width: int, batch_size: int) -> tuple[int, float]:
     accelerator = nbaccel.Accelerator()
-    model, optimizer, loader = accelerator.prepare(
-        make_model(width), torch.optim.SGD(make_model(width).parameters(), lr=0.01),
-        DataLoader(data, batch_size=batch_size))
+    model = make_model(width)
+    model, optimizer, loader = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01),
+                                                   DataLoader(data, batch_size=batch_size))
     return _loop(model, optimizer, loader, accelerator.backward)
 
 
@@ -110,13 +110,15 @@ def main() -> None:
     base = statistics.median(rates["hand-written DDP"])
     print(f"{args.processes} CPU processes (gloo), MLP 64-{args.width}-{args.width}-10, batch {args.batch_size}/process, "
           f"{args.steps} steps x {args.rounds} interleaved rounds; torch {torch.__version__}")
-    print(f"{'implementation':<18} {'median steps/s':>14} {'min':>8} {'max':>8} {'vs DDP':>8}")
+    print(f"{'implementation':<18} {'median steps/s':>14} {'min':>8} {'max':>8} {'vs DDP':>8} {'paired':>8}")
     for name, values in rates.items():
         med = statistics.median(values)
-        print(f"{name:<18} {med:14.1f} {min(values):8.1f} {max(values):8.1f} {med / base:8.3f}")
+        paired = statistics.median(v / d for v, d in zip(values, rates["hand-written DDP"]))
+        print(f"{name:<18} {med:14.1f} {min(values):8.1f} {max(values):8.1f} {med / base:8.3f} {paired:8.3f}")
+    print("(paired: median over rounds of the ratio to hand-written DDP in the same round)")
     if "Accelerate" in rates:
-        ratio = statistics.median(rates["nbaccel"]) / statistics.median(rates["Accelerate"])
-        print(f"nbaccel / Accelerate: {ratio:.3f}")
+        ratio = statistics.median(a / b for a, b in zip(rates["nbaccel"], rates["Accelerate"]))
+        print(f"nbaccel / Accelerate (paired): {ratio:.3f}")
     else:
         print("Accelerate is not installed (pip install accelerate) - its column is missing")
 

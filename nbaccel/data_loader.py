@@ -105,7 +105,10 @@ class DataLoaderShard(DataLoader):
             self.remainder = self.dataset.samples_seen % self.total_batch_size
 
     def _place(self, batch: Any) -> Any:
-        return batch if self.device is None else send_to_device(batch, self.device, self.non_blocking)
+        # Collated batches are CPU tensors already: skip the walk over the batch on CPU.
+        if self.device is None or self.device.type == "cpu":
+            return batch
+        return send_to_device(batch, self.device, self.non_blocking)
 
     def __iter__(self) -> Iterator[Any]:
         owner = self._epoch_owner

@@ -70,6 +70,8 @@ def send_to_device(data: Any, device: torch.device | str, non_blocking: bool = F
         >>> send_to_device({"x": torch.ones(1)}, "cpu")["x"].device.type
         'cpu'
     """
+    if torch.is_tensor(data):
+        return data.to(device, non_blocking=non_blocking)
     if isinstance(skip_keys, str):
         skip_keys = [skip_keys]
     if isinstance(data, Mapping):

@@ -44,6 +44,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.device = device
         self._is_overflow = False
         self._unscaled = False
+        self._on_xla = device is not None and device.type == "xla"
         if device_placement and device is not None and optimizer.state:
             optimizer.load_state_dict(send_to_device(optimizer.state_dict(), device))
 
@@ -110,7 +111,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         return result
 
     def _xla_reduce_gradients(self) -> None:
-        if self.device is None or self.device.type != "xla" or self.gradient_state.is_xla_gradients_synced:
+        if not self._on_xla or self.gradient_state.is_xla_gradients_synced:
             return
         import torch_xla.core.xla_model as xm
 
