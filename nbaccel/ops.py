@@ -10,6 +10,7 @@ return their input (gathers return it unchanged, reductions a copy).
 from __future__ import annotations
 
 import pickle
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -89,7 +90,13 @@ def send_to_device(data: Any, device: torch.device | str, non_blocking: bool = F
 
 
 def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    if "torch_xla" in sys.modules:  # XLA replicas have no torch.distributed group
+        from nbaccel.state import ProcessState
+
+        return ProcessState().num_processes
+    return 1
 
 
 def _is_xla(tensor: torch.Tensor) -> bool:

@@ -65,9 +65,11 @@ def _collectives() -> dict:
         out["split_padded"] = part
     with acc.split_between_processes({"x": [1, 2, 3], "y": [4, 5, 6]}) as part:
         out["split_dict"] = part
-    order = []
     with acc.main_process_first():
-        order.append(rank)
+        pass
+    with acc.local_main_process_first():
+        pass
+    out["only_local_main"] = acc.on_local_main_process(lambda: "local main")()
     out["only_main"] = acc.on_main_process(lambda: "main")()
     out["only_last"] = acc.on_last_process(lambda: "last")()
     out["only_rank1"] = acc.on_process(process_index=1)(lambda: "one")()
@@ -95,7 +97,8 @@ def test_collectives_on_two_processes():
     assert (r0["only_main"], r1["only_main"]) == ("main", None)
     assert (r0["only_last"], r1["only_last"]) == (None, "last")
     assert (r0["only_rank1"], r1["only_rank1"]) == (None, "one")
-    assert r0["only_local0"] == "local0"
+    assert r0["only_local0"] == "local0" and r1["only_local0"] is None
+    assert (r0["only_local_main"], r1["only_local_main"]) == ("local main", None)
     assert r0["trigger"] and r1["trigger"] and not r0["trigger_again"]
 
 
@@ -150,3 +153,23 @@ def _bad_split() -> None:
 def test_split_of_a_dict_with_uneven_values_is_a_config_error():
     with pytest.raises(nbaccel.ConfigError):
         launch(_bad_split, 2)
+
+
+def _main_first(folder: str) -> str:
+    import os
+    import time
+
+    acc = nbaccel.Accelerator()
+    marker = os.path.join(folder, "built")
+    with acc.main_process_first():
+        if acc.is_main_process:
+            time.sleep(0.3)
+            open(marker, "w").close()
+        seen = os.path.exists(marker)  # the other rank enters only after the main one left
+    acc.print("printed once")
+    return seen
+
+
+def test_main_process_first_runs_the_main_process_before_the_others(tmp_path, capfd):
+    assert launch(_main_first, 2, str(tmp_path)) == {0: True, 1: True}
+    assert capfd.readouterr().out.count("printed once") == 1

@@ -119,3 +119,24 @@ def test_fsdp_in_a_single_process_warns_and_trains_unsharded():
     with pytest.warns(UserWarning, match="single process"):
         accelerator = nbaccel.Accelerator(fsdp_plugin=nbaccel.FullyShardedDataParallelPlugin())
     assert accelerator.distributed_type == "NO"
+
+
+def _clip_norm(plugin: nbaccel.FullyShardedDataParallelPlugin | None, per_process_batch: int) -> tuple:
+    accelerator = nbaccel.Accelerator(fsdp_plugin=plugin)
+    model, optimizer = model_and_optimizer(kind=BlockStack)
+    loader = DataLoader(regression_data(64), batch_size=per_process_batch)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    x, y = next(iter(loader))
+    accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+    norm = accelerator.clip_grad_norm_(model.parameters(), 0.1)
+    after = accelerator.clip_grad_norm_(model.parameters(), 1e9)
+    return type(norm).__name__, norm.item(), after.item()
+
+
+def test_clip_grad_norm_under_fsdp2_is_the_global_norm():
+    single = _clip_norm(None, 16)
+    results = launch(_clip_norm, 2, nbaccel.FullyShardedDataParallelPlugin(), 8)
+    for rank in (0, 1):
+        kind, norm, after = results[rank]
+        assert kind == "Tensor"  # a plain tensor, not a DTensor
+        assert abs(norm - single[1]) < 1e-5 and abs(after - 0.1) < 1e-5
