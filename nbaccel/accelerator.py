@@ -111,6 +111,12 @@ class Accelerator(ProcessHelpers):
         self.autocast_handler = handlers.get(AutocastKwargs, AutocastKwargs())
         self.scaler_handler = handlers.get(GradScalerKwargs, GradScalerKwargs())
         self.deepspeed_plugin = resolve_deepspeed_plugin(deepspeed_plugin, settings)
+        self.deepspeed_engine: Any = None
+        self.deepspeed_config: dict[str, Any] | None = None
+        ds_steps = (self.deepspeed_plugin.deepspeed_config.get("gradient_accumulation_steps")
+                    if self.deepspeed_plugin is not None else None)
+        if isinstance(ds_steps, int) and gradient_accumulation_steps == 1 and gradient_accumulation_plugin is None:
+            self.gradient_state.plugin = GradientAccumulationPlugin(num_steps=ds_steps)
         self.fsdp_plugin = fsdp_plugin or (FullyShardedDataParallelPlugin.from_config(settings.fsdp_config)
                                            if settings.distributed_type == "FSDP" else None)
         if self.fsdp_plugin is not None and self.state.num_processes == 1:
@@ -231,6 +237,11 @@ class Accelerator(ProcessHelpers):
             raise ConfigError(f"`device_placement` needs one entry per object passed to prepare ({len(args)}), got "
                               f"{len(device_placement)}", key="device_placement", value=device_placement,
                               valid=f"a list of {len(args)} bools or None")
+        if self.deepspeed_plugin is not None:
+            from nbaccel.deepspeed_engine import prepare_deepspeed
+
+            result = prepare_deepspeed(self, args)
+            return result[0] if len(result) == 1 else tuple(result)
         result = list(args)
         optimizers = [o for o in args if isinstance(o, torch.optim.Optimizer) and not isinstance(o, AcceleratedOptimizer)]
         order = (torch.nn.Module, torch.optim.Optimizer, DataLoader, torch.optim.lr_scheduler.LRScheduler)
@@ -262,7 +273,10 @@ class Accelerator(ProcessHelpers):
         Example:
             >>> model = accelerator.prepare_model(torch.nn.Linear(4, 2))   # doctest: +SKIP
         """
-        self._refuse_deepspeed_engine()
+        if self.deepspeed_plugin is not None:
+            from nbaccel.deepspeed_engine import prepare_deepspeed
+
+            return prepare_deepspeed(self, (model,))[0]
         place = self.device_placement if device_placement is None else device_placement
         if place and not (self.fsdp_plugin is not None and self.fsdp_plugin.cpu_offload):
             before = list(model.parameters()) if self.device.type == "xla" else []
@@ -332,6 +346,11 @@ class Accelerator(ProcessHelpers):
         Example:
             >>> accelerator.backward(loss)   # doctest: +SKIP
         """
+        if self.deepspeed_engine is not None:
+            from nbaccel.deepspeed_engine import backward
+
+            backward(self.deepspeed_engine, loss, self.sync_gradients, **kwargs)
+            return
         if self.gradient_accumulation_steps > 1:
             loss = loss / self.gradient_accumulation_steps
         if self.scaler is not None:
@@ -392,13 +411,19 @@ class Accelerator(ProcessHelpers):
             if isinstance(opt, AcceleratedOptimizer):
                 opt.unscale_()
 
-    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
         """Clip the total gradient norm (after unscaling fp16 gradients); returns the norm before clipping.
+
+        Under DeepSpeed the engine clips (set ``gradient_clipping`` in its config); this returns
+        the engine's last global gradient norm (``None`` before its first step).
 
         Example:
             >>> if accelerator.sync_gradients:                                   # doctest: +SKIP
             ...     accelerator.clip_grad_norm_(model.parameters(), 1.0)
         """
+        if self.deepspeed_engine is not None:
+            norm = self.deepspeed_engine.get_global_grad_norm()
+            return None if norm is None else torch.as_tensor(float(norm))
         parameters = [p for p in parameters if p.grad is not None] if not torch.is_tensor(parameters) else [parameters]
         self._xla_sync_gradients(parameters)
         self.unscale_gradients()
@@ -424,8 +449,10 @@ class Accelerator(ProcessHelpers):
     # ------------------------------------------------------------------ models and checkpoints
     def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> torch.nn.Module:
         """The model without DDP / ``torch.compile`` wrappers (and, optionally, without the autocast forward)."""
+        from nbaccel.deepspeed_engine import is_deepspeed_engine
+
         while True:
-            if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            if isinstance(model, torch.nn.parallel.DistributedDataParallel) or is_deepspeed_engine(model):
                 model = model.module
             elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):
                 model = model._orig_mod
@@ -437,10 +464,13 @@ class Accelerator(ProcessHelpers):
 
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """The model's full state dict on CPU (gathered from the shards under FSDP: call on every rank)."""
+        from nbaccel.deepspeed_engine import is_deepspeed_engine, state_dict
         from nbaccel.fsdp import full_model_state_dict, is_fsdp_model
 
         if is_fsdp_model(model):
             return full_model_state_dict(model)
+        if is_deepspeed_engine(model):
+            return state_dict(model)
         state = (self.unwrap_model(model) if unwrap else model).state_dict()
         return {k: v.cpu() if v.device.type == "xla" else v for k, v in state.items()}
 
@@ -518,12 +548,6 @@ class Accelerator(ProcessHelpers):
         return str(checkpointing.load_accelerator_state(self, input_dir, strict))
 
     # ------------------------------------------------------------------ housekeeping
-    def _refuse_deepspeed_engine(self) -> None:
-        if self.deepspeed_plugin is not None:
-            raise ConfigError("DeepSpeed training through nbaccel's Accelerator is not implemented yet; run "
-                              "the script with Hugging Face Accelerate, or drop the DeepSpeed settings",
-                              key="deepspeed_plugin", value=self.deepspeed_plugin, valid=(None,))
-
     def free_memory(self, *objects: Any) -> list[None]:
         """Drop references to everything prepared (and return ``None`` for each of ``objects``)."""
         self._models.clear()

@@ -271,13 +271,24 @@ def _optimizer_state(acc: Any, index: int, optimizer: Any) -> Any:
     return state
 
 
+def _engine_owned(obj: Any) -> bool:
+    """Whether a DeepSpeed engine saves and loads ``obj`` with the model."""
+    from nbaccel.deepspeed_engine import DeepSpeedOptimizerWrapper, DeepSpeedSchedulerWrapper
+
+    return isinstance(obj, (DeepSpeedOptimizerWrapper, DeepSpeedSchedulerWrapper))
+
+
 def _write_state(acc: Any, tmp: Path, safe_serialization: bool) -> None:
+    from nbaccel.deepspeed_engine import CHECKPOINT_TAG, is_deepspeed_engine
     from nbaccel.fsdp import is_fsdp_model, sharded_save
     from nbaccel.random import capture_rng_state
 
     writer = acc._is_writer()
     sharded = acc.fsdp_plugin is not None and acc.fsdp_plugin.state_dict_type == "SHARDED_STATE_DICT"
     for i, model in enumerate(acc._models):
+        if is_deepspeed_engine(model):  # model, optimizer and scheduler, every rank its own shards
+            model.save_checkpoint(str(tmp), tag=CHECKPOINT_TAG)
+            continue
         if sharded and is_fsdp_model(model):
             optimizer = acc._optimizers[i].optimizer if i < len(acc._optimizers) else None
             sharded_save(model, optimizer, tmp / f"pytorch_model_fsdp_{i}")
@@ -287,14 +298,15 @@ def _write_state(acc: Any, tmp: Path, safe_serialization: bool) -> None:
             write_weights(weights, tmp / _name("model" if safe_serialization else "pytorch_model", i,
                                                "safetensors" if safe_serialization else "bin"), safe_serialization)
     for i, optimizer in enumerate(acc._optimizers):
-        if sharded and i < len(acc._models) and is_fsdp_model(acc._models[i]):
+        if sharded and i < len(acc._models) and is_fsdp_model(acc._models[i]) or _engine_owned(optimizer):
             continue
         state = _optimizer_state(acc, i, optimizer)
         if writer:
             torch.save(state, tmp / _name("optimizer", i, "bin"))
     if writer:
         for i, scheduler in enumerate(acc._schedulers):
-            torch.save(scheduler.state_dict(), tmp / _name("scheduler", i, "bin"))
+            if not _engine_owned(scheduler):
+                torch.save(scheduler.state_dict(), tmp / _name("scheduler", i, "bin"))
         for i, loader in enumerate(acc._dataloaders):
             if callable(getattr(loader, "state_dict", None)):
                 torch.save(loader.state_dict(), tmp / _name("sampler", i, "bin"))
@@ -331,9 +343,15 @@ def _need(path: Path) -> Path:
 
 
 def _read_models(acc: Any, source: Path, strict: bool) -> None:
+    from nbaccel.deepspeed_engine import CHECKPOINT_TAG, is_deepspeed_engine
     from nbaccel.fsdp import is_fsdp_model, load_full_model_state_dict, sharded_load
 
     for i, model in enumerate(acc._models):
+        if is_deepspeed_engine(model):
+            _need(source / CHECKPOINT_TAG)
+            model.load_checkpoint(str(source), tag=CHECKPOINT_TAG, load_optimizer_states=True,
+                                  load_lr_scheduler_states=True)
+            continue
         shards = source / f"pytorch_model_fsdp_{i}"
         if shards.is_dir():
             optimizer = acc._optimizers[i].optimizer if i < len(acc._optimizers) else None
@@ -355,7 +373,7 @@ def _read_rest(acc: Any, source: Path) -> None:
         return torch.load(_need(path), map_location="cpu", weights_only=False)
 
     for i, optimizer in enumerate(acc._optimizers):
-        if (source / f"pytorch_model_fsdp_{i}").is_dir():
+        if (source / f"pytorch_model_fsdp_{i}").is_dir() or _engine_owned(optimizer):
             continue
         state = load(source / _name("optimizer", i, "bin"))
         if i < len(acc._models) and is_fsdp_model(acc._models[i]):
@@ -363,7 +381,8 @@ def _read_rest(acc: Any, source: Path) -> None:
         else:
             optimizer.load_state_dict(state)
     for i, scheduler in enumerate(acc._schedulers):
-        scheduler.load_state_dict(load(source / _name("scheduler", i, "bin")))
+        if not _engine_owned(scheduler):
+            scheduler.load_state_dict(load(source / _name("scheduler", i, "bin")))
     for i, loader in enumerate(acc._dataloaders):
         if callable(getattr(loader, "load_state_dict", None)) and (source / _name("sampler", i, "bin")).exists():
             loader.load_state_dict(load(source / _name("sampler", i, "bin")))

@@ -35,11 +35,21 @@ def test_deepspeed_chosen_by_the_launch_config_fails_in_the_workers_with_the_sam
         nbaccel.notebook_launcher(_make_accelerator, num_processes=2, config=config, timeout=60)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
-def test_deepspeed_with_deepspeed_installed_says_the_engine_is_not_wired():  # pragma: no cover - not installed here
-    accelerator = nbaccel.Accelerator(deepspeed_plugin=nbaccel.DeepSpeedPlugin(zero_stage=2))
-    with pytest.raises(nbaccel.ConfigError):
-        accelerator.prepare_model(__import__("torch").nn.Linear(1, 1))
+def test_deepspeed_auto_values_are_filled_from_nbaccel_settings():
+    from nbaccel.deepspeed_engine import build_config
+
+    config = build_config({"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto",
+                           "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 3}},
+                          micro_batch_size=8, accumulation_steps=2, num_processes=4, mixed_precision="bf16",
+                          zero_optimizer=True)
+    assert config["train_micro_batch_size_per_gpu"] == 8 and config["gradient_accumulation_steps"] == 2
+    assert config["train_batch_size"] == 64 and config["gradient_clipping"] == 0.0
+    assert config["bf16"] == {"enabled": True} and config["fp16"] == {"enabled": False}
+    assert config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
+    assert config["zero_allow_untested_optimizer"] is True
+    kept = build_config({"train_batch_size": 12, "train_micro_batch_size_per_gpu": 3}, micro_batch_size=None,
+                        accumulation_steps=1, num_processes=4, mixed_precision="no", zero_optimizer=False)
+    assert kept["train_batch_size"] == 12 and kept["train_micro_batch_size_per_gpu"] == 3
 
 
 def test_deepspeed_plugin_reads_a_json_file_and_rejects_other_things(tmp_path):

@@ -1,0 +1,177 @@
+"""DeepSpeed: build the engine in ``prepare``, and the thin wrappers that let the engine step.
+
+Used only where the ``deepspeed`` package is installed (the Accelerator checks that first).
+As in Accelerate, ``"auto"`` values of the DeepSpeed config are filled from what nbaccel knows
+(micro-batch size from the dataloader, accumulation steps, mixed precision), the engine owns the
+optimizer and scheduler steps, and ``Accelerator.backward`` runs ``engine.backward`` then
+``engine.step`` on accumulation boundaries. So ``optimizer.step()`` and ``scheduler.step()`` in
+the user's loop are no-ops, exactly as in Accelerate.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from nbaccel.environment import apply_environment, read_distributed_env
+from nbaccel.errors import ConfigError
+from nbaccel.optimizer import AcceleratedOptimizer
+from nbaccel.scheduler import AcceleratedScheduler
+
+__all__ = ["DeepSpeedOptimizerWrapper", "DeepSpeedSchedulerWrapper", "build_config", "is_deepspeed_engine",
+           "prepare_deepspeed"]
+
+CHECKPOINT_TAG = "pytorch_model"
+
+
+def is_deepspeed_engine(model: Any) -> bool:
+    """Whether ``model`` is a ``deepspeed.DeepSpeedEngine`` (without importing deepspeed)."""
+    module = sys.modules.get("deepspeed")
+    return module is not None and isinstance(model, module.DeepSpeedEngine)
+
+
+class DeepSpeedOptimizerWrapper(AcceleratedOptimizer):
+    """The engine's optimizer: ``step`` and ``zero_grad`` are the engine's job, so they do nothing here."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """No-op: the engine clears gradients when it steps."""
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        """No-op: ``Accelerator.backward`` steps the engine."""
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the engine skipped its last step (fp16 overflow)."""
+        return bool(getattr(self.optimizer, "overflow", False))
+
+
+class DeepSpeedSchedulerWrapper(AcceleratedScheduler):
+    """The engine's scheduler: stepped by the engine, so ``step`` does nothing here."""
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """No-op: the engine steps the scheduler with the optimizer."""
+
+
+def build_config(base: dict[str, Any], *, micro_batch_size: int | None, accumulation_steps: int,
+                 num_processes: int, mixed_precision: str, zero_optimizer: bool) -> dict[str, Any]:
+    """Fill the ``"auto"`` (or missing) entries of a DeepSpeed config from nbaccel's settings.
+
+    Example:
+        >>> build_config({}, micro_batch_size=8, accumulation_steps=2, num_processes=2, mixed_precision="no",
+        ...              zero_optimizer=False)["train_batch_size"]
+        32
+    """
+    config = copy.deepcopy(base)
+
+    def fill(key: str, value: Any) -> None:
+        if config.get(key, "auto") == "auto":
+            config[key] = value
+
+    micro = micro_batch_size or (config.get("train_micro_batch_size_per_gpu") if
+                                 config.get("train_micro_batch_size_per_gpu") != "auto" else None) or 1
+    fill("train_micro_batch_size_per_gpu", micro)
+    fill("gradient_accumulation_steps", accumulation_steps)
+    fill("train_batch_size", config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"]
+         * num_processes)
+    if config.get("gradient_clipping", "auto") == "auto":
+        config["gradient_clipping"] = 0.0  # no clipping unless asked, as without DeepSpeed (its default is 1.0)
+    for name in ("fp16", "bf16"):
+        section = config.setdefault(name, {})
+        if section.get("enabled", "auto") == "auto":
+            section["enabled"] = mixed_precision == name
+    zero = config.setdefault("zero_optimization", {})
+    zero.setdefault("stage", 0)
+    if zero["stage"] == 3:
+        zero.setdefault("stage3_gather_16bit_weights_on_model_save", True)
+    if zero_optimizer and zero["stage"] > 0:
+        config.setdefault("zero_allow_untested_optimizer", True)
+    return config
+
+
+def prepare_deepspeed(accelerator: Any, args: tuple[Any, ...]) -> list[Any]:
+    """``prepare`` under DeepSpeed: dataloaders as usual, the model, optimizer and scheduler as one engine.
+
+    Raises:
+        ConfigError: more than one model, or more than one optimizer, is passed.
+    """
+    import deepspeed
+
+    result = list(args)
+    models = [i for i, o in enumerate(args) if isinstance(o, torch.nn.Module)]
+    optimizers = [i for i, o in enumerate(args) if isinstance(o, torch.optim.Optimizer)]
+    schedulers = [i for i, o in enumerate(args) if isinstance(o, torch.optim.lr_scheduler.LRScheduler)]
+    if len(models) > 1 or len(optimizers) > 1:
+        raise ConfigError(f"DeepSpeed trains one model with one optimizer per prepare (got {len(models)} models, "
+                          f"{len(optimizers)} optimizers); prepare them in separate Accelerators",
+                          key="prepare", value=(len(models), len(optimizers)), valid="at most 1 of each")
+    loaders = [o for o in args if isinstance(o, DataLoader)]
+    for i, obj in enumerate(args):
+        if isinstance(obj, DataLoader):
+            result[i] = accelerator.prepare_data_loader(obj)
+    if not models:
+        return result
+    micro = loaders[0].batch_size if loaders else None
+    if micro and accelerator.split_batches:
+        micro //= accelerator.num_processes
+    optimizer = args[optimizers[0]] if optimizers else None
+    scheduler = args[schedulers[0]] if schedulers else None
+    config = build_config(accelerator.deepspeed_plugin.deepspeed_config, micro_batch_size=micro,
+                          accumulation_steps=accelerator.gradient_accumulation_steps,
+                          num_processes=accelerator.num_processes, mixed_precision=accelerator.mixed_precision,
+                          zero_optimizer=optimizer is not None)
+    accelerator.deepspeed_config = config
+    _ensure_process_group(accelerator)
+    engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
+        model=args[models[0]], optimizer=optimizer, lr_scheduler=scheduler, config=config, dist_init_required=False)
+    accelerator.deepspeed_engine = engine
+    accelerator._models.append(engine)
+    result[models[0]] = engine
+    if optimizers:
+        wrapped = DeepSpeedOptimizerWrapper(ds_optimizer, device_placement=False,
+                                            gradient_state=accelerator.gradient_state)
+        accelerator._optimizers.append(wrapped)
+        result[optimizers[0]] = wrapped
+        if schedulers:
+            sched = DeepSpeedSchedulerWrapper(ds_scheduler or scheduler, wrapped,
+                                              gradient_state=accelerator.gradient_state)
+            accelerator._schedulers.append(sched)
+            result[schedulers[0]] = sched
+    return result
+
+
+def _ensure_process_group(accelerator: Any) -> None:
+    """DeepSpeed needs a process group even in one process: join one of size 1 on loopback."""
+    import socket
+
+    dist = torch.distributed
+    if dist.is_initialized():
+        return
+    if read_distributed_env() is not None:
+        accelerator.state.init_process_group()
+        return
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    # DeepSpeed reads torchrun's variables itself (LOCAL_RANK above all): give this process a world of one.
+    apply_environment({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    accelerator.state.init_process_group()
+
+
+def backward(engine: Any, loss: torch.Tensor, sync_gradients: bool, **kwargs: Any) -> None:
+    """``engine.backward`` (it scales by the accumulation steps itself), then ``engine.step`` on a boundary."""
+    engine.set_gradient_accumulation_boundary(is_boundary=sync_gradients)
+    engine.backward(loss, **kwargs)
+    if sync_gradients:
+        engine.step()
+
+
+def state_dict(engine: Any) -> dict[str, torch.Tensor]:
+    """The full model state dict (ZeRO-3 gathers 16-bit weights on rank 0: call on every rank)."""
+    if engine.zero_optimization_stage() == 3:
+        return engine._zero3_consolidated_16bit_state_dict() or {}
+    return engine.module.state_dict()
