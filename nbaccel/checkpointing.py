@@ -14,7 +14,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 

@@ -282,16 +282,7 @@ def prepare_data_loader(dataloader: DataLoader, device: torch.device | None = No
     if dispatch and num_processes > 1:
         return _prepare_dispatcher(dataloader, num_processes, process_index, config, common | kwargs)
     if iterable:
-        per = bs // num_processes if (config.split_batches and bs) else bs
-        shard_ds: Any = dataset
-        if num_processes > 1:
-            shard_ds = IterableDatasetShard(dataset, batch_size=bs or 1, drop_last=dataloader.drop_last,
-                                            num_processes=num_processes, process_index=process_index,
-                                            split_batches=config.split_batches)
-        total = (bs if config.split_batches else (bs or 1) * num_processes) if bs else None
-        kwargs["generator"] = _shared_generator(None, dataloader.generator)
-        return DataLoaderShard(shard_ds, batch_size=per, drop_last=dataloader.drop_last, total_batch_size=total,
-                               sync_generator=kwargs["generator"], **common, **kwargs)
+        return _prepare_iterable(dataloader, num_processes, process_index, config, common | kwargs)
     sampler = dataloader.batch_sampler.sampler if hasattr(dataloader.batch_sampler, "sampler") else dataloader.sampler
     if isinstance(sampler, RandomSampler) and config.use_seedable_sampler:
         sampler = _seedable(sampler, config)
@@ -309,6 +300,21 @@ def prepare_data_loader(dataloader: DataLoader, device: torch.device | None = No
     kwargs.pop("generator", None)
     return DataLoaderShard(dataset, batch_sampler=batch_sampler, total_batch_size=total, sync_generator=generator,
                            generator=generator, source_drop_last=dataloader.drop_last, **common, **kwargs)
+
+
+def _prepare_iterable(dataloader: DataLoader, num_processes: int, process_index: int,
+                      config: DataLoaderConfiguration, kwargs: dict[str, Any]) -> DataLoaderShard:
+    bs = dataloader.batch_size
+    per = bs // num_processes if (config.split_batches and bs) else bs
+    dataset: Any = dataloader.dataset
+    if num_processes > 1:
+        dataset = IterableDatasetShard(dataset, batch_size=bs or 1, drop_last=dataloader.drop_last,
+                                       num_processes=num_processes, process_index=process_index,
+                                       split_batches=config.split_batches)
+    total = (bs if config.split_batches else bs * num_processes) if bs else None
+    kwargs["generator"] = _shared_generator(None, dataloader.generator)
+    return DataLoaderShard(dataset, batch_size=per, drop_last=dataloader.drop_last, total_batch_size=total,
+                           sync_generator=kwargs["generator"], **kwargs)
 
 
 def _prepare_dispatcher(dataloader: DataLoader, num_processes: int, process_index: int,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -109,11 +109,3 @@ def unwrap_forward(model: torch.nn.Module) -> None:
             del model.__dict__["forward"]
         else:
             model.forward = original  # type: ignore[method-assign]
-
-
-@contextlib.contextmanager
-def maybe_autocast(enabled: bool, mixed_precision: MixedPrecision, device: torch.device,
-                   handler: AutocastKwargs | None = None) -> Iterator[None]:
-    """:func:`autocast_context` when ``enabled``, else nothing."""
-    with autocast_context(mixed_precision, device, handler) if enabled else contextlib.nullcontext():
-        yield

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+from torch.utils.data import IterableDataset, TensorDataset
 
 import nbaccel
 
