@@ -1,8 +1,8 @@
 """Training throughput: nbaccel's Accelerator against Accelerate's and hand-written DDP.
 
 One launch of ``--processes`` CPU workers (gloo). In each worker the same small MLP trains on
-the same data three ways, in interleaved rounds (hand-written DDP, nbaccel, Accelerate, then
-again), so machine noise hits all three alike. Per implementation we report the median
+the same data three ways, in interleaved rounds (hand-written DDP, nbaccel, Accelerate, the
+starting one rotating), so machine noise hits all three alike. Per implementation we report the median
 steps/s over rounds, and the ratios to hand-written DDP.
 
 Run: ``.venv/bin/python benchmarks/train.py`` (needs ``pip install accelerate`` for its column).
@@ -90,9 +90,10 @@ def worker(steps: int, width: int, batch_size: int, rounds: int) -> dict[str, li
     for runner in runners.values():  # warm-up: first-use costs (dynamo import, allocator) out of the figures
         runner(make_data(5, batch_size, dist.get_world_size()), width, batch_size)
     rates: dict[str, list[float]] = {name: [] for name in runners}
-    for _ in range(rounds):
-        for name, runner in runners.items():
-            done, seconds = runner(data, width, batch_size)
+    names = list(runners)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:  # rotate who goes first
+            done, seconds = runners[name](data, width, batch_size)
             rates[name].append(done / seconds)
     return rates
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils.data import DataLoader
 
@@ -23,16 +24,17 @@ def _train(per_process_batch: int, accumulation: int = 1, epochs: int = 2) -> di
             "wrapped": type(model).__name__, "group": torch.distributed.is_initialized()}
 
 
-def test_two_process_ddp_ends_with_the_single_process_weights():
+@pytest.mark.parametrize("num_processes", [2, 4])
+def test_ddp_ends_with_the_single_process_weights(num_processes):
     single = _train(per_process_batch=16)
-    results = launch(_train, 2, 8)
-    assert results[0]["type"] == "MULTI_CPU" and results[0]["n"] == 2 and results[0]["group"]
+    results = launch(_train, num_processes, 16 // num_processes)
+    assert results[0]["type"] == "MULTI_CPU" and results[0]["n"] == num_processes and results[0]["group"]
     assert results[0]["wrapped"] == "DistributedDataParallel"
     assert single["type"] == "NO" and single["wrapped"] == "TinyMLP"
-    for rank in (0, 1):
+    for rank in range(num_processes):
         torch.testing.assert_close(results[rank]["weights"], single["weights"], atol=1e-5, rtol=0)
-    # each rank's loss is over half the global batch; their mean is the global batch's loss
-    mean = [(a + b) / 2 for a, b in zip(results[0]["losses"], results[1]["losses"])]
+    # each rank's loss is over its part of the global batch; their mean is the global batch's loss
+    mean = [sum(step) / num_processes for step in zip(*(results[r]["losses"] for r in range(num_processes)))]
     torch.testing.assert_close(torch.tensor(mean), torch.tensor(single["losses"]), atol=1e-4, rtol=1e-4)
 
 
