@@ -219,11 +219,12 @@ def _new_shared_generator() -> torch.Generator:
 
 
 def _shared_generator(sampler: Any, loader_generator: torch.Generator | None) -> torch.Generator:
-    """The generator that decides a pass's order and worker seeds, with rank 0's state on every rank.
+    """The generator that decides a pass's order and worker seeds.
 
-    A shuffling sampler gets it (so every rank shuffles alike); the rebuilt loader draws its
-    worker base seed from it too, so iterating never consumes the global RNG and a resumed run
-    draws the same random numbers (dropout) as the original.
+    A shuffling sampler gets one with rank 0's state on every rank (so every rank shuffles
+    alike); the rebuilt loader draws its worker base seed from it too, so iterating never
+    consumes the global RNG and a resumed run draws the same random numbers (dropout) as the
+    original.
     """
     if isinstance(sampler, RandomSampler) and not isinstance(sampler, SeedableRandomSampler):
         if sampler.generator is None:
@@ -232,9 +233,9 @@ def _shared_generator(sampler: Any, loader_generator: torch.Generator | None) ->
             sampler.generator.set_state(broadcast(sampler.generator.get_state(), from_process=0))
         return sampler.generator
     if loader_generator is not None:
-        loader_generator.set_state(broadcast(loader_generator.get_state(), from_process=0))
         return loader_generator
-    return _new_shared_generator()
+    # Only worker seeds come from it: no need for every rank to agree, so no collective here.
+    return torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item()))
 
 
 def _seedable(sampler: RandomSampler, config: DataLoaderConfiguration) -> SeedableRandomSampler:

@@ -100,7 +100,19 @@ def _world() -> int:
 
 
 def _is_xla(tensor: torch.Tensor) -> bool:
-    return tensor.device.type == "xla"
+    """Whether this collective goes through torch_xla: XLA tensors, or any tensor among XLA replicas."""
+    if tensor.device.type == "xla":
+        return True
+    return not (dist.is_available() and dist.is_initialized()) and _world() > 1
+
+
+def _on_xla(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` on this replica's XLA device (CPU tensors are copied there for the collective)."""
+    if tensor.device.type == "xla":
+        return tensor
+    from nbaccel.state import ProcessState
+
+    return tensor.to(ProcessState().device)
 
 
 def _debug_enabled() -> bool:
@@ -145,7 +157,7 @@ def _gather_one(tensor: torch.Tensor) -> torch.Tensor:
     if _is_xla(tensor):
         import torch_xla.core.xla_model as xm
 
-        return xm.all_gather(tensor if tensor.ndim else tensor[None], dim=0)
+        return xm.all_gather(_on_xla(tensor if tensor.ndim else tensor[None]), dim=0).to(tensor.device)
     if tensor.ndim == 0:
         tensor = tensor.clone()[None]
     if not tensor.is_contiguous():
@@ -235,7 +247,7 @@ def reduce(tensor: Any, reduction: Reduction = "mean", scale: float = 1.0) -> An
 
             import torch_xla.runtime as xr
 
-            out = xm.all_reduce("sum", out, scale=scale)
+            out = xm.all_reduce("sum", _on_xla(out), scale=scale).to(t.device)
             return out / xr.world_size() if reduction == "mean" else out
         if world > 1:
             dist.all_reduce(out, op=dist.ReduceOp.SUM)
@@ -257,7 +269,10 @@ def broadcast(tensor: Any, from_process: int = 0) -> Any:
         if _is_xla(t):
             import torch_xla.core.xla_model as xm
 
-            xm.collective_broadcast([t], root_ordinal=from_process)
+            moved = _on_xla(t)
+            xm.collective_broadcast([moved], root_ordinal=from_process)
+            if moved is not t:
+                t.copy_(moved.cpu())
             return t
         dist.broadcast(t, src=from_process)
         return t

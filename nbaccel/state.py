@@ -13,6 +13,7 @@ A process keeps one shared state (as Accelerate's ``PartialState`` does) so that
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 from datetime import timedelta
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from nbaccel.environment import (
+    DistributedEnv,
     DistributedType,
     MixedPrecision,
     read_distributed_env,
@@ -31,12 +33,31 @@ __all__ = ["ProcessState", "reset_process_state"]
 
 _lock = threading.Lock()
 _shared: dict[str, Any] = {}
+# XLA replicas that run as threads of one process (TPU v2/v3, the CPU runtime) each get their own state.
+_per_replica: dict[int, dict[str, Any]] = {}
+
+
+def _thread_replica() -> Any:
+    """The calling thread's XLA replica when several share this process, else ``None`` (imports nothing)."""
+    xla_launch = sys.modules.get("nbaccel.launch.xla")
+    replica = xla_launch.current_replica() if xla_launch is not None else None
+    return replica if replica is not None and replica.shares_process else None
+
+
+def _state_dict() -> dict[str, Any]:
+    replica = _thread_replica()
+    if replica is None:
+        return _shared
+    with _lock:
+        return _per_replica.setdefault(replica.rank, {})
 
 
 class ProcessState:
     """This process's place in the job.
 
-    All instances in one process share their state; the first one made decides ``cpu``.
+    All instances in one process share their state; the first one made decides ``cpu``. XLA
+    replicas that run as threads of one process each have their own (rank and world size from
+    the XLA launcher, not from the shared environment).
 
     Args:
         cpu: run on CPU even where accelerators exist.
@@ -51,12 +72,17 @@ class ProcessState:
 
     def __init__(self, cpu: bool = False, backend: str | None = None,
                  timeout: timedelta | None = None) -> None:
-        self.__dict__ = _shared
+        self.__dict__ = _state_dict()
         if self.__dict__.get("_initialized"):
             return
+        replica = _thread_replica()
         with _lock:
             settings = read_worker_settings()
             dist = read_distributed_env()
+            if replica is not None:
+                dist = DistributedEnv(rank=replica.rank, local_rank=replica.rank, world_size=replica.world_size,
+                                      local_world_size=replica.world_size, node_rank=0,
+                                      master_addr="127.0.0.1", master_port=0)
             self.settings = settings
             self.use_cpu = bool(cpu or settings.use_cpu)
             self.process_index = dist.rank if dist else 0
@@ -165,3 +191,4 @@ class ProcessState:
 def reset_process_state() -> None:
     """Forget the shared state (called in a fresh worker, which must read its own environment)."""
     _shared.clear()
+    _per_replica.clear()
