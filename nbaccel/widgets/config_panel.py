@@ -29,6 +29,9 @@ __all__ = ["ConfigPanel", "FieldSpec", "field_specs", "widgets_available"]
 
 from nbaccel.widgets import widgets_available  # noqa: E402  (re-exported for %accel_config)
 
+_AUTO = "auto"
+_PLACEHOLDERS = {"num_processes": "auto (one per GPU, else up to 4 CPUs)", "main_process_port": "auto (a free port)",
+                 "timeout": "none (no limit)", "main_process_ip": "none (single machine)"}
 FieldKind = Literal["choice", "bool", "int", "float", "str", "mapping"]
 _CSS = (".nbaccel-invalid input, .nbaccel-invalid textarea, .nbaccel-invalid select "
         "{border-color: #dc2626 !important; background: #fef2f2 !important}")
@@ -175,7 +178,10 @@ class ConfigPanel:
         for name, editor in self._editors.items():
             spec = self.specs[name]
             raw = editor.value
-            out[name] = spec.parse(raw) if spec.kind not in ("choice", "bool") else raw
+            if spec.kind == "choice":
+                out[name] = None if raw == _AUTO and spec.optional else raw
+            else:
+                out[name] = raw if spec.kind == "bool" else spec.parse(raw)
         return out
 
     def validate(self) -> LaunchConfig | None:
@@ -256,15 +262,15 @@ class ConfigPanel:
         common = {"description": spec.name, "style": {"description_width": "170px"},
                   "layout": w.Layout(width="420px" if spec.kind != "mapping" else "640px"),
                   "tooltip": spec.help}
-        if spec.kind == "choice":
-            options = ([("auto", None)] if spec.optional else []) + [(str(c), c) for c in spec.choices]
-            editor = w.Dropdown(options=options, value=value, **common)
+        if spec.kind == "choice":  # None shows as "auto" (a Dropdown cannot show a None value)
+            options = ([_AUTO] if spec.optional else []) + [str(c) for c in spec.choices]
+            editor = w.Dropdown(options=options, value=_AUTO if value is None else str(value), **common)
         elif spec.kind == "bool":
             editor = w.Checkbox(value=bool(value), indent=True, **common)
         elif spec.kind == "mapping":
             editor = w.Textarea(value=spec.show(value), placeholder="{}", continuous_update=True, **common)
         else:
-            placeholder = "auto" if spec.optional else ""
+            placeholder = _PLACEHOLDERS.get(spec.name, "none") if spec.optional else ""
             editor = w.Text(value=spec.show(value), placeholder=placeholder, continuous_update=True, **common)
         editor.add_class(f"nbaccel-field-{spec.name}")
         editor.observe(lambda _change: self.validate(), names="value")
@@ -286,15 +292,15 @@ class ConfigPanel:
         self._save = w.Button(description="Save", button_style="primary", icon="save",
                               tooltip=f"write {self.path}")
         self._save.add_class("nbaccel-save")
-        self._use = w.Button(description="Use for this session", icon="check",
+        self._use = w.Button(description="Use for this session", icon="check", layout=w.Layout(width="auto"),
                              tooltip="make these the defaults of the next %%accel_launch cells")
         self._use.add_class("nbaccel-use")
         self._save.on_click(lambda _b: self._click(self.save))
         self._use.on_click(lambda _b: self._click(self.use_for_session))
         more = w.Accordion(children=[box for _, box in groups[1:]], titles=tuple(t for t, _ in groups[1:]),
                            selected_index=None)
-        heading = w.HTML(f"<style>{_CSS}</style><b>nbaccel launch configuration</b> · <code>{html.escape(self.path)}</code><br>"
-                         f"detected: {self.hardware}")
+        heading = w.HTML(f"<style>{_CSS}</style><b>nbaccel launch configuration</b> · detected: {self.hardware}"
+                         f"<br><small>file: <code>{html.escape(self.path)}</code></small>")
         box = w.VBox([heading, groups[0][1], more, self._message, w.HBox([self._save, self._use])])
         box.add_class("nbaccel-config")
         self.validate()

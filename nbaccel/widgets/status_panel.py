@@ -253,7 +253,7 @@ class StatusPanel(LaunchStatus):
             for index, (record, child) in enumerate(zip(self.records.values(), self._outputs.children)):
                 if final or index == open_index:
                     child.value = self._output_html(record, None if final else _SHOWN_LINES)
-            self._outputs.titles = tuple(f"rank {r.rank} output ({r.line_count} lines)"
+            self._outputs.titles = tuple(f"rank {r.rank} output ({r.line_count} line{'s' if r.line_count != 1 else ''})"
                                          for r in self.records.values())
 
     def _table_html(self) -> str:

@@ -22,9 +22,13 @@ def _panel(**kwargs) -> ConfigPanel:
 def test_every_config_field_has_an_editor():
     panel = _panel()
     assert set(panel._editors) == {f.name for f in dataclasses.fields(LaunchConfig)}
-    assert panel._editors["mixed_precision"].options == (("no", "no"), ("fp16", "fp16"), ("bf16", "bf16"),
-                                                          ("fp8", "fp8"))
-    assert panel._editors["start_method"].options[0] == ("auto", None)
+    assert panel._editors["mixed_precision"].options == ("no", "fp16", "bf16", "fp8")
+    assert panel._editors["start_method"].options == ("auto", "fork", "spawn")
+    assert panel._editors["start_method"].value == "auto" and panel.config.start_method is None
+    panel._editors["start_method"].value = "spawn"
+    assert panel.config.start_method == "spawn"
+    panel._editors["start_method"].value = "auto"
+    assert panel.config.start_method is None
     assert "detected:" in panel._box.children[0].value and "CPU" in panel._box.children[0].value
 
 

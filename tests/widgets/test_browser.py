@@ -1,0 +1,156 @@
+"""The config panel and the status panel in a real browser: JupyterLab driven through Chromium.
+
+Needs Debian's chromium, jupyterlab and playwright (``.ci/browser_setup.sh .venv`` installs
+them); skipped cleanly without them. Screenshots go to ``artifacts/`` at the repository root.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from nbaccel.config import load_config
+
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(240)]
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
+ROOT = Path(__file__).resolve().parents[2]
+
+PROBE = ("%%accel_launch\n"
+         "import os\n"
+         "from nbaccel.environment import read_worker_settings\n"
+         "print('settings', os.environ.get('WORLD_SIZE', '1'), read_worker_settings().mixed_precision)\n"
+         "(int(os.environ.get('WORLD_SIZE', '1')), read_worker_settings().mixed_precision)\n")
+
+
+def _require_browser_stack() -> None:
+    if not os.path.exists(CHROMIUM):
+        pytest.skip("chromium is not installed (run .ci/browser_setup.sh .venv)")
+    pytest.importorskip("playwright.sync_api", reason="playwright is not installed (run .ci/browser_setup.sh .venv)")
+    pytest.importorskip("jupyterlab", reason="jupyterlab is not installed (run .ci/browser_setup.sh .venv)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def lab(tmp_path: Path) -> Iterator[tuple[str, Path, Path]]:
+    """A JupyterLab server on loopback, rooted at a fresh folder with its own config file."""
+    _require_browser_stack()
+    config_file = tmp_path / "nbaccel_config.yaml"
+    jupyter_config = tmp_path / "jupyter_config"
+    (jupyter_config / "labconfig").mkdir(parents=True)
+    (jupyter_config / "labconfig" / "page_config.json").write_text(json.dumps(
+        {"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}))
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell("%load_ext nbaccel"), nbformat.v4.new_code_cell("%accel_config"),
+                nbformat.v4.new_code_cell(PROBE)]
+    nbformat.write(nb, notebooks / "panel.ipynb")
+    port, token = _free_port(), secrets.token_hex(16)
+    env = dict(os.environ, NBACCEL_CONFIG_FILE=str(config_file), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+               JUPYTER_CONFIG_DIR=str(jupyter_config), JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "settings"),
+               JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "workspaces"))
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={port}",
+         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={notebooks}"],
+        env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "lab.log", "w"), start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    pytest.fail(f"JupyterLab did not start:\n{(tmp_path / 'lab.log').read_text()[-3000:]}")
+                time.sleep(0.2)
+        yield f"{base}/lab/tree/panel.ipynb?token={token}", config_file, tmp_path
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def _run_cell(page, index: int, wait_ms: int = 60_000) -> None:
+    """Run cell ``index`` with Shift+Enter and wait until it has an execution count."""
+    import re
+
+    from playwright.sync_api import expect
+
+    cell = page.locator(".jp-Notebook .jp-Cell").nth(index)
+    cell.locator(".jp-InputArea-editor").click()
+    page.keyboard.press("Shift+Enter")
+    expect(cell.locator(".jp-InputPrompt")).to_have_text(re.compile(r"\[\d+\]"), timeout=wait_ms)
+
+
+def test_panel_edits_save_the_yaml_and_the_next_launch_uses_them(lab):
+    from playwright.sync_api import expect, sync_playwright
+
+    url, config_file, _ = lab
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        page = browser.new_page(viewport={"width": 1280, "height": 1000})
+        try:
+            page.goto(url)
+            page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=60_000)
+            expect(page.get_by_text("Python 3 (ipykernel) | Idle")).to_be_visible(timeout=60_000)
+            _run_cell(page, 0)
+            _run_cell(page, 1)
+            panel = page.locator(".nbaccel-config")
+            panel.wait_for(timeout=20_000)
+            page.locator(".nbaccel-field-num_processes input").fill("3")
+            page.locator(".nbaccel-field-mixed_precision select").select_option(label="bf16")
+            page.locator(".nbaccel-field-timeout input").fill("-1")  # invalid: flagged as typed
+            expect(page.locator(".nbaccel-message")).to_contain_text("'timeout' must be a positive number")
+            expect(page.locator("button.nbaccel-save")).to_be_disabled()
+            page.locator(".nbaccel-field-timeout input").fill("")
+            expect(page.locator("button.nbaccel-save")).to_be_enabled()
+            panel.screenshot(path=str(ARTIFACTS / "config_panel.png"))
+            assert not config_file.exists()
+            page.locator("button.nbaccel-save").click()
+            expect(page.locator(".nbaccel-message")).to_contain_text("Saved to")
+            saved = load_config(config_file)
+            assert (saved.num_processes, saved.mixed_precision) == (3, "bf16")
+            assert "num_processes: 3" in config_file.read_text() and "mixed_precision: bf16" in config_file.read_text()
+
+            _run_cell(page, 2, wait_ms=120_000)
+            probe = page.locator(".jp-Notebook .jp-Cell").nth(2)
+            expect(probe.locator(".jp-OutputArea-executeResult")).to_contain_text("(3, 'bf16')", timeout=90_000)
+            expect(probe.locator(".nbaccel-status")).to_contain_text("finished")
+            expect(probe.locator(".jp-OutputArea-output")).to_contain_text(["[rank0]: settings 3 bf16"])
+            probe.locator(".nbaccel-status .jupyter-widget-Collapse-header, .nbaccel-status .p-Collapse-header,"
+                          " .nbaccel-status .jupyter-widget-Accordion-child").first.click()
+            probe.locator(".nbaccel-status").screenshot(path=str(ARTIFACTS / "status_panel.png"))
+            page.screenshot(path=str(ARTIFACTS / "notebook.png"), full_page=True)
+        except BaseException:
+            page.screenshot(path=str(ARTIFACTS / "browser_failure.png"), full_page=True)
+            raise
+        finally:
+            browser.close()
