@@ -2,8 +2,8 @@
 
 :class:`LaunchStatus` keeps the per-rank record and renders it as plain text; it implements
 :class:`~nbaccel.launch.events.LaunchObserver`. :class:`StatusPanel` shows the same record as an
-ipywidgets panel that redraws at most a few times a second, from the launch's own events and a
-small ticker thread, so following a launch never slows it down. :class:`TextStatus` prints the
+ipywidgets panel redrawn a few times a second by a small ticker thread; the launch's own
+callbacks only record (microseconds), so following a launch never slows it down. :class:`TextStatus` prints the
 record once the launch ends, for terminals and logs. :func:`status_observer` picks one.
 """
 
@@ -161,7 +161,7 @@ class StatusPanel(LaunchStatus):
     Args:
         num_processes: the ranks expected.
         title: the panel's heading.
-        interval: seconds between redraws (events in between are batched).
+        interval: seconds between redraws by the ticker (events in between are batched).
 
     Raises:
         MissingDependencyError: ipywidgets is not installed.
@@ -177,6 +177,7 @@ class StatusPanel(LaunchStatus):
         self.interval = interval
         self._lock = threading.Lock()
         self._last_draw = 0.0
+        self._dirty = False
         self._ticker: threading.Thread | None = None
         self._done = threading.Event()
         self._handle: Any = None
@@ -213,15 +214,14 @@ class StatusPanel(LaunchStatus):
         self._ticker.start()
 
     def on_state(self, rank: int, state: RankState) -> None:
-        """A state change is drawn at once (there are only a few per rank)."""
+        """Record the change; the ticker draws it within ``interval``."""
         super().on_state(rank, state)
-        self.draw()
+        self._dirty = True
 
     def on_output(self, rank: int, stream: Literal["stdout", "stderr"], line: str) -> None:
-        """Record the line; redraw only if the last redraw is older than ``interval``."""
+        """Record the line; the ticker draws it within ``interval``."""
         super().on_output(rank, stream, line)
-        if time.monotonic() - self._last_draw >= self.interval:
-            self.draw()
+        self._dirty = True
 
     def on_end(self, ok: bool) -> None:
         """Stop the ticker, draw the final state with every rank's full output."""
@@ -234,8 +234,10 @@ class StatusPanel(LaunchStatus):
             self._handle.update(self)  # refreshes the text/plain form saved in the notebook
 
     def _tick(self) -> None:
-        while not self._done.wait(self.interval * 2):
-            if time.monotonic() - self._last_draw >= self.interval:
+        # Drawing happens here, off the supervisor's thread: the launch's own callbacks only record.
+        while not self._done.wait(self.interval):
+            if self._dirty or time.monotonic() - self._last_draw >= 1.0:  # elapsed times move too
+                self._dirty = False
                 self.draw()
 
     # ------------------------------------------------------------------ drawing
@@ -250,16 +252,16 @@ class StatusPanel(LaunchStatus):
                                    f"{self.total_elapsed():.1f} s")
             self._table.value = self._table_html()
             open_index = self._outputs.selected_index
-            for index, (record, child) in enumerate(zip(self.records.values(), self._outputs.children)):
+            for index, (record, child) in enumerate(zip(list(self.records.values()), self._outputs.children)):
                 if final or index == open_index:
                     child.value = self._output_html(record, None if final else _SHOWN_LINES)
             self._outputs.titles = tuple(f"rank {r.rank} output ({r.line_count} line{'s' if r.line_count != 1 else ''})"
-                                         for r in self.records.values())
+                                         for r in list(self.records.values()))
 
     def _table_html(self) -> str:
         now = time.monotonic()
         rows = []
-        for r in self.records.values():
+        for r in list(self.records.values()):
             rows.append(
                 f"<tr><td style='padding:0 8px'>rank {r.rank}</td>"
                 f"<td style='padding:0 8px;color:{_COLORS[r.state]};font-weight:bold'>{r.state}</td>"

@@ -75,3 +75,22 @@ def test_without_ipywidgets_the_panel_says_how_to_install_and_text_is_used(monke
 def test_outside_a_notebook_the_observer_is_text():
     assert type(status_observer(2)) is TextStatus
     assert type(status_observer(2, prefer="text")) is TextStatus
+
+
+def _slow() -> int:
+    import time
+
+    print("working")
+    time.sleep(1.0)
+    return 0
+
+
+def test_ticker_draws_the_running_state_while_the_launch_runs():
+    panel = StatusPanel(2, interval=0.1)
+    tables: list[str] = []
+    panel._table.observe(lambda change: tables.append(change["new"]), names="value")
+    notebook_launcher(_slow, num_processes=2, observer=panel)
+    running = [t for t in tables if ">running<" in t and "working" in t]
+    assert running, "no redraw showed the ranks running"
+    assert ">finished<" in tables[-1]
+    assert panel._ticker is not None and not panel._ticker.is_alive()
