@@ -207,3 +207,15 @@ def test_accel_env_prints_the_same_report_as_nbaccel_env(ip, capsys):
 def test_accel_env_takes_no_arguments(ip):
     result = run(ip, "%accel_env --verbose")
     assert isinstance(result.error_in_exec, UsageError) and "takes no arguments" in str(result.error_in_exec)
+
+
+def test_a_config_this_machine_cannot_run_is_a_usage_error(ip, capfd):
+    from nbaccel.environment import cuda_device_count
+
+    if cuda_device_count():
+        pytest.skip("this machine has a CUDA GPU")
+    save_config(LaunchConfig(distributed_type="MULTI_GPU"))
+    result = run(ip, "%%accel_launch -n 2\nprint('ran')\n")
+    assert isinstance(result.error_in_exec, UsageError)
+    assert "distributed_type='MULTI_GPU' but no CUDA device is visible" in str(result.error_in_exec)
+    assert "ran" not in capfd.readouterr().out
