@@ -23,11 +23,9 @@ from nbaccel.config import LaunchConfig, save_config
 from nbaccel.environment import cpu_count, cuda_device_count, tpu_detected
 from nbaccel.errors import ConfigError
 from nbaccel.magics.session import changed_fields
-from nbaccel.widgets import import_widgets
+from nbaccel.widgets import import_widgets, widgets_available
 
-__all__ = ["ConfigPanel", "FieldSpec", "field_specs", "widgets_available"]
-
-from nbaccel.widgets import widgets_available  # noqa: E402  (re-exported for %accel_config)
+__all__ = ["ConfigPanel", "FieldSpec", "field_specs", "widgets_available"]  # widgets_available: for %accel_config
 
 _AUTO = "auto"
 _PLACEHOLDERS = {"num_processes": "auto (one per GPU, else up to 4 CPUs)", "main_process_port": "auto (a free port)",
