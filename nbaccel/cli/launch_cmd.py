@@ -158,6 +158,9 @@ def launch_function(function: Callable[..., Any], args: Sequence[Any], cfg: Laun
     """Run ``function(*args)`` as ``cfg`` says: this machine's supervisor, or elastic across machines."""
     from nbaccel.launch.launcher import notebook_launcher
 
+    if cfg.start_method != "spawn":
+        import torch  # noqa: F401 - once here, so forked workers share it instead of importing it each
+
     with _sigterm_stops_workers():
         if cfg.num_machines > 1:
             port = cfg.main_process_port or _DEFAULT_MULTI_NODE_PORT
