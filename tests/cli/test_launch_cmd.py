@@ -212,3 +212,19 @@ def test_mistakes_are_one_message_and_a_non_zero_exit(tmp_path, args, message):
     assert result.stderr.startswith(f"nbaccel {args[0]}: error: ")
     assert "Traceback" not in result.stderr
     assert result.stdout == ""
+
+
+def test_a_launch_that_cannot_start_is_one_line_and_exit_1(tmp_path):
+    result = nbaccel("launch", "--num_processes", "2", "--start_method", "fork", _script(tmp_path, REPORT),
+                     env=env_with(NBACCEL_ASSUME_UNSAFE_FORK="1"))
+    assert result.returncode == 1
+    assert result.stderr.startswith("nbaccel launch: error: start_method='fork' is unsafe here")
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_when_fork_is_unsafe_the_launch_spawns_and_says_why(tmp_path):
+    result = nbaccel("launch", "--num_processes", "2", _script(tmp_path, REPORT),
+                     env=env_with(NBACCEL_ASSUME_UNSAFE_FORK="1"))
+    assert result.returncode == 0, result.stderr
+    assert "starting workers with spawn, not fork" in result.stderr
+    assert "[rank1]: name=__main__ rank=1 world=2 sum=3" in result.stdout
