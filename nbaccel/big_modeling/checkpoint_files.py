@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import pickle
 import struct
@@ -27,6 +28,7 @@ __all__ = [
     "Checkpoint",
     "SafetensorsFile",
     "TensorInfo",
+    "anonymous_tensor",
     "load_pickle_checkpoint",
     "open_checkpoint",
     "read_tensor",
@@ -53,8 +55,32 @@ class TensorInfo:
     shape: tuple[int, ...]
 
 
-def read_tensor(info: TensorInfo) -> torch.Tensor:
+def anonymous_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized CPU tensor in its own anonymous memory map.
+
+    Its memory goes back to the system the moment the tensor is freed. Weights loaded and
+    released on every forward would otherwise come from malloc's heap, where glibc's growing
+    mmap threshold leaves freed blocks resident: the process would grow by a few blocks per
+    forward pass.
+
+    Example:
+        >>> anonymous_tensor((2, 3), torch.float16).shape
+        torch.Size([2, 3])
+    """
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)  # keeps the map alive
+    return raw.view(dtype).reshape(shape)
+
+
+def read_tensor(info: TensorInfo, release_on_free: bool = False) -> torch.Tensor:
     """Read one tensor into a new CPU tensor that owns its memory.
+
+    Args:
+        info: where the tensor is.
+        release_on_free: put it in its own memory map (:func:`anonymous_tensor`), for tensors
+            that are read and dropped over and over, such as offloaded weights.
 
     Raises:
         CheckpointError: the file ends before the tensor does.
@@ -66,7 +92,8 @@ def read_tensor(info: TensorInfo) -> torch.Tensor:
         >>> read_tensor(SafetensorsFile(path).tensors["w"])
         tensor([1., 1.])
     """
-    out = torch.empty(info.shape, dtype=info.dtype)
+    out = anonymous_tensor(info.shape, info.dtype) if release_on_free else \
+        torch.empty(info.shape, dtype=info.dtype)
     if info.nbytes == 0:
         return out
     view = memoryview(out.reshape(-1).view(torch.uint8).numpy())

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from nbaccel.big_modeling.checkpoint_files import SafetensorsFile, TensorInfo, read_tensor
+from nbaccel.big_modeling.checkpoint_files import (SafetensorsFile, TensorInfo,
+                                                   anonymous_tensor, read_tensor)
 from nbaccel.errors import CheckpointError
 
 __all__ = [
@@ -186,8 +187,10 @@ class OffloadedWeightsLoader(Mapping):
 
     def _read(self, key: str) -> torch.Tensor:
         info, cast = self._where(key)
-        tensor = read_tensor(info)
-        return tensor if cast is None or not tensor.is_floating_point() else tensor.to(cast)
+        tensor = read_tensor(info, release_on_free=True)
+        if cast is None or not tensor.is_floating_point():
+            return tensor
+        return anonymous_tensor(info.shape, cast).copy_(tensor)
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key in self.state_dict:
