@@ -137,9 +137,6 @@ def test_num_processes_must_be_one_or_all(devices):
     assert notebook_launcher(identify, (1.0,), num_processes=1, config=XLA, return_all=True)[0]["world"] == 1
 
 
-@pytest.mark.xfail(strict=True, reason="ProcessState keeps one state per process, so replica threads (TPU v2/v3, "
-                   "the CPU runtime) all see rank 0 of 1 on xla:0; needs per-thread state from "
-                   "nbaccel.launch.xla.current_replica() in nbaccel/state.py")
 def test_the_accelerator_sees_each_thread_replica(devices):
     devices(2)
 
