@@ -101,11 +101,9 @@ def worker(lib: str, scenario: str, index: str, blocks: int, out: str) -> None:
     """One measurement, in its own process; prints one JSON line."""
     torch.set_num_threads(1)
     if lib == "nbaccel":
-        from nbaccel.big_modeling import (init_empty_weights, load_checkpoint_and_dispatch,
-                                          load_checkpoint_in_model)
+        from nbaccel.big_modeling import init_empty_weights, load_checkpoint_and_dispatch, load_checkpoint_in_model
     else:
-        from accelerate import (init_empty_weights, load_checkpoint_and_dispatch,
-                                load_checkpoint_in_model)
+        from accelerate import init_empty_weights, load_checkpoint_and_dispatch, load_checkpoint_in_model
     x = torch.randn(1, 8, WIDTH, generator=torch.Generator().manual_seed(1))
     baseline = _rss()
     offload = Path(out) / f"offload-{lib}-{scenario}"

@@ -244,7 +244,6 @@ def reduce(tensor: Any, reduction: Reduction = "mean", scale: float = 1.0) -> An
             return out
         if _is_xla(t):
             import torch_xla.core.xla_model as xm
-
             import torch_xla.runtime as xr
 
             out = xm.all_reduce("sum", _on_xla(out), scale=scale).to(t.device)

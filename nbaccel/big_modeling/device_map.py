@@ -18,9 +18,14 @@ from typing import Literal, get_args
 import torch
 from torch import nn
 
-from nbaccel.big_modeling.sizes import (MaxMemory, compute_module_sizes, find_tied_parameters,
-                                        get_balanced_memory, get_max_layer_size,
-                                        get_max_memory)
+from nbaccel.big_modeling.sizes import (
+    MaxMemory,
+    compute_module_sizes,
+    find_tied_parameters,
+    get_balanced_memory,
+    get_max_layer_size,
+    get_max_memory,
+)
 from nbaccel.big_modeling.tensors import Device
 from nbaccel.errors import DeviceMapError
 

@@ -16,11 +16,15 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from nbaccel.big_modeling.device_map import MapDevice, check_device_map, device_for
-from nbaccel.big_modeling.hooks import (AlignDevicesHook, CpuOffload, UserCpuOffloadHook,
-                                        _default_execution_device, add_hook_to_module)
-from nbaccel.big_modeling.offload import (IndexEntry, OffloadedWeightsLoader, PrefixedDataset,
-                                          offload_state_dict)
+from nbaccel.big_modeling.device_map import MapDevice, check_device_map
+from nbaccel.big_modeling.hooks import (
+    AlignDevicesHook,
+    CpuOffload,
+    UserCpuOffloadHook,
+    _default_execution_device,
+    add_hook_to_module,
+)
+from nbaccel.big_modeling.offload import IndexEntry, OffloadedWeightsLoader, PrefixedDataset, offload_state_dict
 from nbaccel.big_modeling.tensors import Device, named_module_tensors
 from nbaccel.errors import CheckpointMismatchError, DeviceMapError
 

@@ -16,9 +16,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from nbaccel.big_modeling.tensors import (Device, clear_device_cache, find_device,
-                                          named_module_tensors, send_to_device,
-                                          set_module_tensor_to_device)
+from nbaccel.big_modeling.tensors import (
+    Device,
+    clear_device_cache,
+    find_device,
+    named_module_tensors,
+    send_to_device,
+    set_module_tensor_to_device,
+)
 
 __all__ = [
     "AlignDevicesHook",

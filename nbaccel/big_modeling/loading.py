@@ -12,12 +12,18 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Mapping, Sequence
+
 import torch
 from torch import nn
 
 from nbaccel.big_modeling.checkpoint_files import Checkpoint, open_checkpoint
-from nbaccel.big_modeling.device_map import (DeviceMapStrategy, MapDevice, check_device_map,
-                                             device_for, resolve_device_map)
+from nbaccel.big_modeling.device_map import (
+    DeviceMapStrategy,
+    MapDevice,
+    check_device_map,
+    device_for,
+    resolve_device_map,
+)
 from nbaccel.big_modeling.offload import IndexEntry, offload_weight, save_offload_index
 from nbaccel.big_modeling.sizes import MaxMemory, find_tied_parameters
 from nbaccel.big_modeling.tensors import Device, set_module_tensor_to_device

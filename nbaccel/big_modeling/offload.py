@@ -20,8 +20,7 @@ from typing import Any
 
 import torch
 
-from nbaccel.big_modeling.checkpoint_files import (SafetensorsFile, TensorInfo,
-                                                   anonymous_tensor, read_tensor)
+from nbaccel.big_modeling.checkpoint_files import SafetensorsFile, TensorInfo, anonymous_tensor, read_tensor
 from nbaccel.errors import CheckpointError
 
 __all__ = [

@@ -53,6 +53,17 @@ def _check_ranks(output_ranks: Iterable[int] | int | None, n: int) -> frozenset[
     return ranks
 
 
+def _port_number(use_port: int | str | None) -> int | None:
+    if use_port in (None, ""):
+        return None
+    try:
+        return int(use_port)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ConfigError(f"use_port must be a port number from 1 to 65535, or None for a free one (got "
+                          f"{use_port!r}). Fix: pass use_port=None, or a number such as 29500.", key="use_port",
+                          value=use_port, valid="1..65535 or None") from None
+
+
 def _resolve(config: LaunchConfig | None, **explicit: Any) -> LaunchConfig:
     base = config if config is not None else LaunchConfig()
     return base.with_overrides(**explicit)
@@ -138,10 +149,11 @@ def notebook_launcher(
         >>> notebook_launcher(train, (0.1,), num_processes=2)
         2
     """
-    port = None if use_port in (None, "") else int(use_port)
+    port = _port_number(use_port)
     base_ip = config.main_process_ip if config is not None else None
     endpoint_host = rdzv_endpoint.rsplit(":", 1)[0] if rdzv_endpoint else None
-    cfg = _resolve(config, main_process_ip=base_ip or endpoint_host or master_addr, num_processes=num_processes, mixed_precision=mixed_precision, use_cpu=use_cpu,
+    cfg = _resolve(config, main_process_ip=base_ip or endpoint_host or master_addr, num_processes=num_processes,
+                   mixed_precision=mixed_precision, use_cpu=use_cpu,
                    machine_rank=node_rank, num_machines=num_nodes, main_process_port=port,
                    start_method=start_method, timeout=timeout)
     if hang_timeout is not None and hang_timeout <= 0:

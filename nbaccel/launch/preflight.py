@@ -117,7 +117,7 @@ def plan_launch(config: LaunchConfig) -> LaunchPlan:
                           f"{usable}, or use_cpu=True for CPU processes.", key="num_processes", value=n,
                           valid=f"1..{usable}")
     if kind == "xla":  # torch_xla.launch with fork, over 1 or every device the runtime reports
-        from nbaccel.launch.xla import check_xla_launch
+        from nbaccel.launch.xla_topology import check_xla_launch
 
         n = check_xla_launch(config.num_processes, config.start_method)
         method, reason = "fork", None

@@ -134,7 +134,7 @@ class CellProgram:
         names = self.shipped_names()
         try:
             return cloudpickle.dumps({n: ns[n] for n in names})
-        except Exception as exc:  # noqa: BLE001 - find which name it was
+        except Exception:  # noqa: BLE001 - find which name it was
             for name in names:
                 try:
                     cloudpickle.dumps(ns[name])

@@ -8,8 +8,13 @@ import sys
 import pytest
 import torch
 
-from nbaccel.big_modeling import (compute_module_sizes, find_tied_parameters,
-                                  get_balanced_memory, get_max_memory, infer_auto_device_map)
+from nbaccel.big_modeling import (
+    compute_module_sizes,
+    find_tied_parameters,
+    get_balanced_memory,
+    get_max_memory,
+    infer_auto_device_map,
+)
 from nbaccel.big_modeling.device_map import check_device_map, device_for, resolve_device_map
 from nbaccel.big_modeling.sizes import convert_file_size_to_int, get_max_layer_size
 from nbaccel.errors import ConfigError, DeviceMapError

@@ -8,11 +8,21 @@ import pytest
 import torch
 from torch import nn
 
-from nbaccel.big_modeling import (AlignDevicesHook, ModelHook, SequentialHook,
-                                  add_hook_to_module, cpu_offload, cpu_offload_with_hook,
-                                  disk_offload, dispatch_model, init_empty_weights,
-                                  init_on_device, load_checkpoint_and_dispatch,
-                                  remove_hook_from_module, set_module_tensor_to_device)
+from nbaccel.big_modeling import (
+    AlignDevicesHook,
+    ModelHook,
+    SequentialHook,
+    add_hook_to_module,
+    cpu_offload,
+    cpu_offload_with_hook,
+    disk_offload,
+    dispatch_model,
+    init_empty_weights,
+    init_on_device,
+    load_checkpoint_and_dispatch,
+    remove_hook_from_module,
+    set_module_tensor_to_device,
+)
 from nbaccel.big_modeling.tensors import find_device, send_to_device
 from nbaccel.errors import CheckpointMismatchError, DeviceMapError
 from tests.big_modeling.helpers import TinyLM, empty_model, make_model, sample_ids, save_checkpoint

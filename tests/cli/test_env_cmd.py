@@ -12,7 +12,8 @@ import torch
 
 import nbaccel
 from nbaccel.environment import cpu_count
-from tests.cli.helpers import env_with, nbaccel as run_nbaccel
+from tests.cli.helpers import env_with
+from tests.cli.helpers import nbaccel as run_nbaccel
 
 ACCELERATE_YAML = """\
 compute_environment: LOCAL_MACHINE

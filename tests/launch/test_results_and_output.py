@@ -165,6 +165,9 @@ def test_bad_argument_is_a_config_error_and_nothing_starts():
     with pytest.raises(ConfigError) as info:
         notebook_launcher(_identity, (0,), num_processes=2, hang_timeout=0)
     assert info.value.key == "hang_timeout"
+    with pytest.raises(ConfigError) as info:
+        notebook_launcher(_identity, (0,), num_processes=2, use_port="twenty")
+    assert info.value.key == "use_port" and info.value.value == "twenty"
 
 
 def test_num_processes_none_picks_a_count_and_says_so(capfd):

@@ -10,8 +10,8 @@ import threading
 import pytest
 
 from nbaccel import EnvironmentStateError, PayloadPicklingError, notebook_launcher
-from nbaccel.launch.preflight import plan_launch
 from nbaccel.config import LaunchConfig
+from nbaccel.launch.preflight import plan_launch
 
 from .procs import children
 
@@ -99,8 +99,8 @@ def test_unpicklable_global_is_named():
 
 
 def _rank_and_method():
-    import os
     import multiprocessing
+    import os
 
     return int(os.environ["RANK"]), multiprocessing.parent_process() is None
 

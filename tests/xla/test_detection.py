@@ -12,7 +12,7 @@ pytest.importorskip("torch_xla")
 
 from nbaccel.environment import tpu_detected, xla_runtime_initialized  # noqa: E402
 from nbaccel.errors import ConfigError, EnvironmentStateError, LaunchError, MissingDependencyError  # noqa: E402
-from nbaccel.launch.xla import check_xla_launch, probe_replica_count, xla_replica_count  # noqa: E402
+from nbaccel.launch.xla_topology import check_xla_launch, probe_replica_count, xla_replica_count  # noqa: E402
 
 pytestmark = pytest.mark.xla
 
@@ -76,7 +76,7 @@ def test_runtime_initialized_is_read_without_initializing_and_then_refuses_launc
 
     assert xla_runtime_initialized() is False
     code = ("import torch, torch_xla\nfrom nbaccel.environment import xla_runtime_initialized as f\n"
-            "from nbaccel.errors import EnvironmentStateError\nfrom nbaccel.launch.xla import check_xla_launch\n"
+            "from nbaccel.errors import EnvironmentStateError\nfrom nbaccel.launch.xla_topology import check_xla_launch\n"
             "before = f(); torch.ones(1, device='xla').cpu(); print(before, f())\n"
             "try:\n    check_xla_launch(None, None)\nexcept EnvironmentStateError as e:\n    print('refused:', e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -134,7 +134,8 @@ def test_missing_torch_xla_is_named(tmp_path):
     main_python = REPO / ".venv/bin/python"  # the main environment has no torch_xla
     if not main_python.exists():
         pytest.skip("the main environment (.venv) is not here")
-    code = ("from nbaccel.launch.xla import check_xla_launch\nfrom nbaccel.errors import MissingDependencyError\n"
+    code = ("from nbaccel.launch.xla_topology import check_xla_launch\n"
+            "from nbaccel.errors import MissingDependencyError\n"
             "try:\n    check_xla_launch(None, None)\nexcept MissingDependencyError as e:\n"
             "    print(e.package, '|', e.install)\n")
     out = subprocess.run([str(main_python), "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
