@@ -53,6 +53,16 @@ def _check_ranks(output_ranks: Iterable[int] | int | None, n: int) -> frozenset[
     return ranks
 
 
+def _check_single_machine_options(**given: Any) -> None:
+    """Refuse options that only nbaccel's own supervisor honours, before a multi-machine launch."""
+    used = [name for name, value in given.items() if value is not None]
+    if used:
+        raise ConfigError(f"{used[0]} is not supported for multi-machine launches (num_nodes > 1): those run "
+                          "under torch's elastic agent, which streams every rank's output and has no timeout or "
+                          f"status events. Fix: drop {used[0]}, or launch on one machine.", key=used[0],
+                          value=given[used[0]], valid=None)
+
+
 def _port_number(use_port: int | str | None) -> int | None:
     if use_port in (None, ""):
         return None
@@ -124,7 +134,9 @@ def notebook_launcher(
         start_method: ``"fork"``, ``"spawn"`` or ``None`` (fork when safe).
         timeout: stop the launch after this many seconds (raises ``LaunchTimeoutError``).
         hang_timeout: when some ranks have finished and the rest print nothing for this many
-            seconds, dump their stacks and stop them; ``None`` disables the watchdog.
+            seconds, dump their stacks and stop them; ``None`` disables the watchdog. Single-machine
+            launches only: a multi-machine launch runs under torch's elastic agent, which ignores
+            this and refuses ``timeout``, ``output_ranks`` and ``observer``.
         output_ranks: show only these ranks' output (results and errors still come back).
         return_all: return ``{rank: value}`` instead of rank 0's value.
         use_cpu: run on CPU processes even where GPUs exist.
@@ -161,6 +173,8 @@ def notebook_launcher(
                           key="hang_timeout", value=hang_timeout, valid="> 0 or None")
     if cfg.num_machines > 1:
         from nbaccel.launch.elastic import launch_multi_node
+
+        _check_single_machine_options(output_ranks=output_ranks, timeout=cfg.timeout, observer=observer)
 
         return launch_multi_node(
             function, args, dict(kwargs or {}), cfg, master_addr=master_addr, rdzv_backend=rdzv_backend,
@@ -204,15 +218,14 @@ def run_local(function: Callable[..., Any], args: Sequence[Any], kwargs: Mapping
                                            threads=plan.threads, visible_gpus=plan.visible_gpus))
         if observer is not None:
             observer.on_launch(list(range(n)), plan.start_method)
-        if files is not None:
-            handles = start_spawned(function, args, kwargs, envs, files, payload=payload)
-        else:
-            handles = start_forked(function, args, kwargs, envs,
-                                   inherited_fds=[store.listen_fd] if store is not None else [])
-        supervisor = Supervisor(handles, relay, observer, timeout=timeout, hang_timeout=hang_timeout)
         ok = False
-        try:
-            results = supervisor.run()
+        try:  # the observer hears the end even when starting fails or is interrupted
+            if files is not None:
+                handles = start_spawned(function, args, kwargs, envs, files, payload=payload)
+            else:
+                handles = start_forked(function, args, kwargs, envs,
+                                       inherited_fds=[store.listen_fd] if store is not None else [])
+            results = Supervisor(handles, relay, observer, timeout=timeout, hang_timeout=hang_timeout).run()
             ok = True
         finally:
             if observer is not None:

@@ -59,7 +59,14 @@ def names_used(source: str) -> set[str]:
 
 def _compile(source: str, filename: str, first_line: int) -> tuple[types.CodeType, bool]:
     """Compile ``source`` so its line 1 is reported as ``first_line``; the last expression is kept."""
-    tree = ast.parse(source, filename=filename, mode="exec")
+    try:
+        tree = ast.parse(source, filename=filename, mode="exec")
+    except SyntaxError as exc:  # report the line the user sees in the cell, not the body's
+        if exc.lineno is not None:
+            exc.lineno += first_line - 1
+        if getattr(exc, "end_lineno", None) is not None:
+            exc.end_lineno += first_line - 1  # type: ignore[operator]
+        raise
     keeps_value = bool(tree.body) and isinstance(tree.body[-1], ast.Expr)
     if keeps_value:
         last = tree.body[-1]
@@ -134,21 +141,24 @@ class CellProgram:
         names = self.shipped_names()
         try:
             return cloudpickle.dumps({n: ns[n] for n in names})
-        except Exception:  # noqa: BLE001 - find which name it was
+        except Exception as whole:  # noqa: BLE001 - find which name it was
+            culprit, exc = None, whole
             for name in names:
                 try:
                     cloudpickle.dumps(ns[name])
                 except Exception as inner:  # noqa: BLE001
-                    exc = inner
+                    culprit, exc = name, inner
                     break
+            if culprit is None:  # each pickles alone; only together they fail
+                what, type_name = "the notebook variables " + ", ".join(map(repr, names)), "dict"
             else:
-                name = ", ".join(names)
-            type_name = f"{type(ns.get(name)).__module__}.{type(ns.get(name)).__qualname__}"
+                kind = type(ns[culprit])
+                what, type_name = f"the notebook variable {culprit!r}", f"{kind.__module__}.{kind.__qualname__}"
             raise PayloadPicklingError(
-                f"cannot send the notebook variable {name!r} (a {type_name}) to spawned workers: {exc}. "
-                "Under spawn, the names a cell uses travel to the workers by pickling. Fix: create it "
-                "inside the cell instead, or run with --start_method fork where fork is safe.",
-                object_path=name, object_type=type_name) from exc
+                f"cannot send {what} (a {type_name}) to spawned workers: {exc}. Under spawn, the names a "
+                "cell uses travel to the workers by pickling. Fix: create it inside the cell instead, or "
+                "run with --start_method fork where fork is safe.",
+                object_path=culprit or ", ".join(names), object_type=type_name) from exc
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

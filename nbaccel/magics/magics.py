@@ -83,7 +83,8 @@ class AccelMagics(Magics):
               help="workers on this machine (default: the config's, else one per GPU or up to 4 CPUs)")
     @argument("--mixed_precision", choices=get_args(MixedPrecision), default=None,
               help="mixed precision the workers' Accelerator uses")
-    @argument("--cpu", action="store_true", default=None, help="run on CPU processes even where GPUs exist")
+    @argument("--cpu", action=argparse.BooleanOptionalAction, default=None,
+              help="run on CPU processes even where GPUs exist (--no-cpu overrides a config's use_cpu)")
     @argument("--config_file", default=None, help="config file to read instead of the default one")
     @argument("--start_method", choices=get_args(StartMethod), default=None,
               help="how workers start (default: fork when safe, else spawn)")
@@ -164,12 +165,23 @@ class AccelMagics(Magics):
         filename = shell.compile.cache("".join(cell_lines), number, raw_code="".join(cell_lines) + "#nbaccel")
         mapped = getattr(shell.compile, "_filename_map", {})
         sources = {name: linecache.cache[name] for name in mapped if name in linecache.cache and name != filename}
-        return CellProgram(shell.transform_cell(cell), filename=filename, first_line=2, cell_lines=cell_lines,
-                           user_ns=shell.user_ns, hidden=shell.user_ns_hidden, out_names=out_names,
-                           all_ranks=all_ranks, sources=sources)
+        try:
+            return CellProgram(shell.transform_cell(cell), filename=filename, first_line=2, cell_lines=cell_lines,
+                               user_ns=shell.user_ns, hidden=shell.user_ns_hidden, out_names=out_names,
+                               all_ranks=all_ranks, sources=sources)
+        except SyntaxError:
+            shell.showsyntaxerror()  # as IPython shows a cell's own syntax error: the line, no stack
+            raise UsageError("%%accel_launch: the cell has a syntax error (shown above), so no worker was "
+                             "started. Fix the line shown and run the cell again.") from None
 
     @staticmethod
     def _observer(mode: StatusMode, n: int, config: LaunchConfig) -> Any:
+        if config.num_machines > 1:  # torch's elastic agent runs those workers and streams their output
+            if mode in ("widget", "text"):
+                raise UsageError(f"%%accel_launch: --status {mode} is not available for multi-machine launches "
+                                 "(--num_nodes > 1): torch's elastic agent runs them and streams every rank's "
+                                 "output. Fix: drop --status, or use --status none.")
+            return None
         if mode == "none":
             return None
         from nbaccel.widgets.status_panel import status_observer

@@ -66,3 +66,10 @@ def test_multi_node_rejects_unknown_rendezvous_backend():
     with pytest.raises(ConfigError) as info:
         notebook_launcher(print, num_processes=1, num_nodes=2, rdzv_backend="etcd", rdzv_endpoint="127.0.0.1:1")
     assert info.value.key == "rdzv_backend"
+
+
+@pytest.mark.parametrize("option", [{"output_ranks": [0]}, {"timeout": 5.0}, {"observer": object()}])
+def test_multi_node_refuses_single_machine_options(option):
+    with pytest.raises(ConfigError) as info:
+        notebook_launcher(print, num_processes=1, num_nodes=2, node_rank=0, rdzv_endpoint="127.0.0.1:1", **option)
+    assert info.value.key == next(iter(option))

@@ -219,3 +219,52 @@ def test_a_config_this_machine_cannot_run_is_a_usage_error(ip, capfd):
     assert isinstance(result.error_in_exec, UsageError)
     assert "distributed_type='MULTI_GPU' but no CUDA device is visible" in str(result.error_in_exec)
     assert "ran" not in capfd.readouterr().out
+
+
+def test_syntax_error_points_at_the_cells_own_line_and_nothing_starts(ip, capfd):
+    result = run(ip, "%%accel_launch -n 2\nprint('ran')\nx = 1\ny = (\n")
+    assert isinstance(result.error_in_exec, UsageError)
+    assert "syntax error" in str(result.error_in_exec)
+    captured = capfd.readouterr()
+    shown = captured.out + captured.err
+    assert "line 4" in shown and "y = (" in shown  # the %%accel_launch line is line 1
+    assert "ran" not in captured.out and "magics.py" not in shown
+
+
+def test_names_that_only_fail_to_pickle_together_are_named(ip, monkeypatch):
+    run(ip, "a = 1\nb = 2\n")
+    program = _magics(ip)._program("-n 2", "print(a + b)\n", (), False)
+    calls = {"n": 0}
+    real_dumps = __import__("cloudpickle").dumps
+
+    def dumps_failing_once(obj, *args, **kwargs):  # the dict of names fails, each name alone pickles
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise TypeError("cannot pickle this combination")
+        return real_dumps(obj, *args, **kwargs)
+
+    monkeypatch.setattr("nbaccel.magics.cell.cloudpickle.dumps", dumps_failing_once)
+    with pytest.raises(PayloadPicklingError) as info:
+        program._ship()
+    assert info.value.object_path == "a, b" and "cannot pickle this combination" in str(info.value)
+
+
+def test_no_cpu_overrides_a_configs_use_cpu(ip, tmp_path):
+    path = tmp_path / "cpu.yaml"
+    save_config(LaunchConfig(use_cpu=True, num_processes=2), path)
+    magics = _magics(ip)
+    on = magics._config(magics.accel_launch.parser.parse_args(["--config_file", str(path)]))
+    off = magics._config(magics.accel_launch.parser.parse_args(["--config_file", str(path), "--no-cpu"]))
+    assert on.use_cpu is True and off.use_cpu is False
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    ("--num_nodes 2 --node_rank 0 --rdzv_endpoint 127.0.0.1:1 --status text", "--status text is not available"),
+    ("--num_nodes 2 --node_rank 0 --rdzv_endpoint 127.0.0.1:1 --ranks 0 --status none",
+     "output_ranks is not supported for multi-machine launches"),
+])
+def test_single_machine_options_are_refused_for_multi_node_cells(ip, capfd, flags, message):
+    result = run(ip, f"%%accel_launch -n 1 {flags}\nprint('ran')\n")
+    assert isinstance(result.error_in_exec, UsageError)
+    assert message in str(result.error_in_exec)
+    assert "ran" not in capfd.readouterr().out
