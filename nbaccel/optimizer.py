@@ -3,7 +3,8 @@
 While gradients accumulate (``sync_gradients`` is ``False``) ``step`` and ``zero_grad`` do
 nothing. With fp16 the step goes through the ``GradScaler``, and ``step_was_skipped`` tells
 whether it skipped the update because gradients overflowed. On XLA, gradients are all-reduced
-with ``xm.reduce_gradients`` before the step (unless ``clip_grad_norm_`` already did).
+with ``xm.reduce_gradients`` before the step (unless ``clip_grad_norm_`` already did), and the
+step ends with ``torch_xla.sync()`` so each optimizer step is one executed graph.
 """
 
 from __future__ import annotations
@@ -102,12 +103,16 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self._xla_reduce_gradients()
         if self.scaler is None:
             self._is_overflow = False
-            return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
-        scale_before = self.scaler.get_scale()
-        result = self.scaler.step(self.optimizer, closure) if closure is not None else self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self._unscaled = False
-        self._is_overflow = self.scaler.get_scale() < scale_before
+            result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        else:
+            scale_before = self.scaler.get_scale()
+            result = (self.scaler.step(self.optimizer, closure) if closure is not None
+                      else self.scaler.step(self.optimizer))
+            self.scaler.update()
+            self._unscaled = False
+            self._is_overflow = self.scaler.get_scale() < scale_before
+        if self._on_xla:
+            _xla_sync()
         return result
 
     def _xla_reduce_gradients(self) -> None:
@@ -141,3 +146,20 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"AcceleratedOptimizer({self.optimizer!r})"
+
+
+def _xla_sync() -> None:
+    """End the XLA step: compile and run the graph built so far (``torch_xla.sync``, ``mark_step`` before 2.6).
+
+    Without it, a loop that does not iterate a device loader (which syncs per batch) would grow one
+    lazy graph across steps.
+    """
+    import torch_xla
+
+    sync = getattr(torch_xla, "sync", None)
+    if sync is not None:
+        sync()
+    else:  # pragma: no cover - torch_xla < 2.6
+        import torch_xla.core.xla_model as xm
+
+        xm.mark_step()

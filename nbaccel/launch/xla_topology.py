@@ -96,7 +96,7 @@ def xla_replica_count(env: Mapping[str, str] | None = None, *, root: str = "/") 
     chips = _tpu_chips(root) if device in ("", "TPU") else []
     if device == "CPU" or (device == "" and not chips):
         return _positive_env_int(env, "CPU_NUM_DEVICES") or 1
-    if device == "TPU" and chips:
+    if chips:  # PJRT_DEVICE=TPU, or unset on a TPU VM (torch_xla picks the TPU then)
         bounds = _process_bounds(env)
         used = chips[: bounds] if bounds else chips
         return sum(used)
@@ -136,5 +136,5 @@ def check_xla_launch(num_processes: int | None, start_method: str | None,
     raise ConfigError(f"num_processes={num_processes!r}, but torch_xla runs either one replica or one per XLA "
                       f"device and this runtime reports {replicas}. Fix: pass num_processes=None (all "
                       f"{replicas}) or 1; to use fewer devices set CPU_NUM_DEVICES (CPU runtime) or "
-                      "TPU_PROCESS_BOUNDS/TPU_VISIBLE_CHIPS before launching.", key="num_processes",
+                      "TPU_PROCESS_BOUNDS (a TPU) before launching.", key="num_processes",
                       value=num_processes, valid=sorted({1, replicas}))

@@ -98,3 +98,27 @@ def test_saved_files_load_on_cpu(runs):
 def test_accumulation_and_bf16_train_on_xla(tmp_path):
     result = notebook_launcher(train, (str(tmp_path / "acc"), 2, "bf16"), config=LaunchConfig(distributed_type="XLA"))
     assert result["first"][-1] < result["first"][0]
+
+
+def _steps_without_a_device_loader():
+    import torch_xla.debug.metrics as met
+
+    from nbaccel import Accelerator
+
+    accelerator = Accelerator()
+    model, optimizer, _ = make_job()
+    model, optimizer = accelerator.prepare(model, optimizer)  # no prepared loader: nothing else syncs
+    x = torch.randn(8, 4, device=accelerator.device)
+    syncs = []
+    for _ in range(3):
+        loss = model(x).pow(2).mean()
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        syncs.append(met.counter_value("MarkStep") or 0)
+    return syncs
+
+
+def test_each_optimizer_step_ends_the_xla_graph():
+    syncs = notebook_launcher(_steps_without_a_device_loader, config=LaunchConfig(distributed_type="XLA"))
+    assert syncs[1] - syncs[0] >= 1 and syncs[2] - syncs[1] >= 1, syncs

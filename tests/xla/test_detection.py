@@ -100,9 +100,16 @@ def test_replica_count_on_the_cpu_runtime(tmp_path):
     ("0x006f", 8, None, 8),     # v6e-8
     ("0x0063", 4, "1,1,1", 1),  # TPU_PROCESS_BOUNDS limits the processes to one chip
 ])
-def test_replica_count_on_a_tpu_from_the_pci_bus(tmp_path, device_id, chips, bounds, expected):
-    env = {"PJRT_DEVICE": "TPU"} | ({"TPU_PROCESS_BOUNDS": bounds} if bounds else {})
+@pytest.mark.parametrize("pjrt_device", ["TPU", None])  # unset on a TPU VM: torch_xla picks the TPU
+def test_replica_count_on_a_tpu_from_the_pci_bus(tmp_path, device_id, chips, bounds, expected, pjrt_device,
+                                                  monkeypatch):
+    monkeypatch.setattr("nbaccel.launch.xla_topology.probe_replica_count", _no_probe)
+    env = ({"PJRT_DEVICE": pjrt_device} if pjrt_device else {}) | ({"TPU_PROCESS_BOUNDS": bounds} if bounds else {})
     assert xla_replica_count(env, root=fake_machine(tmp_path, chips=chips, device_id=device_id)) == expected
+
+
+def _no_probe(timeout: float = 0) -> int:
+    raise AssertionError("the count was readable from the PCI bus, but a child runtime was asked")
 
 
 def test_probe_asks_a_child_runtime(monkeypatch):
