@@ -13,6 +13,19 @@ from nbclient import NotebookClient
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 # 04_tpu needs torch_xla: it runs in the torch_xla environment (tests/run_xla.sh).
 MAIN_SUITE = [nb for nb in NOTEBOOKS if "tpu" not in nb.stem]
+# What a reader must see in a notebook's outputs for it to have shown what it says it shows.
+EXPECTED = {
+    "01_quickstart": ["[rank1]: worker 1 of 2 on cpu", "[rank0]: epoch 20: loss", "evaluated 512 samples (of 512)",
+                      "caught: bad batch on rank 1 | root cause rank: 1"],
+}
+
+
+def _text(nb) -> str:
+    parts = []
+    for cell in nb.cells:
+        for output in cell.get("outputs", []) if cell.cell_type == "code" else []:
+            parts.append(output.get("text", "") or output.get("data", {}).get("text/plain", ""))
+    return "".join(parts)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
@@ -36,3 +49,6 @@ def test_notebook_runs_in_a_real_kernel_under_two_minutes(path, monkeypatch, tmp
     assert elapsed < 120, f"{path.name} took {elapsed:.0f}s"
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors
+    shown = _text(nb)
+    missing = [text for text in EXPECTED.get(path.stem, []) if text not in shown]
+    assert not missing, f"{path.name}: outputs lack {missing}"
