@@ -1,8 +1,10 @@
 """Dispatching a model over devices with hooks: ``dispatch_model`` and the offload shortcuts.
 
-Each device-map entry gets an :class:`AlignDevicesHook`. Entries on an offload device (disk;
-also CPU when a GPU executes) keep their weights on the meta device between calls and read them
-from one :class:`OffloadedWeightsLoader` just before they run; each offloaded entry starts
+Each resident device-map entry gets one :class:`AlignDevicesHook`. Entries on an offload device
+(disk; also CPU when a GPU executes) keep their weights on the meta device between calls: each
+submodule that holds tensors itself gets its own hook, which reads just that submodule's weights
+from one :class:`OffloadedWeightsLoader` before it runs and releases them after, so a forward
+holds one submodule's weights at a time, not the whole entry's. Each offloaded hook starts
 reading the next one's weights on a background thread before it computes. The map is recorded
 as ``model.hf_device_map``.
 """
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -38,7 +40,40 @@ def _torch_device(device: MapDevice) -> torch.device:
 def _never_called(model: nn.Module, name: str) -> bool:
     """Containers such as ``ModuleList`` have no forward, so a hook on them would never run."""
     modules = dict(model.named_modules(remove_duplicate=False))
-    return name in modules and type(modules[name]).forward is nn.Module.forward
+    return name in modules and _has_no_forward(modules[name])
+
+
+def _has_no_forward(module: nn.Module) -> bool:
+    return type(module).forward is nn.Module.forward
+
+
+def _holds_tensors(module: nn.Module) -> bool:
+    return next(named_module_tensors(module), None) is not None
+
+
+def _hook_sites(module: nn.Module, name: str, preload: Sequence[str]
+                ) -> Iterator[tuple[str, nn.Module, bool]]:
+    """``(name, module, whole)`` for each module of an offloaded part that gets its own hook.
+
+    The part itself always gets one (it moves the inputs); below it, every submodule that holds
+    parameters or buffers directly. A module is loaded whole (``whole=True``, nothing below it
+    hooked) when its class is in ``preload`` or when a child that is never called (a
+    ``ParameterList``, say) holds tensors its forward uses directly.
+    """
+    seen: set[int] = set()
+    todo = [(name, module)]
+    while todo:
+        site, current = todo.pop(0)
+        if id(current) in seen:
+            continue  # one module under two names gets one hook
+        seen.add(id(current))
+        whole = type(current).__name__ in preload or any(
+            _has_no_forward(c) and _holds_tensors(c) for c in current.children())
+        if whole or site == name or _holds_tensors(current):
+            yield site, current, whole
+        if not whole:
+            dot = f"{site}." if site else ""
+            todo = [(dot + n, c) for n, c in current.named_children()] + todo
 
 
 def _split_overlaps(model: nn.Module, device_map: dict[str, MapDevice]) -> dict[str, MapDevice]:
@@ -85,6 +120,17 @@ def _entries_by_module(model: nn.Module, device_map: Mapping[str, MapDevice]
         hooks[owner] = (device, False)
     order = {n: i for i, (n, _) in enumerate(model.named_modules(remove_duplicate=False))}
     return dict(sorted(hooks.items(), key=lambda kv: order[kv[0]]))
+
+
+def _dispatch_entries(model: nn.Module, device_map: Mapping[str, MapDevice]
+                      ) -> dict[str, tuple[MapDevice, bool]]:
+    """The entries ``dispatch_model`` hooks, ``{module name: (device, whole)}``, for a checked
+    map; checking one before loading anything means a bad map leaves the model untouched.
+
+    Raises:
+        DeviceMapError: the map splits one module's own tensors over devices.
+    """
+    return _entries_by_module(model, _split_overlaps(model, dict(device_map)))
 
 
 def _weights_map(model: nn.Module, names: Sequence[str],
@@ -152,8 +198,9 @@ def dispatch_model(model: nn.Module, device_map: Mapping[str, Device],
         offload_index: an index to use instead of ``offload_dir/index.json``.
         offload_buffers: offload the buffers of offloaded parts too.
         skip_keys: keyword arguments of ``forward`` the hooks leave where they are.
-        preload_module_classes: accepted for Accelerate compatibility; each entry's hook
-            already loads all of its submodules' weights.
+        preload_module_classes: class names whose instances load all their submodules'
+            weights at the start of their forward, for modules that use a child's weights
+            without calling it (``self.dense.weight``). Others load one submodule at a time.
         force_hooks: attach hooks even when everything is on one device.
 
     Returns:
@@ -183,33 +230,32 @@ def dispatch_model(model: nn.Module, device_map: Mapping[str, Device],
         main_device = next((d for d in checked.values() if d not in ("cpu", "disk")), "cpu")
     main: MapDevice = check_device_map(model, {"": main_device})[""]
     offloaded = ("disk",) if main in ("cpu", "mps") else ("cpu", "disk")
-    entries = _entries_by_module(model, _split_overlaps(model, dict(checked)))
-    names_of = {}
-    for name, (_, whole) in entries.items():
+    preload = list(preload_module_classes or ())
+    sites = []  # (entry, hook site, device, whole, full names of the tensors the hook moves)
+    for name, (device, whole) in _dispatch_entries(model, checked).items():
         module = model.get_submodule(name)
-        dot = f"{name}." if name else ""
-        names_of[name] = [dot + n for n, _ in named_module_tensors(
-            module, include_buffers=offload_buffers, recurse=whole)]
-    offloaded_names = [n for m, (d, _) in entries.items() if d in offloaded for n in names_of[m]]
-    resident = [n for m, (d, _) in entries.items() if d not in offloaded and d != "meta"
-                for n in names_of[m]]
-    _check_loaded(model, resident)
+        for site, sub, place in (_hook_sites(module, name, preload) if device in offloaded
+                                 and whole else [(name, module, whole)]):
+            dot = f"{site}." if site else ""
+            sites.append((name, site, device, place, [dot + n for n, _ in named_module_tensors(
+                sub, include_buffers=offload_buffers, recurse=place)]))
+    offloaded_names = [n for *_, d, _, names in sites if d in offloaded for n in names]
+    _check_loaded(model, [n for *_, d, _, names in sites if d not in offloaded and d != "meta"
+                          for n in names])
     loader = _weights_map(model, offloaded_names, state_dict, offload_dir, offload_index) \
         if offloaded_names else None
     chain = []
-    for name, (device, whole) in entries.items():
+    for entry, site, device, place, names in sites:
         offload = device in offloaded
-        execution = main if offload else device
         hook = AlignDevicesHook(
-            execution_device=_torch_device(execution), offload=offload, io_same_device=not name,
-            weights_map=(PrefixedDataset(loader, f"{name}.") if name else loader) if offload
-            else None, offload_buffers=offload_buffers, place_submodules=whole,
-            skip_keys=skip_keys)
-        add_hook_to_module(model.get_submodule(name), hook, append=True)
-        if offload:
-            dot = len(name) + 1 if name else 0
-            chain.append((hook, [n[dot:] for n in names_of[name]]))
-    if "" not in entries:
+            execution_device=_torch_device(main if offload else device), offload=offload,
+            io_same_device=not site, weights_map=(PrefixedDataset(loader, f"{site}.") if site
+                                                  else loader) if offload else None,
+            offload_buffers=offload_buffers, place_submodules=place, skip_keys=skip_keys)
+        add_hook_to_module(model.get_submodule(site), hook, append=True)
+        if offload and names:
+            chain.append((hook, [n[len(site) + 1 if site else 0:] for n in names]))
+    if not any(site == "" for _, site, *_ in sites):
         add_hook_to_module(model, AlignDevicesHook(io_same_device=True, skip_keys=skip_keys),
                            append=True)
     _chain_prefetch(chain)
@@ -218,15 +264,16 @@ def dispatch_model(model: nn.Module, device_map: Mapping[str, Device],
 
 
 def _offload_every_module(model: nn.Module, execution_device: torch.device,
-                          weights: Mapping[str, torch.Tensor], offload_buffers: bool) -> None:
+                          weights: Mapping[str, torch.Tensor], offload_buffers: bool,
+                          preload_module_classes: Sequence[str] | None) -> None:
     chain = []
-    for name, module in model.named_modules():
-        names = [n for n, _ in named_module_tensors(module, include_buffers=offload_buffers)]
-        if not names and name:
-            continue
+    for name, module, whole in _hook_sites(model, "", list(preload_module_classes or ())):
+        names = [n for n, _ in named_module_tensors(module, include_buffers=offload_buffers,
+                                                    recurse=whole)]
         view = PrefixedDataset(weights, f"{name}.") if name else weights
-        hook = AlignDevicesHook(execution_device, offload=bool(names), io_same_device=not name,
-                                weights_map=view, offload_buffers=offload_buffers)
+        hook = AlignDevicesHook(execution_device, offload=True, io_same_device=not name,
+                                weights_map=view, offload_buffers=offload_buffers,
+                                place_submodules=whole)
         add_hook_to_module(module, hook, append=True)
         if names:
             chain.append((hook, names))
@@ -244,7 +291,8 @@ def cpu_offload(model: nn.Module, execution_device: Device | None = None,
         execution_device: where modules run (the first GPU by default, else CPU).
         offload_buffers: offload buffers too.
         state_dict: the weights to use (default: the model's own, moved to CPU).
-        preload_module_classes: accepted for Accelerate compatibility.
+        preload_module_classes: class names whose instances load all their submodules'
+            weights at once (see :func:`dispatch_model`).
 
     Returns:
         The model.
@@ -260,7 +308,7 @@ def cpu_offload(model: nn.Module, execution_device: Device | None = None,
     if state_dict is None:
         state_dict = {n: t.to("cpu") for n, t in named_module_tensors(model, recurse=True)}
     _offload_every_module(model, device, OffloadedWeightsLoader(state_dict=state_dict),
-                          offload_buffers)
+                          offload_buffers, preload_module_classes)
     model.hf_device_map = {"": "cpu"}
     return model
 
@@ -275,7 +323,8 @@ def disk_offload(model: nn.Module, offload_dir: str | os.PathLike,
         offload_dir: the offload folder; reused as it is when it has an ``index.json``.
         execution_device: where modules run (the first GPU by default, else CPU).
         offload_buffers: offload buffers too.
-        preload_module_classes: accepted for Accelerate compatibility.
+        preload_module_classes: class names whose instances load all their submodules'
+            weights at once (see :func:`dispatch_model`).
 
     Returns:
         The model.
@@ -292,7 +341,7 @@ def disk_offload(model: nn.Module, offload_dir: str | os.PathLike,
     device = _torch_device(check_device_map(model, {"": execution_device})[""]) \
         if execution_device is not None else _default_execution_device()
     _offload_every_module(model, device, OffloadedWeightsLoader(save_folder=offload_dir),
-                          offload_buffers)
+                          offload_buffers, preload_module_classes)
     model.hf_device_map = {"": "disk"}
     return model
 

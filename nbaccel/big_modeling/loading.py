@@ -235,8 +235,7 @@ def load_checkpoint_and_dispatch(model: nn.Module, checkpoint: str | os.PathLike
         dtype: load floating-point weights in this dtype.
         offload_state_dict: accepted for Accelerate compatibility; unneeded here.
         skip_keys: keyword arguments of ``forward`` the hooks leave where they are.
-        preload_module_classes: accepted for Accelerate compatibility; every offloaded entry
-            already loads all of its submodules' weights before it runs.
+        preload_module_classes: as in :func:`~nbaccel.big_modeling.dispatch.dispatch_model`.
         force_hooks: attach hooks even when everything is on one device.
         strict: as in :func:`load_checkpoint_in_model`.
         keep_in_fp32_modules: as in :func:`load_checkpoint_in_model`.
@@ -274,5 +273,5 @@ def load_checkpoint_and_dispatch(model: nn.Module, checkpoint: str | os.PathLike
         return model
     return dispatch_model(model, checked, offload_dir=offload_folder, offload_index=index,
                           offload_buffers=offload_buffers, skip_keys=skip_keys,
-                          force_hooks=force_hooks)
+                          preload_module_classes=preload_module_classes, force_hooks=force_hooks)
 

@@ -17,6 +17,7 @@ from nbaccel.big_modeling import (
     cpu_offload_with_hook,
     disk_offload,
     dispatch_model,
+    infer_auto_device_map,
     init_empty_weights,
     init_on_device,
     load_checkpoint_and_dispatch,
@@ -233,14 +234,82 @@ def test_cpu_offload_with_hook_runs_a_pipeline():
     assert not hasattr(first, "_hf_hook")
 
 
-def test_next_offloaded_block_is_prefetched_while_the_current_one_runs(tmp_path, reference):
+def test_each_offloaded_submodule_prefetches_the_next_ones_weights(tmp_path, reference):
     checkpoint = save_checkpoint(make_model(), tmp_path / "ckpt", shards=2)
     model = load_checkpoint_and_dispatch(empty_model(), checkpoint, {
         "embed": "cpu", "positions": "cpu", "blocks": "disk", "norm": "cpu", "head": "cpu"})
-    loader = model.blocks[2]._hf_hook.weights_map.dataset
-    seen = []
-    model.blocks[2].register_forward_pre_hook(lambda m, a: seen.append(sorted(loader._pending)))
+    loader = model.blocks[2].up._hf_hook.weights_map.dataset
+    seen = {}
+    holders = [n for n, m in model.named_modules() if n.startswith("blocks.")
+               and next(m.parameters(recurse=False), None) is not None]
+    for name in holders:
+        model.get_submodule(name).register_forward_pre_hook(
+            lambda m, a, name=name: seen.__setitem__(name, sorted(loader._pending)))
     assert torch.equal(model(sample_ids()), reference)
-    assert seen == [sorted(f"blocks.2.{n}" for n in ("norm.weight", "norm.bias", "up.weight",
-                                                      "up.bias", "down.weight", "down.bias"))]
+    # before each offloaded submodule loads, its own weights are already being read
+    assert seen == {n: [] if n == "blocks.0.norm" else [f"{n}.bias", f"{n}.weight"]
+                    for n in holders}
     assert sorted(loader._pending) == []  # nothing held after the last block
+
+
+def test_a_disk_only_map_holds_one_submodules_weights_at_a_time(tmp_path, reference):
+    checkpoint = save_checkpoint(make_model(), tmp_path / "ckpt")
+    model = empty_model()
+    device_map = infer_auto_device_map(model, {"cpu": 1000}, ["Block"])
+    assert device_map == {"": "disk"}
+    model = load_checkpoint_and_dispatch(model, checkpoint, device_map)
+    held = {}
+
+    class Spy(ModelHook):  # appended, so it runs after the offload hook has loaded weights
+        def __init__(self, name):
+            self.name = name
+
+        def pre_forward(self, module, *args, **kwargs):
+            held[self.name] = sorted(n for n, p in model.named_parameters(
+                remove_duplicate=False) if not p.is_meta)
+            return args, kwargs
+
+    for i in range(len(model.blocks)):
+        add_hook_to_module(model.blocks[i].up, Spy(f"blocks.{i}.up"), append=True)
+    assert torch.equal(model(sample_ids()), reference)
+    assert held == {f"blocks.{i}.up": [f"blocks.{i}.up.bias", f"blocks.{i}.up.weight"]
+                    for i in range(len(model.blocks))}
+    assert all(p.is_meta for p in model.parameters())
+
+
+class UsesChildWeights(nn.Module):
+    """Reads ``inner``'s weights without calling ``inner``."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.inner.weight, self.inner.bias)
+
+
+class ScaledLinear(nn.Module):
+    """Scales by a ``ParameterList``, a child with no forward of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scales = nn.ParameterList([nn.Parameter(torch.full((4,), 2.0))])
+
+    def forward(self, x):
+        return self.lin(x) * self.scales[0]
+
+
+@pytest.mark.parametrize("cls", [UsesChildWeights, ScaledLinear])
+def test_weights_used_without_calling_their_module_are_loaded(cls):
+    x = torch.randn(2, 4)
+    full = cls()
+    ref = full(x)
+    preload = ["UsesChildWeights"] if cls is UsesChildWeights else None
+    model = dispatch_model(full, {"": "disk"}, preload_module_classes=preload)
+    assert torch.equal(model(x), ref) and all(p.is_meta for p in model.parameters())
+
+
+def test_without_preload_a_child_read_directly_is_still_on_meta():
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        dispatch_model(UsesChildWeights(), {"": "disk"})(torch.randn(2, 4))
