@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nbaccel.big_modeling import dispatch_model, load_checkpoint_and_dispatch, load_checkpoint_in_model
-from nbaccel.errors import CheckpointMismatchError, ConfigError
+from nbaccel.errors import CheckpointMismatchError, ConfigError, DeviceMapError
 from tests.big_modeling.helpers import TinyLM, empty_model, make_model, sample_ids, save_checkpoint, stored_state
 
 ALL_CPU = {"": "cpu"}
@@ -235,3 +235,13 @@ def test_meta_non_persistent_buffer_is_reported_missing(full, tmp_path):
     with pytest.raises(CheckpointMismatchError) as info:
         load_checkpoint_in_model(model, save_checkpoint(full, tmp_path / "c"))
     assert info.value.missing_keys == ("positions",)
+
+
+def test_a_map_splitting_a_module_fails_before_any_weight_is_loaded(full, tmp_path):
+    split = {"embed": "cpu", "positions": "cpu", "blocks": "cpu", "norm.weight": "cpu",
+             "norm.bias": "disk", "head": "cpu"}
+    model = empty_model()
+    with pytest.raises(DeviceMapError) as info:
+        load_checkpoint_and_dispatch(model, save_checkpoint(full, tmp_path / "c"), split)
+    assert info.value.key == "norm.bias" and info.value.valid == ["cpu"]
+    assert all(p.is_meta for p in model.parameters()) and not hasattr(model, "hf_device_map")
