@@ -86,7 +86,8 @@ def run_script(target: str, script_args: Sequence[str], as_module: bool = False)
 def add_launch_flags(parser: argparse.ArgumentParser) -> None:
     """The flags shared by ``launch`` and ``test`` (each overrides the config file)."""
     def flag(name: str, **kw: Any) -> None:
-        parser.add_argument(f"--{name}", f"--{name.replace('_', '-')}", dest=name, **kw)
+        spellings = dict.fromkeys([f"--{name}", f"--{name.replace('_', '-')}"])  # --cpu once, not twice
+        parser.add_argument(*spellings, dest=name, **kw)
 
     flag("config_file", default=None, metavar="PATH",
          help="config file (default: $NBACCEL_CONFIG_FILE or ~/.cache/nbaccel/default_config.yaml)")
