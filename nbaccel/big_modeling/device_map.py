@@ -25,6 +25,7 @@ from nbaccel.big_modeling.sizes import (
     get_balanced_memory,
     get_max_layer_size,
     get_max_memory,
+    tensor_size,
 )
 from nbaccel.big_modeling.tensors import Device
 from nbaccel.errors import DeviceMapError
@@ -76,7 +77,10 @@ def infer_auto_device_map(model: nn.Module, max_memory: MaxMemory | None = None,
     """
     budget = get_max_memory(max_memory)
     devices: list[MapDevice] = [d for d in budget if d != "disk" and budget[d] > 0] + ["disk"]
-    sizes = compute_module_sizes(model, dtype=dtype, special_dtypes=special_dtypes)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."))
+    special = dict(special_dtypes or {})
+    sizes = compute_module_sizes(model, dtype=dtype, special_dtypes=special)
     no_split = set(no_split_module_classes or ())
     queue = _pieces(model, "")
     gpus = [d for d in devices if isinstance(d, int)]
@@ -89,7 +93,7 @@ def infer_auto_device_map(model: nn.Module, max_memory: MaxMemory | None = None,
     while queue:
         name, piece = queue.pop(0)
         device = devices[index]
-        size = sizes[name] + _tied_extra(model, name, tied, device_map, device)
+        size = sizes[name] + _tied_extra(model, name, tied, device_map, device, dtype, special)
         limit = math.inf if device == "disk" else budget[device] - (reserve if device in main
                                                                      else 0)
         if used + size <= limit:
@@ -133,15 +137,17 @@ def _inside(name: str, prefix: str) -> bool:
 
 
 def _tied_extra(model: nn.Module, name: str, tied: Mapping[str, str],
-                device_map: Mapping[str, MapDevice], device: MapDevice) -> int:
+                device_map: Mapping[str, MapDevice], device: MapDevice,
+                dtype: torch.dtype | None, special_dtypes: Mapping[str, torch.dtype]) -> int:
     """Bytes the tied aliases inside ``name`` cost on ``device``: none where their canonical
-    tensor is inside ``name`` too or already lives on ``device``."""
+    tensor is inside ``name`` too or already lives on ``device``. Sized in the dtype the
+    weights will be loaded in, as :func:`compute_module_sizes` sizes every other tensor."""
     extra = 0
     for alias, canonical in tied.items():
         if _inside(alias, name) and not _inside(canonical, name) \
                 and device_for(canonical, device_map) != device:
-            tensor = model.get_parameter(alias)
-            extra += tensor.numel() * tensor.element_size()
+            load_dtype = special_dtypes.get(alias, special_dtypes.get(canonical, dtype))
+            extra += tensor_size(model.get_parameter(alias), load_dtype)
     return extra
 
 

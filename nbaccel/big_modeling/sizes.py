@@ -27,6 +27,7 @@ __all__ = [
     "get_balanced_memory",
     "get_max_layer_size",
     "get_max_memory",
+    "tensor_size",
 ]
 
 MaxMemory = Mapping[int | str, int | str]
@@ -85,7 +86,13 @@ def dtype_byte_size(dtype: torch.dtype) -> float:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _tensor_size(tensor: torch.Tensor, dtype: torch.dtype | None) -> int:
+def tensor_size(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> int:
+    """Bytes of ``tensor`` once loaded, floating-point tensors counted as ``dtype`` if given.
+
+    Example:
+        >>> tensor_size(torch.ones(4), torch.float16), tensor_size(torch.ones(4, dtype=torch.int8))
+        (8, 4)
+    """
     if dtype is not None and tensor.is_floating_point():
         return int(tensor.numel() * dtype_byte_size(dtype))
     return int(tensor.numel() * dtype_byte_size(tensor.dtype))
@@ -118,7 +125,7 @@ def compute_module_sizes(model: nn.Module, dtype: torch.dtype | str | None = Non
     tensors = list(model.named_buffers()) if buffers_only else \
         [*model.named_parameters(), *model.named_buffers()]
     for name, tensor in tensors:
-        size = _tensor_size(tensor, special.get(name, dtype))
+        size = tensor_size(tensor, special.get(name, dtype))
         parts = name.split(".")
         for i in range(len(parts) + 1):
             sizes[".".join(parts[:i])] += size

@@ -124,6 +124,16 @@ def test_tied_alias_costs_nothing_beside_its_embedding():
     assert device_map == {"": "cpu"}
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, "float16"])
+def test_a_tied_alias_away_from_its_embedding_is_sized_in_the_load_dtype(dtype):
+    # fp16: the embedding (1024 B) fills "mps"; on CPU the 4 blocks, norm and positions take
+    # 9152 B, so the head's copy of the embedding fits in 10500 B at 1024 B but not at 2048 B
+    device_map = infer_auto_device_map(empty_model(), {"mps": 1024 + 128, "cpu": 10_500},
+                                       ["Block"], dtype=dtype)
+    assert device_map == {"embed": "mps", "blocks": "cpu", "norm": "cpu", "head": "cpu",
+                          "positions": "cpu"}
+
+
 @pytest.mark.parametrize("strategy", ["auto", "balanced", "balanced_low_0", "sequential"])
 def test_every_strategy_works_without_gpus(strategy):
     device_map = resolve_device_map(empty_model(), strategy, {"cpu": 2048 + 256 + 2 * BLOCK},
