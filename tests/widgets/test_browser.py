@@ -149,6 +149,14 @@ def test_panel_edits_save_the_yaml_and_the_next_launch_uses_them(lab):
                           " .nbaccel-status .jupyter-widget-Accordion-child").first.click()
             probe.locator(".nbaccel-status").screenshot(path=str(ARTIFACTS / "status_panel.png"))
             page.screenshot(path=str(ARTIFACTS / "notebook.png"), full_page=True)
+
+            # "Use for this session": the next launch takes the panel's values; the file keeps its own.
+            page.locator(".nbaccel-field-num_processes input").fill("2")
+            page.locator("button.nbaccel-use").click()
+            expect(page.locator(".nbaccel-message")).to_contain_text("session")
+            _run_cell(page, 2, wait_ms=120_000)
+            expect(probe.locator(".jp-OutputArea-executeResult")).to_contain_text("(2, 'bf16')", timeout=90_000)
+            assert load_config(config_file).num_processes == 3
         except BaseException:
             page.screenshot(path=str(ARTIFACTS / "browser_failure.png"), full_page=True)
             raise
