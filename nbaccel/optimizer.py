@@ -112,6 +112,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             self._unscaled = False
             self._is_overflow = self.scaler.get_scale() < scale_before
         if self._on_xla:
+            self.gradient_state.is_xla_gradients_synced = False  # the next step's gradients are new
             _xla_sync()
         return result
 

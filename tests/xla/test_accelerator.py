@@ -122,3 +122,31 @@ def _steps_without_a_device_loader():
 def test_each_optimizer_step_ends_the_xla_graph():
     syncs = notebook_launcher(_steps_without_a_device_loader, config=LaunchConfig(distributed_type="XLA"))
     assert syncs[1] - syncs[0] >= 1 and syncs[2] - syncs[1] >= 1, syncs
+
+
+def _reductions_per_step():
+    import torch_xla.core.xla_model as xm
+
+    from nbaccel import Accelerator
+
+    calls = []
+    real = xm.reduce_gradients
+    xm.reduce_gradients = lambda optimizer, **kw: (calls.append(1), real(optimizer, **kw))[1]
+    try:
+        accelerator = Accelerator()
+        model, optimizer, _ = make_job()
+        model, optimizer = accelerator.prepare(model, optimizer)
+        x = torch.randn(8, 4, device=accelerator.device)
+        counts = []
+        for _ in range(3):  # a plain loop: no accumulate()
+            accelerator.backward(model(x).pow(2).mean())
+            optimizer.step()
+            optimizer.zero_grad()
+            counts.append(len(calls))
+        return counts
+    finally:
+        xm.reduce_gradients = real
+
+
+def test_every_optimizer_step_reduces_gradients_across_replicas():
+    assert notebook_launcher(_reductions_per_step, config=LaunchConfig(distributed_type="XLA")) == [1, 2, 3]
