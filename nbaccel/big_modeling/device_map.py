@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from typing import Literal, get_args
 
 import torch
@@ -40,6 +40,7 @@ __all__ = [
 
 DeviceMapStrategy = Literal["auto", "balanced", "balanced_low_0", "sequential"]
 MapDevice = int | str  # normalized: GPU index, "cpu", "disk", "mps" or "meta"
+Piece = tuple[str, nn.Module | torch.Tensor]  # a module or tensor to place, by full name
 _NAMED = ("cpu", "disk", "mps", "meta")
 _log = logging.getLogger(__name__)
 
@@ -49,7 +50,8 @@ def infer_auto_device_map(model: nn.Module, max_memory: MaxMemory | None = None,
                           dtype: torch.dtype | str | None = None,
                           special_dtypes: Mapping[str, torch.dtype] | None = None,
                           verbose: bool = False, clean_result: bool = True,
-                          offload_buffers: bool = False) -> dict[str, MapDevice]:
+                          offload_buffers: bool = False,
+                          fallback_allocation: bool = False) -> dict[str, MapDevice]:
     """Place a model's modules on GPUs first, then CPU, then disk, within ``max_memory``.
 
     Modules are placed in the order they are defined; a module that does not fit is split into
@@ -66,6 +68,9 @@ def infer_auto_device_map(model: nn.Module, max_memory: MaxMemory | None = None,
         verbose: log each decision (logger ``nbaccel.big_modeling.device_map``).
         clean_result: merge children placed on one device into their parent.
         offload_buffers: accepted for Accelerate compatibility; buffers are counted either way.
+        fallback_allocation: when a GPU or CPU would be left empty because the next piece is a
+            block too big for it, put there the first later piece that fits (searching inside
+            splittable modules) instead, so no device with a budget goes unused.
 
     Returns:
         ``{name: device}`` covering the whole model.
@@ -102,10 +107,15 @@ def infer_auto_device_map(model: nn.Module, max_memory: MaxMemory | None = None,
             if verbose:
                 _log.info("put %r (%d bytes) on %r", name, size, device)
             continue
-        if isinstance(piece, nn.Module) and type(piece).__name__ not in no_split and \
-                list(piece.children()):
+        if _splittable(piece, no_split):
             queue = _pieces(piece, name) + queue
             continue
+        if fallback_allocation and used == 0 and device != "disk":
+            found = _fallback_piece(queue, limit, no_split, lambda n: sizes[n] + _tied_extra(
+                model, n, tied, device_map, device, dtype, special))
+            if found is not None:  # placed next, on this device; the block goes on after it
+                queue = [found[0], (name, piece), *found[1]]
+                continue
         if verbose:
             _log.info("%r (%d bytes) does not fit on %r (%d of %s used)", name, size, device,
                       used, limit)
@@ -114,7 +124,32 @@ def infer_auto_device_map(model: nn.Module, max_memory: MaxMemory | None = None,
     return _clean(model, device_map) if clean_result else device_map
 
 
-def _pieces(module: nn.Module, prefix: str) -> list[tuple[str, nn.Module | torch.Tensor]]:
+def _splittable(piece: nn.Module | torch.Tensor, no_split: Container[str]) -> bool:
+    return isinstance(piece, nn.Module) and type(piece).__name__ not in no_split and \
+        next(piece.children(), None) is not None
+
+
+def _fallback_piece(queue: Sequence[Piece], limit: float, no_split: Container[str],
+                    size_of: Callable[[str], int]) -> tuple[Piece, list[Piece]] | None:
+    """The first piece of ``queue`` that fits in ``limit``, looking inside splittable modules
+    depth-first, and the queue without it (its ancestors split); ``None`` if none fits."""
+    todo = list(queue)
+    while todo:
+        name, piece = todo.pop(0)
+        if size_of(name) <= limit:
+            break
+        if _splittable(piece, no_split):
+            todo = _pieces(piece, name) + todo
+    else:
+        return None
+    rest = list(queue)
+    while all(n != name for n, _ in rest):
+        i = next(i for i, (n, _) in enumerate(rest) if name.startswith(f"{n}."))
+        rest[i:i + 1] = _pieces(rest[i][1], rest[i][0])
+    return (name, piece), [item for item in rest if item[0] != name]
+
+
+def _pieces(module: nn.Module, prefix: str) -> list[Piece]:
     """A module's direct parameters, children and direct buffers, with full names."""
     dot = f"{prefix}." if prefix else ""
     return [*((dot + n, t) for n, t in module.named_parameters(recurse=False)),

@@ -153,6 +153,24 @@ def _load(model: nn.Module, checkpoint: str | os.PathLike,
     return index
 
 
+def _check_whole_tensor_loading(full_state_dict: bool, broadcast_from_rank0: bool) -> None:
+    """Reject Accelerate's FSDP/DTensor loading options: nbaccel loads whole tensors into plain
+    modules, in every process that asks."""
+    if full_state_dict is not True:
+        raise ConfigError(
+            f"full_state_dict={full_state_dict!r} is not supported: nbaccel loads whole tensors "
+            "into plain (not DTensor-sharded) modules, so only full_state_dict=True is valid. "
+            "Drop the argument, or load sharded state with torch.distributed.checkpoint.",
+            key="full_state_dict", value=full_state_dict, valid=[True])
+    if broadcast_from_rank0 is not False:
+        raise ConfigError(
+            f"broadcast_from_rank0={broadcast_from_rank0!r} is not supported: nbaccel does not "
+            "broadcast weights between processes, so only broadcast_from_rank0=False is valid. "
+            "Drop the argument and let each process load the checkpoint (safetensors files are "
+            "memory-mapped, so processes on one machine share the pages).",
+            key="broadcast_from_rank0", value=broadcast_from_rank0, valid=[False])
+
+
 def load_checkpoint_in_model(model: nn.Module, checkpoint: str | os.PathLike,
                              device_map: Mapping[str, Device] | None = None,
                              offload_folder: str | os.PathLike | None = None,
@@ -160,7 +178,9 @@ def load_checkpoint_in_model(model: nn.Module, checkpoint: str | os.PathLike,
                              offload_state_dict: bool | None = None,
                              offload_buffers: bool = False,
                              keep_in_fp32_modules: Sequence[str] | None = None,
-                             strict: bool = False) -> None:
+                             offload_8bit_bnb: bool = False,
+                             strict: bool = False, full_state_dict: bool = True,
+                             broadcast_from_rank0: bool = False) -> None:
     """Load a checkpoint into a model (often built with ``init_empty_weights``), by device map.
 
     Args:
@@ -176,8 +196,14 @@ def load_checkpoint_in_model(model: nn.Module, checkpoint: str | os.PathLike,
             shards are memory-mapped or read per tensor, never held whole.
         offload_buffers: with ``"disk"`` modules, offload their buffers too.
         keep_in_fp32_modules: module names whose weights stay in float32 whatever ``dtype``.
+        offload_8bit_bnb: accepted for Accelerate compatibility; only ``False`` is supported
+            (bitsandbytes 8-bit modules are not handled).
         strict: make unexpected keys, and missing keys of tensors that already have values,
             errors instead of warnings (a missing tensor still on meta is always an error).
+        full_state_dict: accepted for Accelerate compatibility; only ``True`` (whole tensors,
+            no DTensor shards) is supported.
+        broadcast_from_rank0: accepted for Accelerate compatibility; only ``False`` is
+            supported: each process reads the checkpoint itself.
 
     Raises:
         CheckpointMismatchError: missing or unexpected keys, or shape mismatches; the model is
@@ -185,7 +211,8 @@ def load_checkpoint_in_model(model: nn.Module, checkpoint: str | os.PathLike,
         CheckpointError: a file is missing, truncated or corrupt.
         UnsafeCheckpointError: a pickle would run code.
         DeviceMapError: the device map does not fit the model.
-        ConfigError: a ``"disk"`` entry without ``offload_folder``.
+        ConfigError: a ``"disk"`` entry without ``offload_folder``; ``full_state_dict=False``,
+            ``broadcast_from_rank0=True`` or ``offload_8bit_bnb=True``, which are not supported.
 
     Example:
         >>> import tempfile, safetensors.torch
@@ -198,6 +225,13 @@ def load_checkpoint_in_model(model: nn.Module, checkpoint: str | os.PathLike,
         >>> model.weight.device.type
         'cpu'
     """
+    _check_whole_tensor_loading(full_state_dict, broadcast_from_rank0)
+    if offload_8bit_bnb is not False:
+        raise ConfigError(
+            f"offload_8bit_bnb={offload_8bit_bnb!r} is not supported: nbaccel does not handle "
+            "bitsandbytes 8-bit modules, so only offload_8bit_bnb=False is valid. Drop the "
+            "argument, or load quantized models with transformers' from_pretrained.",
+            key="offload_8bit_bnb", value=offload_8bit_bnb, valid=[False])
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.removeprefix("torch."))
     checked = None if device_map is None else check_device_map(model, device_map)
@@ -216,6 +250,7 @@ def load_checkpoint_and_dispatch(model: nn.Module, checkpoint: str | os.PathLike
                                  skip_keys: str | Sequence[str] | None = None,
                                  preload_module_classes: Sequence[str] | None = None,
                                  force_hooks: bool = False, strict: bool = False,
+                                 full_state_dict: bool = True, broadcast_from_rank0: bool = False,
                                  keep_in_fp32_modules: Sequence[str] | None = None) -> nn.Module:
     """Load a checkpoint and dispatch the model over devices, offloading what does not fit.
 
@@ -238,6 +273,8 @@ def load_checkpoint_and_dispatch(model: nn.Module, checkpoint: str | os.PathLike
         preload_module_classes: as in :func:`~nbaccel.big_modeling.dispatch.dispatch_model`.
         force_hooks: attach hooks even when everything is on one device.
         strict: as in :func:`load_checkpoint_in_model`.
+        full_state_dict: as in :func:`load_checkpoint_in_model`.
+        broadcast_from_rank0: as in :func:`load_checkpoint_in_model`.
         keep_in_fp32_modules: as in :func:`load_checkpoint_in_model`.
 
     Returns:
@@ -263,6 +300,7 @@ def load_checkpoint_and_dispatch(model: nn.Module, checkpoint: str | os.PathLike
     """
     from nbaccel.big_modeling.dispatch import _dispatch_entries, dispatch_model
 
+    _check_whole_tensor_loading(full_state_dict, broadcast_from_rank0)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.removeprefix("torch."))
     checked = None if device_map is None else resolve_device_map(

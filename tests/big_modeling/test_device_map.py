@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 
 import pytest
 import torch
+from torch import nn
 
 from nbaccel.big_modeling import (
     compute_module_sizes,
@@ -180,3 +182,34 @@ def test_map_must_be_a_dict():
 def test_longest_prefix_wins():
     assert device_for("blocks.10.up.weight", {"blocks.1": "disk", "blocks": "cpu"}) == "cpu"
     assert device_for("x", {}) is None
+
+
+def _big_then_small():
+    """A 16640 B leaf, then a container of two 80 B leaves (16800 B in all)."""
+    return nn.Sequential(nn.Linear(64, 64), nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+
+
+def test_fallback_allocation_puts_a_piece_that_fits_on_a_device_that_would_stay_empty():
+    # 16750 B of CPU less the 16640 B kept free to run offloaded layers leaves 110 B: "0" never
+    # fits, and without a fallback the whole model goes to disk
+    assert infer_auto_device_map(_big_then_small(), {"cpu": 16_750}) == {"": "disk"}
+    device_map = infer_auto_device_map(_big_then_small(), {"cpu": 16_750},
+                                       fallback_allocation=True)
+    assert device_map == {"0": "disk", "1.0": "cpu", "1.1": "disk"}
+    assert check_device_map(_big_then_small(), device_map) == device_map
+    # nothing fits at all: the device stays empty, as without the fallback
+    assert infer_auto_device_map(_big_then_small(), {"cpu": 16_700},
+                                 fallback_allocation=True) == {"": "disk"}
+
+
+def test_fallback_allocation_never_breaks_a_no_split_block():
+    device_map = infer_auto_device_map(empty_model(), {"cpu": BLOCK + 1000}, ["Block"],
+                                       fallback_allocation=True)
+    assert device_map["norm"] == "cpu" and device_map["blocks"] == "disk"
+    assert list(device_map.values()).count("cpu") == 1
+
+
+def test_infer_auto_device_map_takes_accelerates_arguments():
+    accelerate_utils = pytest.importorskip("accelerate.utils")
+    ours = list(inspect.signature(infer_auto_device_map).parameters)
+    assert ours == list(inspect.signature(accelerate_utils.infer_auto_device_map).parameters)

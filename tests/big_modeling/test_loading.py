@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 
@@ -245,3 +246,35 @@ def test_a_map_splitting_a_module_fails_before_any_weight_is_loaded(full, tmp_pa
         load_checkpoint_and_dispatch(model, save_checkpoint(full, tmp_path / "c"), split)
     assert info.value.key == "norm.bias" and info.value.valid == ["cpu"]
     assert all(p.is_meta for p in model.parameters()) and not hasattr(model, "hf_device_map")
+
+
+@pytest.mark.parametrize("load", [load_checkpoint_in_model, load_checkpoint_and_dispatch])
+@pytest.mark.parametrize("option,value", [("full_state_dict", False),
+                                          ("broadcast_from_rank0", True)])
+def test_unsupported_distributed_loading_options_are_refused_before_loading(full, tmp_path, load,
+                                                                           option, value):
+    checkpoint = save_checkpoint(full, tmp_path / "c")
+    model = empty_model()
+    load(model, checkpoint, ALL_CPU, full_state_dict=True, broadcast_from_rank0=False)
+    assert not model.embed.weight.is_meta  # the defaults are accepted
+    model = empty_model()
+    with pytest.raises(ConfigError) as info:
+        load(model, checkpoint, ALL_CPU, **{option: value})
+    assert (info.value.key, info.value.value, info.value.valid) == (option, value, [not value])
+    assert "not supported" in str(info.value) and model.embed.weight.is_meta
+
+
+def test_offload_8bit_bnb_is_refused():
+    with pytest.raises(ConfigError) as info:
+        load_checkpoint_in_model(empty_model(), "unused.safetensors", offload_8bit_bnb=True)
+    assert info.value.key == "offload_8bit_bnb"
+
+
+def test_loading_functions_take_accelerates_arguments_in_its_order():
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.utils import load_checkpoint_in_model as theirs_in_model
+
+    for ours, theirs in [(load_checkpoint_in_model, theirs_in_model),
+                         (load_checkpoint_and_dispatch, accelerate.load_checkpoint_and_dispatch)]:
+        names = list(inspect.signature(theirs).parameters)
+        assert list(inspect.signature(ours).parameters)[:len(names)] == names
