@@ -1,8 +1,10 @@
 """Launch overhead: nbaccel against Accelerate's notebook_launcher, torch elastic_launch and mp.spawn.
 
 For 2 and 4 CPU processes, each launcher runs the same function (join a gloo group, one
-all_reduce, leave); it records when it entered. We report the time until the last worker is in
-the function and the time until the launcher returns (median of ``--repeat`` runs), and ratios.
+all_reduce, leave); it records when it entered and left. We report the time until the last worker
+is in the function, the time until the launcher returns, and the launcher's own share of that
+(before the last entry plus after the last exit), medians of ``--repeat`` interleaved rounds, and
+ratios.
 
 Run: ``.venv/bin/python benchmarks/launch.py`` (needs ``pip install accelerate`` for its column).
 """
@@ -27,12 +29,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 def work(marks: str) -> None:
     """The benchmarked function: note the entry time, then one collective."""
-    Path(marks, f"{os.environ.get('RANK', '0')}-{os.getpid()}").write_text(repr(time.time()))
+    entered = time.time()
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     value = torch.ones(1)
     dist.all_reduce(value)
     dist.destroy_process_group()
+    Path(marks, f"{os.environ.get('RANK', '0')}-{os.getpid()}").write_text(f"{entered!r} {time.time()!r}")
 
 
 def _spawn_entry(local_rank: int, marks: str, n: int, port: int) -> None:
@@ -88,15 +91,21 @@ LAUNCHERS: dict[str, Callable[[int, str], None]] = {
 }
 
 
-def measure(launch: Callable[[int, str], None], n: int) -> tuple[float, float]:
-    """One run: (seconds until every worker entered, seconds until the launcher returned)."""
+def measure(launch: Callable[[int, str], None], n: int) -> tuple[float, float, float]:
+    """One run: seconds until every worker entered, until the launcher returned, and the launcher's own share.
+
+    The launcher's share is the time before the last worker entered the function plus the time
+    from the last worker leaving it to the launcher returning: what remains when the function's
+    own work (here, process-group setup and teardown) is taken out.
+    """
     with tempfile.TemporaryDirectory() as marks:
         start = time.time()
         launch(n, marks)
-        returned = time.time() - start
-        entries = [float(p.read_text()) for p in Path(marks).iterdir()]
-    assert len(entries) == n, f"expected {n} workers, saw {len(entries)}"
-    return max(entries) - start, returned
+        end = time.time()
+        spans = [tuple(map(float, p.read_text().split())) for p in Path(marks).iterdir()]
+    assert len(spans) == n, f"expected {n} workers, saw {len(spans)}"
+    last_in, last_out = max(s[0] for s in spans), max(s[1] for s in spans)
+    return last_in - start, end - start, (last_in - start) + (end - last_out)
 
 
 def main() -> None:
@@ -113,20 +122,26 @@ def main() -> None:
     for launch in LAUNCHERS.values():  # warm-up: first-use imports are not launch overhead
         measure(launch, 2)
     for n in args.processes:
-        rows = {}
-        for name, launch in LAUNCHERS.items():
-            runs = [measure(launch, n) for _ in range(args.repeat)]
-            rows[name] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
-        base_in, base_out = rows["nbaccel fork"]
-        print(f"\n{n} processes (median of {args.repeat}; ratio = that launcher / nbaccel fork)")
-        print(f"{'launcher':32} {'all in fn (s)':>14} {'returned (s)':>13} {'ratio in':>9} {'ratio ret':>10}")
-        for name, (t_in, t_out) in rows.items():
-            print(f"{name:32} {t_in:14.3f} {t_out:13.3f} {t_in / base_in:9.2f} {t_out / base_out:10.2f}")
+        runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in LAUNCHERS}
+        for round_index in range(args.repeat):  # interleaved, starting launcher rotating: noise hits all alike
+            names = list(LAUNCHERS)
+            names = names[round_index % len(names):] + names[:round_index % len(names)]
+            for name in names:
+                runs[name].append(measure(LAUNCHERS[name], n))
+        rows = {name: tuple(statistics.median(r[k] for r in got) for k in range(3)) for name, got in runs.items()}
+        base_in, base_out, base_own = rows["nbaccel fork"]
+        print(f"\n{n} processes (median of {args.repeat} interleaved rounds; ratio = that launcher / nbaccel fork)")
+        print(f"{'launcher':32} {'all in fn (s)':>14} {'returned (s)':>13} {'launcher share (s)':>19} "
+              f"{'ratio in':>9} {'ratio ret':>10} {'ratio share':>12}")
+        for name, (t_in, t_out, own) in rows.items():
+            print(f"{name:32} {t_in:14.3f} {t_out:13.3f} {own:19.3f} {t_in / base_in:9.2f} {t_out / base_out:10.2f} "
+                  f"{own / base_own:12.2f}")
         spawn_ratio = rows["nbaccel spawn"][1] / rows["torch.multiprocessing spawn"][1]
         print(f"nbaccel spawn / torch.multiprocessing spawn (returned): {spawn_ratio:.2f} (goal <= 1.1)")
         if "accelerate notebook_launcher" in rows:
-            fork_ratio = base_out / rows["accelerate notebook_launcher"][1]
-            print(f"nbaccel fork / accelerate (returned): {fork_ratio:.2f} (goal <= 0.5)")
+            peer = rows["accelerate notebook_launcher"]
+            print(f"nbaccel fork / accelerate (returned): {base_out / peer[1]:.2f} (goal <= 0.5); "
+                  f"launcher share alone: {base_own / peer[2]:.2f}")
 
 
 if __name__ == "__main__":
