@@ -10,6 +10,7 @@ checks a map given by hand against the model.
 from __future__ import annotations
 
 import difflib
+import functools
 import logging
 import math
 from collections.abc import Callable, Container, Mapping, Sequence
@@ -94,11 +95,15 @@ def infer_auto_device_map(model: nn.Module, max_memory: MaxMemory | None = None,
     reserve = get_max_layer_size(queue, sizes, list(no_split))[0] if sizes[""] > room else 0
     tied = _tied_aliases(model)
     device_map: dict[str, MapDevice] = {}
+
+    def size_on(piece: str, device: MapDevice) -> int:
+        return sizes[piece] + _tied_extra(model, piece, tied, device_map, device, dtype, special)
+
     index, used = 0, 0
     while queue:
         name, piece = queue.pop(0)
         device = devices[index]
-        size = sizes[name] + _tied_extra(model, name, tied, device_map, device, dtype, special)
+        size = size_on(name, device)
         limit = math.inf if device == "disk" else budget[device] - (reserve if device in main
                                                                      else 0)
         if used + size <= limit:
@@ -111,8 +116,8 @@ def infer_auto_device_map(model: nn.Module, max_memory: MaxMemory | None = None,
             queue = _pieces(piece, name) + queue
             continue
         if fallback_allocation and used == 0 and device != "disk":
-            found = _fallback_piece(queue, limit, no_split, lambda n: sizes[n] + _tied_extra(
-                model, n, tied, device_map, device, dtype, special))
+            found = _fallback_piece(queue, limit, no_split,
+                                    functools.partial(size_on, device=device))
             if found is not None:  # placed next, on this device; the block goes on after it
                 queue = [found[0], (name, piece), *found[1]]
                 continue

@@ -10,6 +10,7 @@ weights on a background thread while the current module computes.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 import os
@@ -93,23 +94,33 @@ def _location(key: str, entry: IndexEntry, folder: str | None) -> TensorInfo:
             stat = os.stat(path)
         except FileNotFoundError:
             raise CheckpointError(f"the offload index points {key!r} at {path}, which does not "
-                                  "exist.", path=path, key=key) from None
+                                  "exist; an index that points into a checkpoint needs that file "
+                                  "where it was. Restore the file, or load the checkpoint again "
+                                  "with load_checkpoint_and_dispatch.", path=path, key=key) from None
         file = _safetensors_file(path, stat.st_mtime_ns, stat.st_size)
         if name not in file.tensors:
+            close = difflib.get_close_matches(name, list(file.tensors), n=3)
             raise CheckpointError(f"the offload index points {key!r} at {name!r} in "
-                                  f"{file.path}, which that file does not hold.",
+                                  f"{file.path}, which that file does not hold"
+                                  + (f" (did you mean {close}?)" if close else "") + "; the "
+                                  "file or the index changed since it was written. Load the "
+                                  "checkpoint again with load_checkpoint_and_dispatch.",
                                   path=file.path, key=name)
         return file.tensors[name]
     if folder is None:
         raise CheckpointError(f"the offload index lists {key!r} as a .dat file, but no offload "
-                              "folder was given. Pass offload_dir / offload_folder.", key=key)
+                              "folder was given (offload_dir=None), so there is nowhere to read "
+                              "it from. Pass the folder that holds index.json as offload_dir "
+                              "(offload_folder when loading).", key=key)
     path = os.path.join(folder, f"{key}.dat")
     dtype, shape = _dtype(entry["dtype"]), tuple(entry["shape"])
     nbytes = torch.empty(shape, dtype=dtype, device="meta").nbytes
-    if not os.path.exists(path) or os.path.getsize(path) < nbytes:
-        raise CheckpointError(f"offloaded weight {path} is missing or shorter than its "
-                              f"{nbytes} bytes. Delete the offload folder and load again.",
-                              path=path, key=key)
+    size = os.path.getsize(path) if os.path.exists(path) else None
+    if size is None or size < nbytes:
+        found = "does not exist" if size is None else f"holds {size} bytes"
+        raise CheckpointError(f"offloaded weight {key!r} should be {nbytes} bytes in {path}, "
+                              f"which {found}. Delete the offload folder and load the "
+                              "checkpoint again.", path=path, key=key)
     return TensorInfo(path, 0, nbytes, dtype, shape)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from collections import namedtuple
 
 import pytest
@@ -21,11 +23,12 @@ from nbaccel.big_modeling import (
     init_empty_weights,
     init_on_device,
     load_checkpoint_and_dispatch,
+    load_checkpoint_in_model,
     remove_hook_from_module,
     set_module_tensor_to_device,
 )
 from nbaccel.big_modeling.tensors import find_device, send_to_device
-from nbaccel.errors import CheckpointMismatchError, DeviceMapError
+from nbaccel.errors import CheckpointError, CheckpointMismatchError, DeviceMapError
 from tests.big_modeling.helpers import TinyLM, empty_model, make_model, sample_ids, save_checkpoint
 
 
@@ -313,3 +316,50 @@ def test_weights_used_without_calling_their_module_are_loaded(cls):
 def test_without_preload_a_child_read_directly_is_still_on_meta():
     with pytest.raises((RuntimeError, NotImplementedError)):
         dispatch_model(UsesChildWeights(), {"": "disk"})(torch.randn(2, 4))
+
+
+CORRUPTED = "blocks.1.up.weight"
+
+
+def _point_at_a_missing_file(folder, index):
+    index[CORRUPTED]["safetensors_file"] = str(folder / "gone.safetensors")
+    return CORRUPTED, str(folder / "gone.safetensors")
+
+
+def _name_a_weight_the_file_lacks(folder, index):
+    index[CORRUPTED]["weight_name"] = "blocks.1.up.wieght"
+    return "blocks.1.up.wieght", index[CORRUPTED]["safetensors_file"]
+
+
+def _delete_a_dat_file(folder, index):
+    os.remove(folder / f"{CORRUPTED}.dat")
+    return CORRUPTED, str(folder / f"{CORRUPTED}.dat")
+
+
+def _truncate_a_dat_file(folder, index):
+    path = folder / f"{CORRUPTED}.dat"
+    path.write_bytes(path.read_bytes()[:-4])
+    return CORRUPTED, str(path)
+
+
+def _forget_the_folder(folder, index):
+    return "embed.weight", None  # the first offloaded weight read
+
+
+@pytest.mark.parametrize("kind,corrupt", [
+    ("safetensors", _point_at_a_missing_file), ("safetensors", _name_a_weight_the_file_lacks),
+    ("bin", _delete_a_dat_file), ("bin", _truncate_a_dat_file), ("bin", _forget_the_folder)])
+def test_a_broken_offload_index_or_folder_names_the_weight_and_file(tmp_path, kind, corrupt):
+    folder = tmp_path / "offload"
+    model = empty_model()
+    load_checkpoint_in_model(model, save_checkpoint(make_model(), tmp_path / "ckpt", kind),
+                             {"": "disk"}, offload_folder=folder)
+    index = json.loads((folder / "index.json").read_text())
+    key, path = corrupt(folder, index)
+    keep_folder = corrupt is not _forget_the_folder
+    model = dispatch_model(model, {"": "disk"}, offload_dir=folder if keep_folder else None,
+                           offload_index=index)
+    with pytest.raises(CheckpointError) as info:
+        model(sample_ids())
+    assert (info.value.key, info.value.path) == (key, path)
+    assert key in str(info.value) and (path is None or path in str(info.value))
