@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import pickle
 import sys
+import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,7 @@ __all__ = [
     "slice_tensors",
 ]
 
-Reduction = Literal["sum", "mean", "none"]
+Reduction = Literal["sum", "mean", "max", "none"]
 
 
 def recursively_apply(func: Callable[..., Any], data: Any, *args: Any, test_type: Callable[[Any], bool] = torch.is_tensor,
@@ -170,17 +171,21 @@ def _gather_one(tensor: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def gather_object(obj: Any) -> list[Any]:
-    """Gather picklable objects from every process into one flat list (lists are concatenated).
+def gather_object(obj: Any) -> Any:
+    """Gather picklable objects from every process into one flat list, as Accelerate does.
+
+    In one process ``obj`` comes back unchanged. With several, each process's ``obj`` is
+    flattened one level (a list, tuple, tensor rows, any iterable) and the pieces are joined in
+    rank order; a string, a mapping or a non-iterable counts as one item.
 
     Example:
-        >>> gather_object(["a"])
+        >>> gather_object(["a"])   # one process: unchanged
         ['a']
     """
     world = _world()
-    items = list(obj) if isinstance(obj, (list, tuple)) else [obj]
     if world == 1:
-        return items
+        return obj
+    items = _as_items(obj)
     if _xla_device_in_use():
         import torch_xla.core.xla_model as xm
 
@@ -188,6 +193,16 @@ def gather_object(obj: Any) -> list[Any]:
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, items)
     return [x for part in everyone for x in part]
+
+
+def _as_items(obj: Any) -> list[Any]:
+    """``obj``'s items for :func:`gather_object` (Accelerate iterates it; strings and dicts stay whole here)."""
+    if isinstance(obj, (str, bytes, Mapping)) or (torch.is_tensor(obj) and obj.ndim == 0):
+        return [obj]
+    try:
+        return list(obj)
+    except TypeError:
+        return [obj]
 
 
 def _xla_device_in_use() -> bool:
@@ -224,34 +239,46 @@ def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_firs
 
 
 def reduce(tensor: Any, reduction: Reduction = "mean", scale: float = 1.0) -> Any:
-    """Reduce tensors across processes (``"sum"``, ``"mean"`` or ``"none"``); returns new tensors.
+    """Reduce tensors across processes; returns new tensors (Accelerate's semantics).
+
+    ``"sum"`` and ``"none"`` add the processes' tensors, ``"mean"`` divides that sum by the
+    number of processes, ``"max"`` keeps the element-wise maximum. In one process every
+    reduction returns a copy. ``scale`` multiplies the reduced value on XLA devices only, as in
+    Accelerate; elsewhere it is ignored (with a warning when it is not 1).
+
+    Args:
+        tensor: a tensor or a nesting of lists, tuples and dicts of tensors.
+        reduction: how to combine the processes' values.
+        scale: factor applied by the XLA all-reduce.
 
     Raises:
         ConfigError: ``reduction`` is not one of the valid names.
 
     Example:
-        >>> reduce(torch.tensor([2.0]), "sum").tolist()   # one process
+        >>> reduce(torch.tensor([2.0]), "max").tolist()   # one process: a copy
         [2.0]
     """
-    if reduction not in ("sum", "mean", "none"):
-        raise ConfigError(f"`reduction` must be one of ['sum', 'mean', 'none'] (got {reduction!r})",
-                          key="reduction", value=reduction, valid=("sum", "mean", "none"))
+    valid = get_args(Reduction)
+    if reduction not in valid:
+        raise ConfigError(f"`reduction` must be one of {list(valid)} (got {reduction!r}); "
+                          "use 'sum' to add the processes' values", key="reduction", value=reduction, valid=valid)
+    if scale != 1.0 and not _xla_multi(tensor):
+        warnings.warn(f"reduce(scale={scale}) is applied on XLA devices only, as in Accelerate; here it is "
+                      "ignored: multiply the result yourself", stacklevel=2)
     world = _world()
 
     def _reduce(t: torch.Tensor) -> torch.Tensor:
         out = t.clone()
-        if reduction == "none":
-            return out
         if _is_xla(t):
             import torch_xla.core.xla_model as xm
             import torch_xla.runtime as xr
 
-            out = xm.all_reduce("sum", _on_xla(out), scale=scale).to(t.device)
+            op = xm.REDUCE_MAX if reduction == "max" else xm.REDUCE_SUM
+            out = xm.all_reduce(op, _on_xla(out), scale=scale).to(t.device)
             return out / xr.world_size() if reduction == "mean" else out
-        if world > 1:
-            dist.all_reduce(out, op=dist.ReduceOp.SUM)
-        if scale != 1.0:
-            out = out * scale
+        if world == 1:
+            return out
+        dist.all_reduce(out, op=dist.ReduceOp.MAX if reduction == "max" else dist.ReduceOp.SUM)
         return out / world if reduction == "mean" else out
 
     return recursively_apply(_reduce, tensor, error_on_other_type=True)

@@ -35,6 +35,18 @@ def test_gather_for_metrics_of_objects_drops_the_padding_too():
     assert results[1] == [f"s{i}" for i in range(101)]
 
 
+def _evaluate_rows_as_objects() -> list:
+    accelerator = nbaccel.Accelerator()
+    loader = accelerator.prepare(DataLoader(torch.arange(11), batch_size=4))
+    return [int(x) for batch in loader for x in accelerator.gather_for_metrics(batch, use_gather_object=True)]
+
+
+def test_gather_for_metrics_with_gather_object_drops_the_duplicated_end_samples():
+    # 2 processes x 4 = 8 per step: the second step holds samples 8..10 plus 5 repeated ones.
+    results = launch(_evaluate_rows_as_objects, 2)
+    assert results[0] == results[1] == list(range(11))
+
+
 def _evaluate_stream() -> list:
     accelerator = nbaccel.Accelerator()
     loader = accelerator.prepare(DataLoader(CountingStream(11), batch_size=2))
@@ -57,6 +69,10 @@ def _collectives() -> dict:
     out["pad_first"] = acc.pad_across_processes(torch.ones(rank + 1), pad_first=True)
     out["sum"] = acc.reduce(torch.tensor([rank + 1.0]), "sum")
     out["mean"] = acc.reduce(torch.tensor([rank + 1.0]), "mean")
+    out["max"] = acc.reduce(torch.tensor([rank + 1.0, 5.0 - rank]), "max")
+    out["none"] = acc.reduce(torch.tensor([rank + 1.0]), "none")
+    out["scalar_objects"] = acc.gather_object(rank)
+    out["tensor_rows"] = acc.gather_object(torch.tensor([rank, rank]))
     out["broadcast"] = acc.broadcast(torch.tensor([rank * 10]), from_process=1)
     out["bcast_objects"] = nbaccel.broadcast_object_list([rank, "x"], from_process=1)
     with acc.split_between_processes(list("abcde")) as part:
@@ -90,6 +106,9 @@ def test_collectives_on_two_processes():
     assert r0["padded"].tolist() == [[1, 1], [-1, -1], [1, 1], [1, 1]]
     assert r0["pad_first"].tolist() == [0.0, 1.0]
     assert r0["sum"].tolist() == [3.0] and r1["mean"].tolist() == [1.5]
+    assert r1["max"].tolist() == [2.0, 5.0] and r0["none"].tolist() == [3.0]  # "none" sums, as in Accelerate
+    assert r0["scalar_objects"] == [0, 1]
+    assert [int(t) for t in r1["tensor_rows"]] == [0, 0, 1, 1]
     assert r0["broadcast"].tolist() == [10] and r0["bcast_objects"] == [1, "x"]
     assert (r0["split"], r1["split"]) == (["a", "b", "c"], ["d", "e"])
     assert (r0["split_padded"].tolist(), r1["split_padded"].tolist()) == ([0, 1, 2], [3, 4, 4])
@@ -119,10 +138,12 @@ def test_single_process_collectives_return_their_input():
     acc = nbaccel.Accelerator()
     t = torch.arange(3)
     assert acc.gather(t) is t
-    assert acc.gather_object("x") == ["x"]
+    assert acc.gather_object("x") == "x" and acc.gather_object(["x"]) == ["x"]
     assert acc.pad_across_processes(t) is t
     assert acc.reduce(t, "sum").tolist() == [0, 1, 2]
-    assert acc.reduce(torch.ones(1), "sum", scale=2.0).tolist() == [2.0]
+    assert acc.reduce(t, "max").tolist() == [0, 1, 2] and acc.reduce(t, "none") is not t
+    with pytest.warns(UserWarning, match="XLA devices only"):
+        assert acc.reduce(torch.ones(1), "sum", scale=2.0).tolist() == [1.0]
     assert acc.broadcast(t) is t
     with acc.split_between_processes([1, 2]) as part:
         assert part == [1, 2]
@@ -132,8 +153,8 @@ def test_single_process_collectives_return_their_input():
 def test_invalid_reduction_and_split_inputs_are_config_errors():
     acc = nbaccel.Accelerator()
     with pytest.raises(nbaccel.ConfigError) as info:
-        acc.reduce(torch.ones(1), "max")
-    assert info.value.valid == ("sum", "mean", "none")
+        acc.reduce(torch.ones(1), "min")
+    assert info.value.value == "min" and info.value.valid == ("sum", "mean", "max", "none")
     with pytest.raises(TypeError, match="Unsupported type 'str'"):
         acc.reduce("not a tensor")
     with pytest.raises(nbaccel.ConfigError):
