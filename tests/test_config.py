@@ -132,3 +132,13 @@ def test_error_message_lists_valid_values_from_the_type():
     with pytest.raises(ConfigError) as info:
         LaunchConfig(start_method="forkserver")
     assert "['fork', 'spawn']" in str(info.value)
+
+
+def test_a_value_matching_no_member_of_a_union_names_every_member():
+    from nbaccel.config import _check_type
+
+    _check_type("port_or_name", "db", int | str)  # either member will do
+    with pytest.raises(ConfigError) as info:
+        _check_type("port_or_name", 1.5, int | str)
+    assert info.value.key == "port_or_name" and info.value.value == 1.5
+    assert "'port_or_name' must be one of ['int', 'str'] (got 1.5)" in str(info.value)

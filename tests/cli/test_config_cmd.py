@@ -123,3 +123,22 @@ def test_bad_flag_value_is_a_usage_error():
     assert result.returncode == 2
     assert result.stderr.startswith("nbaccel config: error: argument --mixed_precision")
     assert "see `nbaccel config --help`" in result.stderr
+
+
+def test_each_question_explains_a_wrong_answer_and_asks_again(monkeypatch):
+    import io
+
+    from nbaccel.cli import config_cmd
+
+    monkeypatch.setattr(config_cmd, "_gpu_count", lambda: 2)  # so the GPU question is asked too
+    answers = ["2", "5", "1", "", "", "etcd", "c10d", "no", "2", "first", "0,1", "", "", "-3", "soon", "600"]
+    out = io.StringIO()
+    config = config_cmd.ask_config(LaunchConfig(), io.StringIO("\n".join(answers) + "\n"), out)
+    said = out.getvalue()
+    for complaint in ("5 is out of range; valid: 0..1", "'etcd' is not one of ['static', 'c10d']",
+                      "'first' is not 'all' or a list like '0,1'", "-3 is not a positive number of seconds",
+                      "'soon' is not a number of seconds"):
+        assert complaint in said, complaint
+    assert (config.num_machines, config.machine_rank, config.rdzv_backend) == (2, 1, "c10d")
+    assert (config.num_processes, config.gpu_ids, config.distributed_type, config.timeout) == (2, "0,1", "MULTI_GPU",
+                                                                                              600.0)
