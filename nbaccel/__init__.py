@@ -30,6 +30,9 @@ _EXPORTS: dict[str, str] = {
     "debug_launcher": "nbaccel.launch.launcher",
     "notebook_launcher": "nbaccel.launch.launcher",
     # process state
+    "AcceleratorState": "nbaccel.partial_state",
+    "DistributedType": "nbaccel.state",
+    "PartialState": "nbaccel.partial_state",
     "ProcessState": "nbaccel.state",
     # training (Accelerator)
     "AcceleratedOptimizer": "nbaccel.optimizer",
@@ -57,6 +60,7 @@ _EXPORTS: dict[str, str] = {
     "broadcast_object_list": "nbaccel.ops",
     "concatenate": "nbaccel.ops",
     "find_batch_size": "nbaccel.ops",
+    "find_executable_batch_size": "nbaccel.memory",
     "gather": "nbaccel.ops",
     "gather_object": "nbaccel.ops",
     "pad_across_processes": "nbaccel.ops",
@@ -67,6 +71,7 @@ _EXPORTS: dict[str, str] = {
     "set_seed": "nbaccel.random",
     "skip_first_batches": "nbaccel.data_loader",
     "slice_tensors": "nbaccel.ops",
+    "synchronize_rng_states": "nbaccel.random",
     # big-model inference
     "AlignDevicesHook": "nbaccel.big_modeling.hooks",
     "CheckpointError": "nbaccel.errors",

@@ -1,30 +1,31 @@
 """`Accelerator`: Hugging Face Accelerate's training API, working inside nbaccel's workers.
 
-With no arguments it reads the job from the environment (:class:`~nbaccel.state.ProcessState`):
+With no arguments it reads the job from the environment (:class:`~nbaccel.partial_state.AcceleratorState`):
 inside a 4-process CPU launch it trains as one 4-process gloo job. ``prepare`` places models
 (DDP across processes, FSDP2 when configured, autocast for mixed precision), wraps optimizers,
 schedulers and dataloaders, and returns them in the order given. Collectives and
-per-process helpers come from :class:`~nbaccel.process_helpers.ProcessHelpers`; checkpoints
-from :mod:`nbaccel.checkpointing`.
+per-process helpers come from :class:`~nbaccel.process_helpers.ProcessHelpers`; saving and
+loading from :class:`~nbaccel.checkpoint_helpers.CheckpointHelpers`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
+from collections import OrderedDict
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
-from nbaccel import checkpointing
+from nbaccel.checkpoint_helpers import CheckpointHelpers
 from nbaccel.data_loader import DataLoaderShard, XlaDeviceLoader, prepare_data_loader, skip_first_batches
-from nbaccel.environment import DistributedType, MixedPrecision
+from nbaccel.environment import MixedPrecision
 from nbaccel.errors import ConfigError
 from nbaccel.gradient_state import GradientState
 from nbaccel.optimizer import AcceleratedOptimizer
+from nbaccel.partial_state import AcceleratorState
 from nbaccel.plugins import (
     AutocastKwargs,
     DataLoaderConfiguration,
@@ -44,11 +45,11 @@ from nbaccel.plugins import (
 from nbaccel.precision import autocast_context, make_grad_scaler, unwrap_forward, validate_mixed_precision, wrap_forward
 from nbaccel.process_helpers import ProcessHelpers
 from nbaccel.scheduler import AcceleratedScheduler
-from nbaccel.state import ProcessState
+from nbaccel.state import DistributedType
 
 __all__ = ["Accelerator"]
 
-class Accelerator(ProcessHelpers):
+class Accelerator(ProcessHelpers, CheckpointHelpers):
     """Accelerate's ``Accelerator``: one object that makes a training loop distributed.
 
     Args:
@@ -96,7 +97,7 @@ class Accelerator(ProcessHelpers):
                  even_batches: bool | None = None, dispatch_batches: bool | None = None) -> None:
         handlers = collect_handlers(kwargs_handlers)
         init_kwargs = handlers.get(InitProcessGroupKwargs, InitProcessGroupKwargs())
-        self.state = ProcessState(cpu=cpu, backend=init_kwargs.backend, timeout=init_kwargs.timeout)
+        self.state = AcceleratorState(cpu=cpu, backend=init_kwargs.backend, timeout=init_kwargs.timeout)
         settings = self.state.settings
         self._mixed_precision = validate_mixed_precision(mixed_precision or self.state.mixed_precision)
         self.device_placement = device_placement
@@ -135,6 +136,8 @@ class Accelerator(ProcessHelpers):
         self._schedulers: list[AcceleratedScheduler] = []
         self._dataloaders: list[Any] = []
         self._custom_objects: list[Any] = []
+        self._save_state_pre_hooks = OrderedDict()
+        self._load_state_pre_hooks = OrderedDict()
         self._trigger = False
 
     # ------------------------------------------------------------------ state
@@ -147,9 +150,9 @@ class Accelerator(ProcessHelpers):
     def distributed_type(self) -> DistributedType:
         """``"NO"``, ``"MULTI_CPU"``, ``"MULTI_GPU"``, ``"FSDP"``, ``"DEEPSPEED"`` or ``"XLA"``."""
         if self.deepspeed_plugin is not None:
-            return "DEEPSPEED"
+            return DistributedType.DEEPSPEED
         if self.fsdp_plugin is not None:
-            return "FSDP"
+            return DistributedType.FSDP
         return self.state.distributed_type
 
     @property
@@ -447,105 +450,34 @@ class Accelerator(ProcessHelpers):
         self.gradient_state.is_xla_gradients_synced = True
 
     # ------------------------------------------------------------------ models and checkpoints
-    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> torch.nn.Module:
-        """The model without DDP / ``torch.compile`` wrappers (and, optionally, without the autocast forward)."""
+    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True,
+                     keep_torch_compile: bool = True) -> torch.nn.Module:
+        """The model without the DDP / DeepSpeed wrappers ``prepare`` added.
+
+        Args:
+            model: a prepared model.
+            keep_fp32_wrapper: keep the mixed-precision forward (autocast, fp32 outputs).
+            keep_torch_compile: return the ``torch.compile`` wrapper when one wraps the model
+                itself; ``False`` returns the plain module under it.
+
+        Example:
+            >>> accelerator.unwrap_model(model).state_dict()   # doctest: +SKIP
+        """
         from nbaccel.deepspeed_engine import is_deepspeed_engine
 
+        compiled: torch.nn.Module | None = None
         while True:
             if isinstance(model, torch.nn.parallel.DistributedDataParallel) or is_deepspeed_engine(model):
+                compiled = None  # a compile wrapper around DDP cannot be kept without the DDP inside it
                 model = model.module
             elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):
+                compiled = model if compiled is None else compiled
                 model = model._orig_mod
             else:
                 break
         if not keep_fp32_wrapper:
             unwrap_forward(model)
-        return model
-
-    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
-        """The model's full state dict on CPU (gathered from the shards under FSDP: call on every rank)."""
-        from nbaccel.deepspeed_engine import is_deepspeed_engine, state_dict
-        from nbaccel.fsdp import full_model_state_dict, is_fsdp_model
-
-        if is_fsdp_model(model):
-            return full_model_state_dict(model)
-        if is_deepspeed_engine(model):
-            return state_dict(model)
-        state = (self.unwrap_model(model) if unwrap else model).state_dict()
-        return {k: v.cpu() if v.device.type == "xla" else v for k, v in state.items()}
-
-    def save_model(self, model: torch.nn.Module, save_directory: str | Path, max_shard_size: int | str = "10GB",
-                   safe_serialization: bool = True) -> None:
-        """Save the model's weights, sharded into ``max_shard_size`` files with an ``*.index.json`` map.
-
-        Call on every process (FSDP gathers the shards); only the main process writes.
-
-        Raises:
-            ConfigError: ``save_directory`` is an existing file, or ``max_shard_size`` is invalid.
-
-        Example:
-            >>> accelerator.save_model(model, "out", max_shard_size="200MB")   # doctest: +SKIP
-        """
-        folder = Path(save_directory)
-        if folder.is_file():
-            raise ConfigError(f"`save_directory` must be a folder, but {str(folder)!r} is a file; pass a folder path",
-                              key="save_directory", value=str(folder), valid="a folder path")
-        checkpointing.parse_size(max_shard_size)
-        state_dict = self.get_state_dict(model)
-        if self._is_writer():
-            checkpointing.save_model_shards(state_dict, folder, max_shard_size, safe_serialization)
-        self.wait_for_everyone()
-
-    def save(self, obj: Any, f: str | Path, safe_serialization: bool = False) -> None:
-        """Save ``obj`` once per job (main process), through CPU (``xm.save`` on XLA)."""
-        if self.device.type == "xla":
-            import torch_xla.core.xla_model as xm
-
-            xm.save(obj, f)
-            return
-        if not self._is_writer():
-            return
-        if safe_serialization:
-            checkpointing.write_weights(obj, Path(f), True)
-        else:
-            torch.save(obj, f)
-
-    def _is_writer(self) -> bool:
-        if self.project_configuration.save_on_each_node:
-            return self.is_local_main_process
-        return self.is_main_process
-
-    def register_for_checkpointing(self, *objects: Any) -> None:
-        """Include ``objects`` (anything with ``state_dict`` and ``load_state_dict``) in ``save_state``.
-
-        Raises:
-            ConfigError: an object lacks ``state_dict`` or ``load_state_dict``.
-        """
-        bad = [f"item {i} ({type(o).__name__})" for i, o in enumerate(objects)
-               if not (callable(getattr(o, "state_dict", None)) and callable(getattr(o, "load_state_dict", None)))]
-        if bad:
-            raise ConfigError(f"register_for_checkpointing needs objects with `state_dict` and `load_state_dict`; "
-                              f"these have not: {', '.join(bad)}", key="objects", value=bad,
-                              valid="objects with state_dict() and load_state_dict()")
-        self._custom_objects.extend(objects)
-
-    def save_state(self, output_dir: str | Path | None = None, safe_serialization: bool = True) -> str:
-        """Save models, optimizers, schedulers, dataloaders, scaler, RNG states and registered objects.
-
-        Atomic: a crash mid-save leaves the previous checkpoint in ``output_dir`` whole.
-
-        Example:
-            >>> accelerator.save_state("ckpt/step_100")   # doctest: +SKIP
-        """
-        return str(checkpointing.save_accelerator_state(self, output_dir, safe_serialization))
-
-    def load_state(self, input_dir: str | Path | None = None, strict: bool = True) -> str:
-        """Restore everything :meth:`save_state` wrote (default: the latest automatic checkpoint).
-
-        Example:
-            >>> accelerator.load_state("ckpt/step_100")   # doctest: +SKIP
-        """
-        return str(checkpointing.load_accelerator_state(self, input_dir, strict))
+        return compiled if keep_torch_compile and compiled is not None else model
 
     # ------------------------------------------------------------------ housekeeping
     def free_memory(self, *objects: Any) -> list[None]:
@@ -576,7 +508,7 @@ class Accelerator(ProcessHelpers):
         self.wait_for_everyone()
 
     def __repr__(self) -> str:
-        return (f"Accelerator(distributed_type={self.distributed_type!r}, num_processes={self.num_processes}, "
+        return (f"Accelerator(distributed_type={str(self.distributed_type)!r}, num_processes={self.num_processes}, "
                 f"process_index={self.process_index}, device={self.device}, mixed_precision={self.mixed_precision!r}, "
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps})")
 

@@ -285,18 +285,21 @@ def _write_state(acc: Any, tmp: Path, safe_serialization: bool) -> None:
 
     writer = acc._is_writer()
     sharded = acc.fsdp_plugin is not None and acc.fsdp_plugin.state_dict_type == "SHARDED_STATE_DICT"
+    weights = []
     for i, model in enumerate(acc._models):
         if is_deepspeed_engine(model):  # model, optimizer and scheduler, every rank its own shards
             model.save_checkpoint(str(tmp), tag=CHECKPOINT_TAG)
-            continue
-        if sharded and is_fsdp_model(model):
+        elif sharded and is_fsdp_model(model):
             optimizer = acc._optimizers[i].optimizer if i < len(acc._optimizers) else None
             sharded_save(model, optimizer, tmp / f"pytorch_model_fsdp_{i}")
-            continue
-        weights = acc.get_state_dict(model)
-        if writer:
-            write_weights(weights, tmp / _name("model" if safe_serialization else "pytorch_model", i,
-                                               "safetensors" if safe_serialization else "bin"), safe_serialization)
+        else:
+            weights.append(acc.get_state_dict(model))
+    for hook in list(acc._save_state_pre_hooks.values()):  # may drop entries of `weights` to save them itself
+        hook(list(acc._models), weights, str(tmp))
+    if writer:
+        for i, state in enumerate(weights):  # numbered in order, as Accelerate does after its hooks
+            write_weights(state, tmp / _name("model" if safe_serialization else "pytorch_model", i,
+                                             "safetensors" if safe_serialization else "bin"), safe_serialization)
     for i, optimizer in enumerate(acc._optimizers):
         if sharded and i < len(acc._models) and is_fsdp_model(acc._models[i]) or _engine_owned(optimizer):
             continue
@@ -346,46 +349,50 @@ def _read_models(acc: Any, source: Path, strict: bool) -> None:
     from nbaccel.deepspeed_engine import CHECKPOINT_TAG, is_deepspeed_engine
     from nbaccel.fsdp import is_fsdp_model, load_full_model_state_dict, sharded_load
 
+    plain = []
     for i, model in enumerate(acc._models):
+        shards = source / f"pytorch_model_fsdp_{i}"
         if is_deepspeed_engine(model):
             _need(source / CHECKPOINT_TAG)
             model.load_checkpoint(str(source), tag=CHECKPOINT_TAG, load_optimizer_states=True,
                                   load_lr_scheduler_states=True)
-            continue
-        shards = source / f"pytorch_model_fsdp_{i}"
-        if shards.is_dir():
+        elif shards.is_dir():
             optimizer = acc._optimizers[i].optimizer if i < len(acc._optimizers) else None
             sharded_load(model, optimizer, shards)
-            continue
+        else:
+            plain.append(model)
+    for hook in list(acc._load_state_pre_hooks.values()):  # may take models out of `plain` to load them itself
+        hook(plain, str(source))
+    for i, model in enumerate(plain):
         safe = source / _name("model", i, "safetensors")
         weights = read_weights(safe if safe.exists() else _need(source / _name("pytorch_model", i, "bin")))
         if is_fsdp_model(model):
             load_full_model_state_dict(model, weights)
         else:
-            load_into(acc.unwrap_model(model), weights, strict=strict)
+            load_into(acc.unwrap_model(model, keep_torch_compile=False), weights, strict=strict)
 
 
-def _read_rest(acc: Any, source: Path) -> None:
+def _read_rest(acc: Any, source: Path, load_kwargs: dict[str, Any]) -> None:
     from nbaccel.fsdp import is_fsdp_model, load_full_optimizer_state_dict
     from nbaccel.random import restore_rng_state
 
-    def load(path: Path) -> Any:
-        return torch.load(_need(path), map_location="cpu", weights_only=False)
+    def load(path: Path, **kwargs: Any) -> Any:
+        return torch.load(_need(path), **({"map_location": "cpu", "weights_only": False} | kwargs))
 
     for i, optimizer in enumerate(acc._optimizers):
         if (source / f"pytorch_model_fsdp_{i}").is_dir() or _engine_owned(optimizer):
             continue
-        state = load(source / _name("optimizer", i, "bin"))
+        state = load(source / _name("optimizer", i, "bin"), **load_kwargs)
         if i < len(acc._models) and is_fsdp_model(acc._models[i]):
             load_full_optimizer_state_dict(acc._models[i], optimizer.optimizer, state)
         else:
             optimizer.load_state_dict(state)
     for i, scheduler in enumerate(acc._schedulers):
         if not _engine_owned(scheduler):
-            scheduler.load_state_dict(load(source / _name("scheduler", i, "bin")))
+            scheduler.load_state_dict(load(source / _name("scheduler", i, "bin"), **load_kwargs))
     for i, loader in enumerate(acc._dataloaders):
         if callable(getattr(loader, "load_state_dict", None)) and (source / _name("sampler", i, "bin")).exists():
-            loader.load_state_dict(load(source / _name("sampler", i, "bin")))
+            loader.load_state_dict(load(source / _name("sampler", i, "bin"), **load_kwargs))
     if acc.scaler is not None and (source / "scaler.pt").exists():
         acc.scaler.load_state_dict(load(source / "scaler.pt"))
     for i, obj in enumerate(acc._custom_objects):
@@ -395,7 +402,8 @@ def _read_rest(acc: Any, source: Path) -> None:
         restore_rng_state(load(rng))
 
 
-def load_accelerator_state(acc: Any, input_dir: str | Path | None, strict: bool = True) -> Path:
+def load_accelerator_state(acc: Any, input_dir: str | Path | None, strict: bool = True,
+                           load_kwargs: dict[str, Any] | None = None) -> Path:
     """Restore what :func:`save_accelerator_state` wrote into ``acc``'s prepared objects.
 
     Raises:
@@ -405,7 +413,7 @@ def load_accelerator_state(acc: Any, input_dir: str | Path | None, strict: bool 
     folder = _checkpoint_folder(acc, input_dir, for_load=True)
     source = resolve_checkpoint(folder)
     _read_models(acc, source, strict)
-    _read_rest(acc, source)
+    _read_rest(acc, source, dict(load_kwargs or {}))
     marker = source / MARKER
     if marker.is_file():  # the accumulation counter, so a resumed run syncs on the same micro-batches
         acc.step = int(json.loads(marker.read_text()).get("step", 0))

@@ -1,4 +1,4 @@
-"""Seeding and RNG state: `set_seed`, and the per-process RNG snapshot a checkpoint stores.
+"""Seeding and RNG state: `set_seed`, `synchronize_rng_states`, and the snapshot a checkpoint stores.
 
 A snapshot holds Python's, NumPy's, torch's CPU and (where present) CUDA or XLA generator
 states, so a resumed run draws the same random numbers (dropout, shuffling) as the original.
@@ -6,13 +6,19 @@ states, so a resumed run draws the same random numbers (dropout, shuffling) as t
 
 from __future__ import annotations
 
+import enum
 import random as _py_random
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
 
-__all__ = ["capture_rng_state", "restore_rng_state", "set_seed"]
+from nbaccel.errors import ConfigError
+
+__all__ = ["RngType", "capture_rng_state", "restore_rng_state", "set_seed", "synchronize_rng_states"]
+
+RngType = Literal["torch", "cuda", "xla", "generator"]
 
 
 def set_seed(seed: int, device_specific: bool = False, deterministic: bool = False) -> None:
@@ -92,3 +98,62 @@ def restore_rng_state(state: dict[str, Any], generators: dict[str, torch.Generat
         key = f"generator:{name}"
         if key in state:
             gen.set_state(state[key])
+
+
+def synchronize_rng_states(rng_types: Iterable[RngType | str | enum.Enum], generator: torch.Generator | None = None
+                           ) -> None:
+    """Give every process the main process's RNG state, for each kind in ``rng_types``.
+
+    Call it on every process (it is a collective); in one process it changes nothing.
+
+    Args:
+        rng_types: ``"torch"`` (CPU generator), ``"cuda"``, ``"xla"``, ``"generator"`` (``generator``).
+            Enum members (Accelerate's ``RNGType``) count by their value.
+        generator: the generator to synchronize for ``"generator"``.
+
+    Raises:
+        ConfigError: an unknown RNG kind, or ``"generator"`` without a ``generator``.
+
+    Example:
+        >>> synchronize_rng_states(["torch"])   # one process: nothing to do
+    """
+    for rng_type in rng_types:
+        _synchronize(rng_type.value if isinstance(rng_type, enum.Enum) else rng_type, generator)
+
+
+def _synchronize(rng_type: str, generator: torch.Generator | None) -> None:
+    from nbaccel.ops import broadcast
+    from nbaccel.state import ProcessState
+
+    valid = get_args(RngType)
+    if rng_type not in valid:
+        raise ConfigError(f"`rng_types` items must be one of {list(valid)} (got {rng_type!r}); "
+                          "use 'torch' for the CPU generator", key="rng_types", value=rng_type, valid=valid)
+    if rng_type == "generator" and generator is None:
+        raise ConfigError("synchronize_rng_states(['generator']) needs the generator: pass generator=...",
+                          key="generator", value=None, valid="a torch.Generator")
+    state = ProcessState()
+    if state.num_processes == 1:
+        return
+    xm = _xla_model() if rng_type == "xla" else None
+    if rng_type == "xla" and xm is None:
+        raise ConfigError("synchronize_rng_states(['xla']) needs torch_xla in use in this process; "
+                          "synchronize 'torch' instead", key="rng_types", value=rng_type, valid=valid)
+    if rng_type == "torch":
+        rng = torch.get_rng_state()
+    elif rng_type == "cuda":
+        rng = torch.cuda.get_rng_state()
+    elif rng_type == "xla":
+        rng = torch.tensor(xm.get_rng_state())
+    else:
+        rng = generator.get_state()  # type: ignore[union-attr]
+    # nccl broadcasts device tensors only; gloo and XLA take CPU ones.
+    rng = broadcast(rng.to(state.device) if state.device.type == "cuda" else rng, from_process=0).cpu()
+    if rng_type == "torch":
+        torch.set_rng_state(rng)
+    elif rng_type == "cuda":
+        torch.cuda.set_rng_state(rng)
+    elif rng_type == "xla":
+        xm.set_rng_state(int(rng.item()))
+    else:
+        generator.set_state(rng)  # type: ignore[union-attr]

@@ -12,6 +12,7 @@ A process keeps one shared state (as Accelerate's ``PartialState`` does) so that
 
 from __future__ import annotations
 
+import enum
 import gc
 import sys
 import threading
@@ -22,14 +23,39 @@ import torch
 
 from nbaccel.environment import (
     DistributedEnv,
-    DistributedType,
     MixedPrecision,
     read_distributed_env,
     read_worker_settings,
     tpu_detected,
 )
 
-__all__ = ["ProcessState", "reset_process_state"]
+__all__ = ["DistributedType", "ProcessState", "reset_process_state"]
+
+
+class DistributedType(str, enum.Enum):
+    """How the job is distributed: Accelerate's ``DistributedType``, as a ``str`` enum.
+
+    Members equal their names as plain strings (``DistributedType.MULTI_CPU == "MULTI_CPU"``),
+    and ``str()`` / f-strings give that string, so code comparing with strings keeps working.
+    The values are the ones a launch config's ``distributed_type`` accepts.
+
+    Example:
+        >>> DistributedType.MULTI_CPU == "MULTI_CPU", f"{DistributedType.NO}"
+        (True, 'NO')
+    """
+
+    NO = "NO"
+    MULTI_CPU = "MULTI_CPU"
+    MULTI_GPU = "MULTI_GPU"
+    XLA = "XLA"
+    FSDP = "FSDP"
+    DEEPSPEED = "DEEPSPEED"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, format_spec: str) -> str:
+        return format(self.value, format_spec)
 
 _lock = threading.Lock()
 _shared: dict[str, Any] = {}
@@ -117,12 +143,12 @@ class ProcessState:
 
     def _pick_type(self, requested: str) -> DistributedType:
         if self.device.type == "xla":
-            return "XLA"
+            return DistributedType.XLA
         if self.num_processes == 1:
-            return "NO"
+            return DistributedType.NO
         if requested in ("FSDP", "DEEPSPEED"):
-            return requested  # type: ignore[return-value]
-        return "MULTI_GPU" if self.device.type == "cuda" else "MULTI_CPU"
+            return DistributedType(requested)
+        return DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
 
     # ------------------------------------------------------------------ flags
     @property

@@ -15,6 +15,15 @@ def test_all_is_sorted_and_every_name_resolves():
         assert getattr(nbaccel, name) is not None, name
 
 
+def test_accelerate_names_are_exported_at_the_top_level():
+    names = {"AcceleratorState", "DistributedType", "PartialState", "find_executable_batch_size",
+             "synchronize_rng_states"}
+    assert names <= set(nbaccel.__all__)
+    assert issubclass(nbaccel.AcceleratorState, nbaccel.PartialState)
+    assert issubclass(nbaccel.PartialState, nbaccel.ProcessState)
+    assert not hasattr(nbaccel, "utils")
+
+
 def test_unknown_attribute_is_an_attribute_error():
     try:
         nbaccel.not_a_name  # noqa: B018

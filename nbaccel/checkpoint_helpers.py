@@ -1,0 +1,168 @@
+"""The Accelerator's saving and loading: state dicts, `save_model`, `save`, `save_state` / `load_state`.
+
+Kept apart from :mod:`nbaccel.accelerator` so that module stays about training. A mixin: it
+needs the Accelerator's ``state``, ``project_configuration``, prepared objects and
+``unwrap_model``; the file formats live in :mod:`nbaccel.checkpointing`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from nbaccel import checkpointing
+from nbaccel.errors import ConfigError
+
+__all__ = ["CheckpointHelpers", "LoadStatePreHook", "SaveStatePreHook"]
+
+SaveStatePreHook = Callable[[list[torch.nn.Module], list[dict[str, torch.Tensor]], str], None]
+LoadStatePreHook = Callable[[list[torch.nn.Module], str], None]
+
+
+class CheckpointHelpers:
+    """Mixin: saving and loading what an Accelerator prepared (see the module docstring)."""
+
+    _save_state_pre_hooks: OrderedDict[int, SaveStatePreHook]
+    _load_state_pre_hooks: OrderedDict[int, LoadStatePreHook]
+
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """The model's full state dict on CPU (gathered from the shards under FSDP: call on every rank)."""
+        from nbaccel.deepspeed_engine import is_deepspeed_engine, state_dict
+        from nbaccel.fsdp import full_model_state_dict, is_fsdp_model
+
+        if is_fsdp_model(model):
+            return full_model_state_dict(model)
+        if is_deepspeed_engine(model):
+            return state_dict(model)
+        state = (self.unwrap_model(model, keep_torch_compile=False) if unwrap else model).state_dict()
+        return {k: v.cpu() if v.device.type == "xla" else v for k, v in state.items()}
+
+    def save_model(self, model: torch.nn.Module, save_directory: str | Path, max_shard_size: int | str = "10GB",
+                   safe_serialization: bool = True) -> None:
+        """Save the model's weights, sharded into ``max_shard_size`` files with an ``*.index.json`` map.
+
+        Call on every process (FSDP gathers the shards); only the main process writes.
+
+        Raises:
+            ConfigError: ``save_directory`` is an existing file, or ``max_shard_size`` is invalid.
+
+        Example:
+            >>> accelerator.save_model(model, "out", max_shard_size="200MB")   # doctest: +SKIP
+        """
+        folder = Path(save_directory)
+        if folder.is_file():
+            raise ConfigError(f"`save_directory` must be a folder, but {str(folder)!r} is a file; pass a folder path",
+                              key="save_directory", value=str(folder), valid="a folder path")
+        checkpointing.parse_size(max_shard_size)
+        state_dict = self.get_state_dict(model)
+        if self._is_writer():
+            checkpointing.save_model_shards(state_dict, folder, max_shard_size, safe_serialization)
+        self.wait_for_everyone()
+
+    def save(self, obj: Any, f: str | Path, safe_serialization: bool = False) -> None:
+        """Save ``obj`` once per job (main process), through CPU (``xm.save`` on XLA)."""
+        if self.device.type == "xla":
+            import torch_xla.core.xla_model as xm
+
+            xm.save(obj, f)
+            return
+        if not self._is_writer():
+            return
+        if safe_serialization:
+            checkpointing.write_weights(obj, Path(f), True)
+        else:
+            torch.save(obj, f)
+
+    def _is_writer(self) -> bool:
+        if self.project_configuration.save_on_each_node:
+            return self.is_local_main_process
+        return self.is_main_process
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Include ``objects`` (anything with ``state_dict`` and ``load_state_dict``) in ``save_state``.
+
+        Raises:
+            ConfigError: an object lacks ``state_dict`` or ``load_state_dict``.
+        """
+        bad = [f"item {i} ({type(o).__name__})" for i, o in enumerate(objects)
+               if not (callable(getattr(o, "state_dict", None)) and callable(getattr(o, "load_state_dict", None)))]
+        if bad:
+            raise ConfigError(f"register_for_checkpointing needs objects with `state_dict` and `load_state_dict`; "
+                              f"these have not: {', '.join(bad)}", key="objects", value=bad,
+                              valid="objects with state_dict() and load_state_dict()")
+        self._custom_objects.extend(objects)
+
+    def register_save_state_pre_hook(self, hook: SaveStatePreHook) -> RemovableHandle:
+        """Call ``hook(models, weights, output_dir)`` in :meth:`save_state`, before the weights are written.
+
+        ``models`` lists the prepared models, ``weights`` the state dicts about to be written as
+        ``model.safetensors``, ``model_1.safetensors``, ... (remove one to save it your own way),
+        and ``output_dir`` the folder being written (a temporary sibling of the checkpoint folder,
+        swapped into place when every process is done, so files written there are kept). Runs
+        on every process, as in Accelerate.
+
+        Returns:
+            A handle whose ``remove()`` unregisters the hook.
+
+        Example:
+            >>> def save_config(models, weights, output_dir):            # doctest: +SKIP
+            ...     Path(output_dir, "config.json").write_text("{}")
+            >>> handle = accelerator.register_save_state_pre_hook(save_config)   # doctest: +SKIP
+        """
+        handle = RemovableHandle(self._save_state_pre_hooks)
+        self._save_state_pre_hooks[handle.id] = hook
+        return handle
+
+    def register_load_state_pre_hook(self, hook: LoadStatePreHook) -> RemovableHandle:
+        """Call ``hook(models, input_dir)`` in :meth:`load_state`, before the weights are read.
+
+        ``models`` lists the prepared models whose weights :meth:`load_state` will read from
+        ``model.safetensors``, ``model_1.safetensors``, ... in order (remove one to load it your
+        own way); ``input_dir`` is the checkpoint folder.
+
+        Returns:
+            A handle whose ``remove()`` unregisters the hook.
+
+        Example:
+            >>> handle = accelerator.register_load_state_pre_hook(lambda models, input_dir: None)   # doctest: +SKIP
+            >>> handle.remove()                                                                     # doctest: +SKIP
+        """
+        handle = RemovableHandle(self._load_state_pre_hooks)
+        self._load_state_pre_hooks[handle.id] = hook
+        return handle
+
+    def save_state(self, output_dir: str | Path | None = None, safe_serialization: bool = True) -> str:
+        """Save models, optimizers, schedulers, dataloaders, scaler, RNG states and registered objects.
+
+        Atomic: a crash mid-save leaves the previous checkpoint in ``output_dir`` whole. With
+        ``ProjectConfiguration(automatic_checkpoint_naming=True)`` and no ``output_dir``, the folder
+        is ``project_dir/checkpoints/checkpoint_<save_iteration>``, as in Accelerate.
+
+        Raises:
+            CheckpointError: the automatic checkpoint folder exists already.
+
+        Example:
+            >>> accelerator.save_state("ckpt/step_100")   # doctest: +SKIP
+        """
+        return str(checkpointing.save_accelerator_state(self, output_dir, safe_serialization))
+
+    def load_state(self, input_dir: str | Path | None = None, load_kwargs: dict[str, Any] | None = None,
+                   strict: bool = True) -> str:
+        """Restore everything :meth:`save_state` wrote (default: the latest automatic checkpoint).
+
+        Args:
+            input_dir: the checkpoint folder.
+            load_kwargs: extra keyword arguments for ``torch.load`` of the optimizer, scheduler and
+                dataloader states (as in Accelerate).
+            strict: model keys must match the checkpoint's exactly.
+
+        Example:
+            >>> accelerator.load_state("ckpt/step_100")   # doctest: +SKIP
+        """
+        return str(checkpointing.load_accelerator_state(self, input_dir, strict, load_kwargs))
+

@@ -1,0 +1,136 @@
+"""Names Accelerate users import: DistributedType, PartialState/AcceleratorState, RNG sync, OOM retries, hooks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import get_args
+
+import pytest
+import torch
+
+import nbaccel
+from nbaccel.environment import DistributedType as DistributedTypeName
+from tests.training.helpers import flat_weights, launch, model_and_optimizer
+
+
+def test_distributed_type_members_are_the_strings_used_before():
+    assert [m.value for m in nbaccel.DistributedType] == list(get_args(DistributedTypeName))
+    assert nbaccel.DistributedType.MULTI_CPU == "MULTI_CPU" and "XLA" == nbaccel.DistributedType.XLA
+    assert f"{nbaccel.DistributedType.NO}" == "NO" and json.dumps(nbaccel.DistributedType.FSDP) == '"FSDP"'
+    accelerator = nbaccel.Accelerator()
+    assert accelerator.distributed_type is nbaccel.DistributedType.NO
+    assert "distributed_type='NO'" in repr(accelerator)
+
+
+def _states() -> dict:
+    accelerator = nbaccel.Accelerator()
+    partial = nbaccel.PartialState()
+    full = nbaccel.AcceleratorState()
+    return {"state_type": type(accelerator.state).__name__, "type": full.distributed_type,
+            "is_enum": isinstance(partial.distributed_type, nbaccel.DistributedType),
+            "fields": (partial.num_processes, partial.process_index, partial.local_process_index,
+                       str(partial.device), partial.is_main_process, partial.is_last_process,
+                       partial.use_distributed, partial.initialized, full.mixed_precision),
+            "only_main": partial.on_main_process(lambda: "main")()}
+
+
+def test_partial_state_and_accelerator_state_expose_accelerates_attributes():
+    results = launch(_states, 2)
+    assert results[0]["state_type"] == "AcceleratorState"
+    assert results[1]["type"] == nbaccel.DistributedType.MULTI_CPU and results[1]["is_enum"]
+    assert results[0]["fields"] == (2, 0, 0, "cpu", True, False, True, True, "no")
+    assert results[1]["fields"] == (2, 1, 1, "cpu", False, True, True, True, "no")
+    assert (results[0]["only_main"], results[1]["only_main"]) == ("main", None)
+
+
+def _synchronized_draws() -> tuple[list[float], list[float]]:
+    state = nbaccel.PartialState()
+    nbaccel.set_seed(100 + state.process_index)
+    generator = torch.Generator().manual_seed(state.process_index)
+    nbaccel.synchronize_rng_states(["torch", "generator"], generator=generator)
+    return torch.rand(3).tolist(), torch.rand(3, generator=generator).tolist()
+
+
+def test_synchronize_rng_states_gives_every_process_the_main_process_state():
+    results = launch(_synchronized_draws, 2)
+    assert results[0] == results[1]
+    with pytest.raises(nbaccel.ConfigError) as info:
+        nbaccel.synchronize_rng_states(["numpy"])
+    assert info.value.valid == ("torch", "cuda", "xla", "generator")
+    with pytest.raises(nbaccel.ConfigError, match="generator=..."):
+        nbaccel.synchronize_rng_states(["generator"])
+
+
+def test_find_executable_batch_size_retries_smaller_after_out_of_memory_only():
+    tried = []
+
+    @nbaccel.find_executable_batch_size(starting_batch_size=100)
+    def train(batch_size: int, scale: int) -> int:
+        tried.append(batch_size)
+        if batch_size > 70:
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory")
+        return batch_size * scale
+
+    assert train(2) == 128 and tried == [100, 90, 81, 72, 64]
+    with pytest.raises(TypeError, match="first argument"):
+        train(32, 2)
+
+    @nbaccel.find_executable_batch_size(starting_batch_size=8)
+    def broken(batch_size: int) -> None:
+        raise ValueError("not memory")
+
+    with pytest.raises(ValueError, match="not memory"):
+        broken()
+
+    @nbaccel.find_executable_batch_size(starting_batch_size=2)
+    def never_fits(batch_size: int) -> None:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")
+
+    with pytest.raises(RuntimeError, match="no batch size"):
+        never_fits()
+
+
+def test_save_and_load_state_pre_hooks_see_accelerates_arguments_and_can_be_removed(tmp_path):
+    accelerator = nbaccel.Accelerator()
+    model, optimizer = accelerator.prepare(*model_and_optimizer())
+    seen: dict = {}
+
+    def save_hook(models, weights, output_dir):
+        seen["save"] = (models, len(weights), sorted(weights[0]))
+        torch.save(weights.pop(0), Path(output_dir) / "my_model.pt")  # saved the hook's own way
+
+    handle = accelerator.register_save_state_pre_hook(save_hook)
+    folder = Path(accelerator.save_state(tmp_path / "ckpt"))
+    assert seen["save"] == ([model], 1, ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"])
+    assert (folder / "my_model.pt").is_file() and not (folder / "model.safetensors").exists()
+    handle.remove()
+    accelerator.save_state(tmp_path / "ckpt")
+    assert (folder / "model.safetensors").is_file() and not (folder / "my_model.pt").exists()
+
+    saved = flat_weights(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+
+    def load_hook(models, input_dir):
+        seen["load"] = (list(models), input_dir)
+        models.pop(0)  # loaded the hook's own way: here, not at all
+
+    handle = accelerator.register_load_state_pre_hook(load_hook)
+    accelerator.load_state(folder, load_kwargs={"weights_only": True})
+    assert seen["load"] == ([model], str(folder))
+    assert torch.equal(flat_weights(model), saved + 1.0)
+    handle.remove()
+    accelerator.load_state(folder)
+    assert torch.equal(flat_weights(model), saved)
+    with pytest.raises(TypeError, match="bogus"):  # load_kwargs reach torch.load
+        accelerator.load_state(folder, load_kwargs={"bogus": 1})
+
+
+def test_unwrap_model_keeps_torch_compile_unless_asked():
+    accelerator = nbaccel.Accelerator()
+    compiled = torch.compile(torch.nn.Linear(2, 2))  # compiles lazily: nothing runs here
+    assert accelerator.unwrap_model(compiled) is compiled
+    assert accelerator.unwrap_model(compiled, keep_fp32_wrapper=True, keep_torch_compile=False) is compiled._orig_mod
+    assert list(accelerator.get_state_dict(compiled)) == ["weight", "bias"]
