@@ -163,6 +163,10 @@ class DataLoaderDispatcher(DataLoaderShard):
         return concatenate(parts) if parts else _END
 
     def __iter__(self) -> Iterator[Any]:
+        owner = self._epoch_owner
+        self._apply_epoch(owner.iteration)  # rank 0 reads: its sampler and dataset must see the epoch
+        owner._start_generator_state = self.sync_generator.get_state() if self.sync_generator is not None else None
+        owner._in_progress = True
         self._begin()
         first: Any = None
         try:
@@ -185,7 +189,8 @@ class DataLoaderDispatcher(DataLoaderShard):
                     yield self._place(self._slice(batch, first))
                 index += 1
                 current = upcoming
-            self._epoch_owner.iteration += 1
+            owner.iteration += 1
+            owner._in_progress = False
         finally:
             self.gradient_state._remove_dataloader(self)
 

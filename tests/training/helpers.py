@@ -94,6 +94,21 @@ class CountingStream(IterableDataset):
             yield torch.tensor([i])
 
 
+class EpochShuffledStream(IterableDataset):
+    """An iterable dataset yielding ``0 .. n-1`` (as 1-element tensors) in an order fixed by ``set_epoch``."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        for i in torch.randperm(self.n, generator=torch.Generator().manual_seed(self.epoch)).tolist():
+            yield torch.tensor([i])
+
+
 def model_and_optimizer(seed: int = 0, lr: float = 0.05, kind: type[nn.Module] = TinyMLP, momentum: float = 0.0
                         ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """A freshly seeded model and its SGD optimizer."""

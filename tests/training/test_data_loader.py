@@ -8,7 +8,7 @@ from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
 import nbaccel
 from nbaccel.data_loader import prepare_data_loader, skip_first_batches
-from tests.training.helpers import CountingStream, launch
+from tests.training.helpers import CountingStream, EpochShuffledStream, launch
 
 
 def _shards(n_items: int, batch_size: int, n: int, **kwargs) -> list[list[list[int]]]:
@@ -137,6 +137,21 @@ def test_every_reading_mode_gives_each_sample_once_to_gather_for_metrics(kind):
     results = launch(_read, 2, kind)
     assert results[0][1] == list(range(11)) and results[1][1] == list(range(11))
     assert results[0][2] == len(results[0][0]) == len(results[1][0])
+
+
+def _dispatched_epochs() -> list:
+    accelerator = nbaccel.Accelerator(dataloader_config=nbaccel.DataLoaderConfiguration(dispatch_batches=True))
+    loader = accelerator.prepare(DataLoader(EpochShuffledStream(12), batch_size=2))
+    epochs = [[x for b in loader for x in accelerator.gather(b.reshape(-1)).tolist()] for _ in range(2)]
+    loader.set_epoch(0)
+    return [*epochs, [x for b in loader for x in accelerator.gather(b.reshape(-1)).tolist()]]
+
+
+def test_a_dispatched_loader_passes_the_epoch_to_its_dataset():
+    first, second, replayed = launch(_dispatched_epochs, 2)[1]
+    assert first == torch.randperm(12, generator=torch.Generator().manual_seed(0)).tolist()
+    assert second == torch.randperm(12, generator=torch.Generator().manual_seed(1)).tolist()
+    assert replayed == first
 
 
 def _shuffled() -> list:
