@@ -1,8 +1,8 @@
 """Mixed precision: the autocast context, the GradScaler, and the fp32-output forward wrapper.
 
 ``"bf16"`` runs the forward under ``torch.autocast`` with bfloat16 (CPU, CUDA, XLA) and needs no
-scaler. ``"fp16"`` autocasts to float16 and scales the loss with ``torch.amp.GradScaler`` on
-devices that have one (CUDA, CPU); XLA runs fp16 without a scaler. A prepared model's outputs
+scaler. ``"fp16"`` autocasts to float16 and scales the loss with ``torch.amp.GradScaler`` (CUDA,
+CPU); XLA devices have no scaler, so fp16 is refused there, as in Accelerate. A prepared model's outputs
 are converted back to float32, as in Accelerate, so losses computed outside are full precision.
 """
 
@@ -60,14 +60,23 @@ def autocast_context(mixed_precision: MixedPrecision, device: torch.device,
 
 def make_grad_scaler(mixed_precision: MixedPrecision, device: torch.device,
                      handler: GradScalerKwargs | None = None) -> torch.amp.GradScaler | None:
-    """A ``GradScaler`` for fp16 on devices that support one; ``None`` otherwise.
+    """A ``GradScaler`` for fp16; ``None`` for the other precisions.
+
+    Raises:
+        ConfigError: fp16 on an XLA device (no scaler exists there; bf16 needs none).
 
     Example:
         >>> make_grad_scaler("fp16", torch.device("cpu")) is not None
         True
     """
-    if mixed_precision != "fp16" or device.type == "xla":
+    if mixed_precision != "fp16":
         return None
+    if device.type == "xla":
+        valid = tuple(p for p in _VALID if p != "fp16")
+        raise ConfigError(f"mixed_precision='fp16' is not supported on XLA devices (got device {device}): they have "
+                          f"no GradScaler, so fp16 gradients would underflow unnoticed; valid there: {list(valid)}. "
+                          "Fix: pass mixed_precision='bf16'", key="mixed_precision", value=mixed_precision,
+                          valid=valid)
     kwargs = (handler or GradScalerKwargs()).to_kwargs()
     return torch.amp.GradScaler(device.type, **kwargs)
 

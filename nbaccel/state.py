@@ -28,6 +28,7 @@ from nbaccel.environment import (
     read_worker_settings,
     tpu_detected,
 )
+from nbaccel.errors import ConfigError
 
 __all__ = ["DistributedType", "ProcessState", "reset_process_state"]
 
@@ -81,7 +82,8 @@ def _state_dict() -> dict[str, Any]:
 class ProcessState:
     """This process's place in the job.
 
-    All instances in one process share their state; the first one made decides ``cpu``. XLA
+    All instances in one process share their state; the first one made decides ``cpu`` (a later
+    ``cpu=True`` while the state is on an accelerator is a :class:`~nbaccel.errors.ConfigError`). XLA
     replicas that run as threads of one process each have their own (rank and world size from
     the XLA launcher, not from the shared environment).
 
@@ -89,6 +91,9 @@ class ProcessState:
         cpu: run on CPU even where accelerators exist.
         backend: the ``torch.distributed`` backend; default ``nccl`` on CUDA, ``gloo`` on CPU.
         timeout: collective timeout for the process group.
+
+    Raises:
+        ConfigError: ``cpu=True`` after this process's state was set up on another device.
 
     Example:
         >>> state = ProcessState()
@@ -100,6 +105,13 @@ class ProcessState:
                  timeout: timedelta | None = None) -> None:
         self.__dict__ = _state_dict()
         if self.__dict__.get("_initialized"):
+            if cpu and self.device.type != "cpu":
+                raise ConfigError(
+                    f"cpu=True was passed, but this process's state was already set up on {self.device} (by an "
+                    "earlier Accelerator or ProcessState) and a running process cannot change its device; cpu=True "
+                    "counts only in the first one made. Fix: restart the kernel and pass cpu=True to the first "
+                    "Accelerator, or run the training through notebook_launcher(..., use_cpu=True)",
+                    key="cpu", value=cpu, valid=f"False (the state is on {self.device})")
             return
         replica = _thread_replica()
         with _lock:

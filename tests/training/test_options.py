@@ -7,6 +7,7 @@ import json
 from datetime import timedelta
 
 import pytest
+import torch
 
 import nbaccel
 from nbaccel.config import LaunchConfig
@@ -106,3 +107,21 @@ def test_shorthand_arguments_and_compatibility_shims():
     assert "num_processes=1" in repr(tracked) and "GradientState(num_steps=1" in repr(tracked.gradient_state)
     assert tracked.use_distributed is False and tracked.optimizer_step_was_skipped is False
     assert nbaccel.Accelerator(cpu=True).device.type == "cpu"
+
+
+def test_cpu_true_after_the_state_chose_another_device_is_a_config_error(monkeypatch):
+    state = nbaccel.ProcessState()
+    monkeypatch.setattr(state, "device", torch.device("cuda", 0))  # as if an earlier Accelerator took a GPU
+    with pytest.raises(nbaccel.ConfigError, match="already set up on cuda:0") as info:
+        nbaccel.Accelerator(cpu=True)
+    assert info.value.key == "cpu" and "restart the kernel" in str(info.value)
+    assert nbaccel.Accelerator().device == torch.device("cuda", 0)  # without cpu=True the state is reused
+
+
+def test_fp16_on_an_xla_device_is_a_config_error_naming_bf16():
+    from nbaccel.precision import make_grad_scaler
+
+    with pytest.raises(nbaccel.ConfigError, match="mixed_precision='bf16'") as info:
+        make_grad_scaler("fp16", torch.device("xla", 0))
+    assert info.value.valid == ("no", "bf16")
+    assert make_grad_scaler("bf16", torch.device("xla", 0)) is None
