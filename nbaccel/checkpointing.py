@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -239,7 +240,14 @@ def _checkpoint_folder(acc: Any, output_dir: str | Path | None, *, for_load: boo
                           "automatic_checkpoint_naming=True)", key="output_dir", value=None, valid="a folder path")
     root = Path(project.project_dir) / "checkpoints"
     if not for_load:
-        return root / f"checkpoint_{project.iteration}"
+        folder = root / f"checkpoint_{project.iteration}"
+        if folder.exists():
+            raise CheckpointError(
+                f"automatic checkpoint naming would write {str(folder)!r}, which exists already (save_iteration="
+                f"{project.iteration}); it is not overwritten. Fix: continue the numbering from the latest checkpoint "
+                "with accelerator.load_state() first, or set accelerator.project_configuration.iteration to an "
+                "unused number", path=str(folder))
+        return folder
     found = sorted((int(p.name.split("_")[-1]), p) for p in root.glob("checkpoint_*") if p.name.split("_")[-1].isdigit())
     if not found:
         raise CheckpointError(f"no automatic checkpoint under {str(root)!r}; save one with save_state() first",
@@ -325,6 +333,7 @@ def save_accelerator_state(acc: Any, output_dir: str | Path | None, safe_seriali
 
     Raises:
         ConfigError: no folder was given and automatic naming is off.
+        CheckpointError: the automatically named folder exists already.
     """
     folder = _checkpoint_folder(acc, output_dir, for_load=False)
     _prune(acc)
@@ -402,6 +411,27 @@ def _read_rest(acc: Any, source: Path, load_kwargs: dict[str, Any]) -> None:
         restore_rng_state(load(rng))
 
 
+def _saved_process_count(source: Path) -> int:
+    """How many processes wrote the checkpoint (from its marker, or Accelerate's per-rank RNG files)."""
+    marker = source / MARKER
+    if marker.is_file():
+        count = json.loads(marker.read_text()).get("num_processes")
+        if isinstance(count, int):
+            return count
+    return len(list(source.glob("random_states_*.pkl")))
+
+
+def _warn_on_other_process_count(acc: Any, source: Path) -> None:
+    """Accelerate loads a checkpoint into any number of processes; say what that loses (RNG states)."""
+    saved = _saved_process_count(source)
+    if saved and saved != acc.num_processes and acc.is_main_process:
+        warnings.warn(f"the checkpoint {str(source)!r} was saved by {saved} processes and is loaded by "
+                      f"{acc.num_processes}: models, optimizers and schedulers load as usual, but random states "
+                      f"are restored only for ranks below {min(saved, acc.num_processes)}, so the resumed run does "
+                      f"not repeat the original's random draws. To resume exactly, load it with {saved} processes",
+                      stacklevel=4)
+
+
 def load_accelerator_state(acc: Any, input_dir: str | Path | None, strict: bool = True,
                            load_kwargs: dict[str, Any] | None = None) -> Path:
     """Restore what :func:`save_accelerator_state` wrote into ``acc``'s prepared objects.
@@ -412,6 +442,7 @@ def load_accelerator_state(acc: Any, input_dir: str | Path | None, strict: bool 
     """
     folder = _checkpoint_folder(acc, input_dir, for_load=True)
     source = resolve_checkpoint(folder)
+    _warn_on_other_process_count(acc, source)
     _read_models(acc, source, strict)
     _read_rest(acc, source, dict(load_kwargs or {}))
     marker = source / MARKER

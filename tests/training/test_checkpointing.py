@@ -196,6 +196,39 @@ def test_automatic_checkpoint_naming_keeps_total_limit(tmp_path):
     assert again.load_state().endswith("checkpoint_2") and again.save_iteration == 3
 
 
+def test_automatic_naming_never_overwrites_an_existing_checkpoint(tmp_path):
+    config = nbaccel.ProjectConfiguration(str(tmp_path), automatic_checkpoint_naming=True)
+    accelerator = nbaccel.Accelerator(project_config=config)
+    model, optimizer = accelerator.prepare(*model_and_optimizer())
+    first = accelerator.save_state()
+    assert first == str(tmp_path / "checkpoints" / "checkpoint_0") and accelerator.save_iteration == 1
+    before = (tmp_path / "checkpoints" / "checkpoint_0" / "model.safetensors").read_bytes()
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    accelerator.project_configuration.iteration = 0
+    with pytest.raises(nbaccel.CheckpointError, match="exists already") as info:
+        accelerator.save_state()
+    assert info.value.path == first and "project_configuration.iteration" in str(info.value)
+    assert (tmp_path / "checkpoints" / "checkpoint_0" / "model.safetensors").read_bytes() == before
+
+
+def _save_on_two(folder: str) -> torch.Tensor:
+    accelerator = nbaccel.Accelerator()
+    model, optimizer = accelerator.prepare(*model_and_optimizer(seed=3))
+    accelerator.save_state(folder)
+    return flat_weights(model)
+
+
+def test_loading_with_another_process_count_works_like_accelerate_and_says_what_it_loses(tmp_path):
+    saved = launch(_save_on_two, 2, str(tmp_path / "ckpt"))[0]
+    accelerator = nbaccel.Accelerator()
+    model, optimizer = accelerator.prepare(*model_and_optimizer(seed=4))
+    with pytest.warns(UserWarning, match="saved by 2 processes and is loaded by 1") as record:
+        accelerator.load_state(tmp_path / "ckpt")
+    assert "load it with 2 processes" in str(record[0].message)
+    assert torch.equal(flat_weights(model), saved)
+
+
 def test_save_state_without_a_folder_or_checkpoints_is_an_error(tmp_path):
     accelerator = nbaccel.Accelerator()
     with pytest.raises(nbaccel.ConfigError, match="need a folder"):
