@@ -98,8 +98,6 @@ def prepare_deepspeed(accelerator: Any, args: tuple[Any, ...]) -> list[Any]:
     Raises:
         ConfigError: more than one model, or more than one optimizer, is passed.
     """
-    import deepspeed
-
     result = list(args)
     models = [i for i, o in enumerate(args) if isinstance(o, torch.nn.Module)]
     optimizers = [i for i, o in enumerate(args) if isinstance(o, torch.optim.Optimizer)]
@@ -114,6 +112,8 @@ def prepare_deepspeed(accelerator: Any, args: tuple[Any, ...]) -> list[Any]:
             result[i] = accelerator.prepare_data_loader(obj)
     if not models:
         return result
+    import deepspeed  # after the argument checks, which need no deepspeed
+
     micro = loaders[0].batch_size if loaders else None
     if micro and accelerator.split_batches:
         micro //= accelerator.num_processes

@@ -125,3 +125,14 @@ def test_fp16_on_an_xla_device_is_a_config_error_naming_bf16():
         make_grad_scaler("fp16", torch.device("xla", 0))
     assert info.value.valid == ("no", "bf16")
     assert make_grad_scaler("bf16", torch.device("xla", 0)) is None
+
+
+def test_deepspeed_argument_checks_come_before_importing_deepspeed():
+    from types import SimpleNamespace
+
+    from nbaccel.deepspeed_engine import prepare_deepspeed
+
+    models = (torch.nn.Linear(1, 1), torch.nn.Linear(1, 1))
+    with pytest.raises(nbaccel.ConfigError, match="one model with one optimizer") as info:
+        prepare_deepspeed(SimpleNamespace(), models)
+    assert info.value.value == (2, 0)
