@@ -1,8 +1,9 @@
 """Reading checkpoints: single files, sharded ``*.index.json`` checkpoints, and folders.
 
-A safetensors file is read by its header alone until a tensor is wanted; each tensor is then
-read straight into its own fresh buffer (one copy from the page cache, nothing left mapped),
-so a loaded tensor owns exactly its bytes. A truncated or corrupt file is found from the header
+A safetensors file is read by its header alone until a tensor is wanted; a loaded tensor is
+then read straight into its own fresh buffer (one copy from the page cache, nothing left
+mapped), so it owns exactly its bytes, while an offloaded weight, read and dropped on every
+forward pass, maps the file's own pages without copying and unmaps them when dropped. A truncated or corrupt file is found from the header
 before any weight is loaded. ``.bin``/``.pt`` pickles are loaded with ``weights_only=True`` only
 (memory-mapped when saved in torch's zip format): a pickle that would run code is refused, and
 its code never runs.
@@ -30,6 +31,7 @@ __all__ = [
     "TensorInfo",
     "anonymous_tensor",
     "load_pickle_checkpoint",
+    "map_tensor",
     "open_checkpoint",
     "read_tensor",
 ]
@@ -72,6 +74,40 @@ def anonymous_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
         return torch.empty(shape, dtype=dtype)
     raw = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)  # keeps the map alive
     return raw.view(dtype).reshape(shape)
+
+
+def map_tensor(info: TensorInfo) -> torch.Tensor:
+    """A CPU tensor over the file's own bytes: a private, pre-faulted memory map, no copy.
+
+    Reading maps the page cache's pages straight into the tensor (copy-on-write, so writing to
+    the tensor never changes the file); freeing the tensor unmaps them, so the process keeps
+    nothing once the tensor is gone. Used for offloaded weights, which are read and dropped on
+    every forward pass.
+
+    Raises:
+        CheckpointError: the file ends before the tensor does.
+
+    Example:
+        >>> import tempfile, safetensors.torch
+        >>> path = tempfile.mktemp(suffix=".safetensors")
+        >>> safetensors.torch.save_file({"w": torch.arange(3.0)}, path)
+        >>> map_tensor(SafetensorsFile(path).tensors["w"])
+        tensor([0., 1., 2.])
+    """
+    if info.nbytes == 0:
+        return torch.empty(info.shape, dtype=info.dtype)
+    start = info.offset - info.offset % mmap.ALLOCATIONGRANULARITY
+    with open(info.path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size < info.offset + info.nbytes:
+            raise CheckpointError(
+                f"{info.path} ends after {size} bytes, inside a tensor that should end at byte "
+                f"{info.offset + info.nbytes}: the file is truncated. Save or download it again.", path=info.path)
+        mapped = mmap.mmap(handle.fileno(), info.offset + info.nbytes - start,
+                           flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0),
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+    raw = torch.frombuffer(mapped, dtype=torch.uint8, count=info.nbytes, offset=info.offset - start)
+    return raw.view(info.dtype).reshape(info.shape)  # the tensor keeps the map alive
 
 
 def read_tensor(info: TensorInfo, release_on_free: bool = False) -> torch.Tensor:

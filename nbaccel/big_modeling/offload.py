@@ -21,7 +21,13 @@ from typing import Any
 
 import torch
 
-from nbaccel.big_modeling.checkpoint_files import SafetensorsFile, TensorInfo, anonymous_tensor, read_tensor
+from nbaccel.big_modeling.checkpoint_files import (
+    SafetensorsFile,
+    TensorInfo,
+    anonymous_tensor,
+    map_tensor,
+    read_tensor,
+)
 from nbaccel.errors import CheckpointError
 
 __all__ = [
@@ -197,7 +203,10 @@ class OffloadedWeightsLoader(Mapping):
 
     def _read(self, key: str) -> torch.Tensor:
         info, cast = self._where(key)
-        tensor = read_tensor(info, release_on_free=True)
+        if info.offset % max(1, info.dtype.itemsize) == 0:
+            tensor = map_tensor(info)  # the file's own pages: no copy, unmapped when dropped
+        else:  # pragma: no cover - safetensors and nbaccel's .dat files keep tensors aligned
+            tensor = read_tensor(info, release_on_free=True)
         if cast is None or not tensor.is_floating_point():
             return tensor
         return anonymous_tensor(info.shape, cast).copy_(tensor)

@@ -196,3 +196,28 @@ def test_legacy_pickle_format_loads(tmp_path):
     path = tmp_path / "legacy.pt"
     torch.save({"w": torch.arange(3.0)}, path, _use_new_zipfile_serialization=False)
     assert torch.equal(load_pickle_checkpoint(path)["w"], torch.arange(3.0))
+
+
+def test_a_mapped_offload_read_is_the_files_bytes_and_writing_it_leaves_the_file_alone(tmp_path):
+    from nbaccel.big_modeling.checkpoint_files import map_tensor
+
+    path = tmp_path / "w.safetensors"
+    safetensors.torch.save_file({"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(5, dtype=torch.float16)}, path)
+    infos = SafetensorsFile(str(path)).tensors
+    a, b = map_tensor(infos["a"]), map_tensor(infos["b"])
+    assert torch.equal(a, torch.arange(6.0).reshape(2, 3)) and torch.equal(b, torch.ones(5, dtype=torch.float16))
+    a.zero_()  # copy-on-write: the tensor changes, the checkpoint does not
+    assert torch.equal(safetensors.torch.load_file(path)["a"], torch.arange(6.0).reshape(2, 3))
+
+
+def test_a_mapped_offload_read_of_a_file_cut_short_names_the_file(tmp_path):
+    from nbaccel.big_modeling.checkpoint_files import map_tensor
+
+    path = tmp_path / "w.safetensors"
+    safetensors.torch.save_file({"a": torch.ones(1024)}, path)
+    info = SafetensorsFile(str(path)).tensors["a"]
+    with open(path, "r+b") as handle:  # cut after the header was read: the file shrank under us
+        handle.truncate(info.offset + 100)
+    with pytest.raises(CheckpointError) as caught:
+        map_tensor(info)
+    assert caught.value.path == str(path) and "truncated" in str(caught.value)
