@@ -66,12 +66,17 @@ class ProcessHelpers:
             return data[:keep]
         return ops.recursively_apply(lambda t: t[:keep], data)
 
-    def gather_object(self, obj: Any) -> list[Any]:
-        """Gather picklable objects from all processes into one flat list."""
+    def gather_object(self, obj: Any) -> Any:
+        """Gather picklable objects from all processes: one flat list of every rank's items.
+
+        In a single process the object comes back unchanged, as in Accelerate.
+        """
         return ops.gather_object(obj)
 
     def reduce(self, tensor: Any, reduction: ops.Reduction = "sum", scale: float = 1.0) -> Any:
-        """Reduce tensors across processes (``"sum"``, ``"mean"``, ``"none"``).
+        """Reduce tensors across processes: ``"sum"``, ``"mean"``, ``"max"``, or ``"none"`` (summed, like Accelerate).
+
+        ``scale`` multiplies the result on XLA only, as in Accelerate.
 
         Example:
             >>> accelerator.reduce(torch.tensor(1.0))   # doctest: +SKIP
