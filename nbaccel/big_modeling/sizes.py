@@ -156,6 +156,11 @@ def _gpu_count() -> int:
     return cuda_device_count()
 
 
+def _free_gpu_memory(index: int) -> int:
+    """Free bytes on GPU ``index``; measuring them initializes CUDA, so only done when asked."""
+    return torch.cuda.mem_get_info(index)[0]
+
+
 def _available_cpu_memory() -> int:
     try:
         with open("/proc/meminfo") as f:
@@ -215,8 +220,8 @@ def get_max_memory(max_memory: MaxMemory | None = None) -> dict[int | str, int]:
     gpus = _gpu_count()
     if max_memory is None:
         budget: dict[int | str, int] = {}
-        for i in range(gpus):  # measuring free GPU memory needs CUDA: only here
-            budget[i] = torch.cuda.mem_get_info(i)[0]
+        for i in range(gpus):
+            budget[i] = _free_gpu_memory(i)
         budget["cpu"] = _available_cpu_memory()
         return budget
     if not isinstance(max_memory, Mapping):
@@ -272,11 +277,15 @@ def get_balanced_memory(model: nn.Module, max_memory: MaxMemory | None = None,
                         low_zero: bool = False) -> dict[int | str, int]:
     """A budget that spreads the model evenly over the GPUs (for ``device_map="balanced"``).
 
-    With one GPU or none, the budget is returned unchanged (CPU and disk are never balanced).
+    Each GPU but the last gets an equal share of the model plus headroom of 1.25 times the
+    larger of a no-split block and the mean leaf module, so that whole blocks still fit; the
+    last GPU keeps its full budget, to catch what rounding leaves over. CPU and disk are never
+    balanced. With one GPU and ``max_memory=None``, 10% of its free memory is kept back for
+    activations. The numbers are those Accelerate computes.
 
     Args:
         model: the model to place.
-        max_memory: the upper bounds, as for :func:`get_max_memory`.
+        max_memory: the upper bounds, as for :func:`get_max_memory`; measured when ``None``.
         no_split_module_classes: class names never split across devices.
         dtype: the dtype weights will be loaded in.
         special_dtypes: ``{tensor name: dtype}`` exceptions to ``dtype``.
@@ -291,18 +300,38 @@ def get_balanced_memory(model: nn.Module, max_memory: MaxMemory | None = None,
     """
     budget = get_max_memory(max_memory)
     gpus = [k for k in budget if isinstance(k, int) and budget[k] > 0]
+    if len(gpus) == 1 and max_memory is None:  # measured, so nothing is left for activations
+        budget[gpus[0]] = int(budget[gpus[0]] * 0.9)
     if len(gpus) <= 1:
         return budget
     sizes = compute_module_sizes(model, dtype=dtype, special_dtypes=special_dtypes)
     share = sizes[""] // (len(gpus) - 1 if low_zero else len(gpus))
-    leaves = [n for n, m in model.named_modules() if not list(m.children())]
-    no_split = list(no_split_module_classes or [])
-    buffer = get_max_layer_size(list(model.named_children()), sizes, no_split)[0]
-    if not no_split:
-        buffer = max(buffer, max((sizes[n] for n in leaves), default=0))
-    for i in gpus:
-        budget[i] = min(budget[i], share + buffer)
+    no_split = [no_split_module_classes] if isinstance(no_split_module_classes, str) else \
+        list(no_split_module_classes or ())
+    share += _balance_headroom(model, sizes, no_split)
+    for i in gpus[:-1]:
+        if not (low_zero and i == gpus[0]):
+            budget[i] = min(budget[i], share)
     if low_zero:
         rest = sum(budget[i] for i in gpus[1:])
         budget[gpus[0]] = min(budget[gpus[0]], max(0, sizes[""] - rest))
     return budget
+
+
+def _balance_headroom(model: nn.Module, sizes: Mapping[str, int],
+                      no_split: Sequence[str]) -> int:
+    """1.25 times the larger of the biggest no-split block and the mean leaf module's size.
+
+    A no-split class is sized by its first instance that holds tensors (blocks of one class are
+    alike), and a leaf module is one with no submodule holding tensors, as Accelerate sizes them.
+    """
+    classes = {n: type(m).__name__ for n, m in model.named_modules() if n}
+    blocks: dict[str, int] = {}
+    for name in sizes:  # tensor order, so the first instance of each class comes first
+        if classes.get(name) in no_split:
+            blocks.setdefault(classes[name], sizes[name])
+    modules = [n for n in sizes if n in classes]
+    parents = {n.rpartition(".")[0] for n in modules}
+    leaves = [n for n in modules if n not in parents]
+    mean_leaf = int(sum(sizes[n] for n in leaves) / max(len(leaves), 1))
+    return int(1.25 * max(max(blocks.values(), default=0), mean_leaf))
