@@ -6,7 +6,11 @@
 ``dispatch_batches``, lets rank 0 read every batch and send each rank its slice. Iteration
 looks one batch ahead so the :class:`~nbaccel.gradient_state.GradientState` knows the last
 batch while it is being processed (``gather_for_metrics`` and accumulation rely on that).
-Shuffling is the same on every rank: the sampler's generator is seeded from rank 0.
+Shuffling draws what Accelerate draws: in one process a shuffling sampler takes its seed from
+torch's global RNG each pass, as a plain ``DataLoader`` does; across processes it gets a generator
+seeded once from rank 0's RNG, so every rank draws the same order. Each pass also takes the
+workers' base seed from the global RNG. A pass records where the global RNG stood when it began,
+so a checkpoint saved mid-pass replays the same order without drawing again.
 """
 
 from __future__ import annotations
@@ -37,11 +41,18 @@ class DataLoaderShard(DataLoader):
         end_of_dataloader: ``True`` while the last batch of the pass is being processed.
         remainder: real samples in the last global batch (``-1`` when unknown).
         iteration: the epoch number, advanced after each full pass (see :meth:`set_epoch`).
+        sync_generator: the generator that decides the shuffling order, the same on every rank
+            (``None`` when the order comes from the global RNG or from a seed and the epoch).
+        draws_global_rng: each pass draws the workers' base seed from torch's global RNG (the
+            original loader had no ``generator``), as a plain ``DataLoader`` does.
+        reseeded_sampler: a ``RandomSampler`` without a generator (one process): each pass
+            seeds it with a second draw from the global RNG, as it would seed itself.
     """
 
     def __init__(self, dataset: Any, device: torch.device | None = None, *, gradient_state: GradientState | None = None,
                  non_blocking: bool = False, total_batch_size: int | None = None, skip_batches: int = 0,
-                 sync_generator: torch.Generator | None = None, source_drop_last: bool = False, **kwargs: Any) -> None:
+                 sync_generator: torch.Generator | None = None, source_drop_last: bool = False,
+                 draws_global_rng: bool = False, reseeded_sampler: RandomSampler | None = None, **kwargs: Any) -> None:
         super().__init__(dataset, **kwargs)
         self.source_drop_last = source_drop_last or bool(kwargs.get("drop_last", False))
         self.device = device
@@ -50,12 +61,16 @@ class DataLoaderShard(DataLoader):
         self.total_batch_size = total_batch_size
         self.skip_batches = skip_batches
         self.sync_generator = sync_generator
+        self.draws_global_rng = draws_global_rng
+        self.reseeded_sampler = reseeded_sampler
         self.end_of_dataloader = False
         self.remainder = -1
         self.iteration = 0
         self._epoch_owner: DataLoaderShard = self
         self._in_progress = False
         self._start_generator_state: torch.Tensor | None = None
+        self._start_rng_state: torch.Tensor | None = None
+        self._replay_rng_state: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ epochs and state
     def set_epoch(self, epoch: int) -> None:
@@ -75,18 +90,46 @@ class DataLoaderShard(DataLoader):
                 target.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the pass stands: the epoch, and the shuffling generator at the start of the pass."""
+        """Where the pass stands: the epoch, and the shuffling generator and global RNG at the start of the pass."""
         owner = self._epoch_owner
         gen = self.sync_generator
         start = owner._start_generator_state if owner._in_progress else None
         return {"iteration": owner.iteration, "in_progress": owner._in_progress,
-                "generator_state": (start if start is not None else gen.get_state()) if gen is not None else None}
+                "generator_state": (start if start is not None else gen.get_state()) if gen is not None else None,
+                "rng_state": owner._start_rng_state if owner._in_progress else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`: the next pass draws the order the saved pass drew."""
         self._epoch_owner.iteration = state["iteration"]
         if self.sync_generator is not None and state.get("generator_state") is not None:
             self.sync_generator.set_state(state["generator_state"])
+        # A pass saved mid-way already took its draws from the global RNG (restored separately):
+        # the resumed pass replays them from the recorded state instead of drawing again. Only
+        # rank 0 saves this state; elsewhere it only decides worker seeds, not the order.
+        self._epoch_owner._replay_rng_state = state.get("rng_state") if self.draws_global_rng else None
+
+    def _seed_pass(self) -> None:
+        """Take this pass's seeds from the global RNG as a plain ``DataLoader`` would, or replay a restored pass's.
+
+        A plain loader draws the workers' base seed, then (a shuffling sampler without a
+        generator) the sampler's seed: two draws from the global RNG per pass.
+        """
+        owner = self._epoch_owner
+        owner._start_rng_state = None
+        if not self.draws_global_rng:
+            return
+        replay, owner._replay_rng_state = owner._replay_rng_state, None
+        start = replay if replay is not None else torch.get_rng_state()
+        owner._start_rng_state = start
+        self.generator = torch.Generator()
+        self.generator.set_state(start)  # DataLoader.__iter__ draws the base seed from it
+        draws = torch.Generator()
+        draws.set_state(start)
+        _draw_seed(draws)
+        if self.reseeded_sampler is not None:
+            self.reseeded_sampler.generator = torch.Generator().manual_seed(_draw_seed(draws))
+        if replay is None:
+            torch.set_rng_state(draws.get_state())
 
     # ------------------------------------------------------------------ iteration
     def _begin(self) -> None:
@@ -114,6 +157,7 @@ class DataLoaderShard(DataLoader):
         owner = self._epoch_owner
         self._apply_epoch(owner.iteration)
         owner._start_generator_state = self.sync_generator.get_state() if self.sync_generator is not None else None
+        self._seed_pass()
         owner._in_progress = True
         self._begin()
         try:
@@ -215,38 +259,35 @@ def _loader_kwargs(loader: DataLoader) -> dict[str, Any]:
         {"in_order": loader.in_order} if hasattr(loader, "in_order") else {})
 
 
-def _new_shared_generator() -> torch.Generator:
-    """A generator seeded from rank 0's torch RNG (so ``set_seed`` decides it), the same on every rank."""
-    generator = torch.Generator()
-    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
-    generator.manual_seed(int(broadcast(seed, from_process=0).item()))
-    return generator
+def _draw_seed(generator: torch.Generator | None = None) -> int:
+    """One seed drawn the way torch's ``DataLoader`` and ``RandomSampler`` draw theirs."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
 
 
-def _shared_generator(sampler: Any, loader_generator: torch.Generator | None) -> torch.Generator:
-    """The generator that decides a pass's order and worker seeds.
+def _shuffle_generator(sampler: Any, num_processes: int) -> torch.Generator | None:
+    """The generator that decides a shuffling sampler's order, the same on every rank.
 
-    A shuffling sampler gets one with rank 0's state on every rank (so every rank shuffles
-    alike); the rebuilt loader draws its worker base seed from it too, so iterating never
-    consumes the global RNG and a resumed run draws the same random numbers (dropout) as the
-    original.
+    ``None`` where the order needs none: a sampler that is not a ``RandomSampler``, a
+    :class:`SeedableRandomSampler` (reseeded from its seed and epoch), or, in one process, a
+    ``RandomSampler`` without a generator (it draws a seed from the global RNG each pass, as
+    in Accelerate; the loader replays that draw after a resume).
     """
-    if isinstance(sampler, RandomSampler) and not isinstance(sampler, SeedableRandomSampler):
-        if sampler.generator is None:
-            sampler.generator = loader_generator or _new_shared_generator()
-        else:
-            sampler.generator.set_state(broadcast(sampler.generator.get_state(), from_process=0))
-        return sampler.generator
-    if loader_generator is not None:
-        return loader_generator
-    # Only worker seeds come from it: no need for every rank to agree, so no collective here.
-    return torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item()))
+    if not isinstance(sampler, RandomSampler) or isinstance(sampler, SeedableRandomSampler):
+        return None
+    if sampler.generator is None:
+        if num_processes == 1:
+            return None
+        seed = torch.tensor(_draw_seed(), dtype=torch.int64)
+        sampler.generator = torch.Generator().manual_seed(int(broadcast(seed, from_process=0).item()))
+    else:
+        sampler.generator.set_state(broadcast(sampler.generator.get_state(), from_process=0))
+    return sampler.generator
 
 
 def _seedable(sampler: RandomSampler, config: DataLoaderConfiguration) -> SeedableRandomSampler:
     seed = config.data_seed
-    if seed is None:
-        seed = int(broadcast(torch.randint(0, 2**31, (1,), dtype=torch.int64), from_process=0).item())
+    if seed is None:  # the seed `set_seed` gave torch, as in Accelerate (rank 0's, should ranks differ)
+        seed = broadcast_object_list([torch.initial_seed()], from_process=0)[0]
     return SeedableRandomSampler(sampler.data_source, replacement=sampler.replacement,
                                  num_samples=sampler._num_samples, initial_seed=seed)
 
@@ -295,7 +336,9 @@ def prepare_data_loader(dataloader: DataLoader, device: torch.device | None = No
         batch_sampler: Any = BatchSampler(sampler, batch_size=bs, drop_last=dataloader.drop_last) if bs else None
     else:
         batch_sampler = dataloader.batch_sampler
-    generator = _shared_generator(sampler, dataloader.generator)
+    generator = _shuffle_generator(sampler, num_processes)
+    reseeded = sampler if isinstance(sampler, RandomSampler) and generator is None and not isinstance(
+        sampler, SeedableRandomSampler) else None
     if batch_sampler is None:
         batch_sampler = dataloader.batch_sampler
     if num_processes > 1:
@@ -303,9 +346,9 @@ def prepare_data_loader(dataloader: DataLoader, device: torch.device | None = No
                                           split_batches=config.split_batches, even_batches=config.even_batches)
     size = getattr(batch_sampler, "batch_size", None) or bs
     total = size if config.split_batches else (size * num_processes if size else None)
-    kwargs.pop("generator", None)
     return DataLoaderShard(dataset, batch_sampler=batch_sampler, total_batch_size=total, sync_generator=generator,
-                           generator=generator, source_drop_last=dataloader.drop_last, **common, **kwargs)
+                           source_drop_last=dataloader.drop_last, draws_global_rng=dataloader.generator is None,
+                           reseeded_sampler=reseeded, **common, **kwargs)
 
 
 def _prepare_iterable(dataloader: DataLoader, num_processes: int, process_index: int,
@@ -318,9 +361,9 @@ def _prepare_iterable(dataloader: DataLoader, num_processes: int, process_index:
                                        num_processes=num_processes, process_index=process_index,
                                        split_batches=config.split_batches)
     total = (bs if config.split_batches else bs * num_processes) if bs else None
-    kwargs["generator"] = _shared_generator(None, dataloader.generator)
     return DataLoaderShard(dataset, batch_size=per, drop_last=dataloader.drop_last, total_batch_size=total,
-                           sync_generator=kwargs["generator"], **kwargs)
+                           sync_generator=dataloader.generator, draws_global_rng=dataloader.generator is None,
+                           **kwargs)
 
 
 def _prepare_dispatcher(dataloader: DataLoader, num_processes: int, process_index: int,
@@ -360,7 +403,8 @@ def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoad
                                **_loader_kwargs(dataloader))
     common = {"device": dataloader.device, "gradient_state": dataloader.gradient_state,
               "non_blocking": dataloader.non_blocking, "total_batch_size": dataloader.total_batch_size,
-              "sync_generator": dataloader.sync_generator, "source_drop_last": dataloader.source_drop_last}
+              "sync_generator": dataloader.sync_generator, "source_drop_last": dataloader.source_drop_last,
+              "draws_global_rng": dataloader.draws_global_rng, "reseeded_sampler": dataloader.reseeded_sampler}
     kwargs = _loader_kwargs(dataloader)
     if isinstance(dataloader, DataLoaderDispatcher) or isinstance(dataloader.dataset, IterableDataset):
         skipped: DataLoaderShard = _clone_with_skip(dataloader, num_batches)

@@ -67,3 +67,39 @@ def test_nbaccel_matches_accelerate_in_bf16():
     ours, theirs = script("nbaccel", "bf16"), script("accelerate", "bf16")
     assert ours["losses"] == theirs["losses"]
     assert torch.equal(ours["preds"], theirs["preds"]) and ours["preds"].dtype == torch.float32
+
+
+def shuffled_batches(library: str, use_seedable_sampler: bool) -> dict:
+    """Two epochs of a shuffled loader after ``set_seed(0)``, and the global RNG's next draw after them."""
+    lib = importlib.import_module(library)
+    if library == "accelerate":
+        from accelerate.state import AcceleratorState, GradientState
+        from accelerate.utils import set_seed
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    else:
+        set_seed = lib.set_seed
+    config = lib.DataLoaderConfiguration(use_seedable_sampler=use_seedable_sampler)
+    accelerator = lib.Accelerator(cpu=True, dataloader_config=config)
+    set_seed(0)
+    loader = accelerator.prepare(DataLoader(torch.arange(22), batch_size=3, shuffle=True))
+    epochs = [[b.tolist() for b in loader] for _ in range(2)]
+    return {"epochs": epochs, "next_draw": torch.rand(4)}
+
+
+@pytest.mark.parametrize("use_seedable_sampler", [False, True])
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_a_shuffled_loader_yields_accelerates_batches(num_processes, use_seedable_sampler):
+    if num_processes == 1:
+        ours = {0: shuffled_batches("nbaccel", use_seedable_sampler)}
+        theirs = {0: shuffled_batches("accelerate", use_seedable_sampler)}
+    else:
+        ours = launch(shuffled_batches, 2, "nbaccel", use_seedable_sampler)
+        theirs = launch(shuffled_batches, 2, "accelerate", use_seedable_sampler)
+    for rank in range(num_processes):
+        first, second = ours[rank]["epochs"]
+        assert first != second  # a new order each epoch
+        assert ours[rank]["epochs"] == theirs[rank]["epochs"]
+        # the loader took as many draws from the global RNG as Accelerate's (dropout masks agree after it)
+        assert torch.equal(ours[rank]["next_draw"], theirs[rank]["next_draw"])
