@@ -57,8 +57,10 @@ def infer_auto_device_map(model: nn.Module, max_memory: MaxMemory | None = None,
 
     Modules are placed in the order they are defined; a module that does not fit is split into
     its children unless its class is in ``no_split_module_classes``. When part of the model
-    will be offloaded, the largest no-split piece is kept free on the execution device (and on
-    CPU), because offloaded weights are loaded there to run.
+    is offloaded, the main devices (the first GPU and the CPU; the CPU alone without GPUs)
+    keep room for the largest piece still to be placed, because offloaded weights are loaded
+    there to run; as in Accelerate, except that nothing is kept back when nothing ends up
+    offloaded.
 
     Args:
         model: the model (usually built with ``init_empty_weights``).
@@ -68,7 +70,10 @@ def infer_auto_device_map(model: nn.Module, max_memory: MaxMemory | None = None,
         special_dtypes: ``{tensor name: dtype}`` exceptions to ``dtype``.
         verbose: log each decision (logger ``nbaccel.big_modeling.device_map``).
         clean_result: merge children placed on one device into their parent.
-        offload_buffers: accepted for Accelerate compatibility; buffers are counted either way.
+        offload_buffers: offload the buffers of offloaded modules with their weights. When
+            ``False`` (the default) those buffers stay on the main device (the first GPU, else
+            the CPU) while the model runs, so their bytes are counted against it here, where
+            Accelerate only warns that they may not fit.
         fallback_allocation: when a GPU or CPU would be left empty because the next piece is a
             block too big for it, put there the first later piece that fits (searching inside
             splittable modules) instead, so no device with a budget goes unused.
@@ -81,52 +86,99 @@ def infer_auto_device_map(model: nn.Module, max_memory: MaxMemory | None = None,
         >>> infer_auto_device_map(m, {"cpu": 700})
         {'0': 'cpu', '1': 'disk', '2': 'disk', '3': 'disk'}
     """
-    budget = get_max_memory(max_memory)
-    devices: list[MapDevice] = [d for d in budget if d != "disk" and budget[d] > 0] + ["disk"]
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.removeprefix("torch."))
-    special = dict(special_dtypes or {})
-    sizes = compute_module_sizes(model, dtype=dtype, special_dtypes=special)
-    no_split = set(no_split_module_classes or ())
-    queue = _pieces(model, "")
-    gpus = [d for d in devices if isinstance(d, int)]
-    main = {gpus[0], "cpu"} if gpus else {"cpu"}
-    room = sum(budget[d] for d in gpus) if gpus else budget.get("cpu", 0)
-    reserve = get_max_layer_size(queue, sizes, list(no_split))[0] if sizes[""] > room else 0
-    tied = _tied_aliases(model)
-    device_map: dict[str, MapDevice] = {}
-
-    def size_on(piece: str, device: MapDevice) -> int:
-        return sizes[piece] + _tied_extra(model, piece, tied, device_map, device, dtype, special)
-
-    index, used = 0, 0
-    while queue:
-        name, piece = queue.pop(0)
-        device = devices[index]
-        size = size_on(name, device)
-        limit = math.inf if device == "disk" else budget[device] - (reserve if device in main
-                                                                     else 0)
-        if used + size <= limit:
-            device_map[name] = device
-            used += size
-            if verbose:
-                _log.info("put %r (%d bytes) on %r", name, size, device)
-            continue
-        if _splittable(piece, no_split):
-            queue = _pieces(piece, name) + queue
-            continue
-        if fallback_allocation and used == 0 and device != "disk":
-            found = _fallback_piece(queue, limit, no_split,
-                                    functools.partial(size_on, device=device))
-            if found is not None:  # placed next, on this device; the block goes on after it
-                queue = [found[0], (name, piece), *found[1]]
-                continue
+    if isinstance(no_split_module_classes, str):
+        no_split_module_classes = [no_split_module_classes]
+    planner = _Planner(model, get_max_memory(max_memory), list(no_split_module_classes or ()),
+                       dtype, dict(special_dtypes or {}), fallback_allocation, verbose)
+    reserve, held = False, 0
+    while True:
+        device_map = planner.place(reserve, held)
+        offloaded = [n for n, d in device_map.items() if d in planner.offloaded]
+        if offloaded and not reserve:
+            reserve = True
+        elif not offload_buffers and (need := planner.buffer_bytes(offloaded)) > held:
+            held = need  # more offloaded buffers than room kept for them: place again
+        else:
+            break
         if verbose:
-            _log.info("%r (%d bytes) does not fit on %r (%d of %s used)", name, size, device,
-                      used, limit)
-        index, used = index + 1, 0
-        queue.insert(0, (name, piece))
+            _log.info("placing again, keeping room to run offloaded pieces on %r and %d bytes "
+                      "for their buffers on %r", planner.main, held, planner.holder)
     return _clean(model, device_map) if clean_result else device_map
+
+
+class _Planner:
+    """One model and one budget, placed piece by piece by :meth:`place`."""
+
+    def __init__(self, model: nn.Module, budget: dict[MapDevice, int], no_split: list[str],
+                 dtype: torch.dtype | None, special: dict[str, torch.dtype],
+                 fallback_allocation: bool, verbose: bool) -> None:
+        self.model, self.budget, self.no_split = model, budget, no_split
+        self.dtype, self.special = dtype, special
+        self.fallback_allocation, self.verbose = fallback_allocation, verbose
+        self.devices: list[MapDevice] = [d for d in budget if d != "disk" and budget[d] > 0]
+        self.devices.append("disk")
+        gpus = [d for d in self.devices if isinstance(d, int)]
+        # where offloaded pieces run (as dispatch_model picks it), and which devices they come from
+        self.holder: MapDevice = gpus[0] if gpus else "mps" if "mps" in self.devices else "cpu"
+        self.main = {gpus[0], "cpu"} if gpus else {self.holder}
+        self.offloaded = ("cpu", "disk") if gpus else ("disk",)
+        self.sizes = compute_module_sizes(model, dtype=dtype, special_dtypes=special)
+        self.tied = _tied_aliases(model)
+
+    def buffer_bytes(self, names: Sequence[str]) -> int:
+        """Bytes of the buffers inside the entries ``names``, in the dtype they load in."""
+        return sum(tensor_size(b, self.special.get(n, self.dtype))
+                   for n, b in self.model.named_buffers() if any(_inside(n, p) for p in names))
+
+    def _largest(self, queue: Sequence[Piece]) -> tuple[int, list[str]]:
+        modules = [(n, p) for n, p in queue if isinstance(p, nn.Module)]
+        return get_max_layer_size(modules, self.sizes, self.no_split)
+
+    def place(self, reserve: bool, held: int) -> dict[str, MapDevice]:
+        """A raw map; with ``reserve``, the main devices keep room for the largest piece not
+        yet placed, and ``held`` bytes are kept on the holder for offloaded buffers."""
+        queue, device_map = _pieces(self.model, ""), {}
+        largest, largest_names = self._largest(queue) if reserve else (0, [])
+        index, used = 0, 0
+        while queue:
+            name, piece = queue.pop(0)
+            largest_names = [n for n in largest_names if not _inside(n, name)]
+            if reserve and not largest_names:  # the largest pieces are all placed: the next
+                largest, largest_names = self._largest(queue)
+            device = self.devices[index]
+            size = self.sizes[name] + _tied_extra(self.model, name, self.tied, device_map,
+                                                  device, self.dtype, self.special)
+            limit = math.inf if device == "disk" else self.budget[device] - \
+                (largest if device in self.main else 0) - (held if device == self.holder else 0)
+            if used + size <= limit:
+                device_map[name] = device
+                used += size
+                if self.verbose:
+                    _log.info("put %r (%d bytes) on %r", name, size, device)
+                continue
+            if _splittable(piece, self.no_split):
+                queue = _pieces(piece, name) + queue
+                if reserve:
+                    largest, largest_names = self._largest(queue)
+                continue
+            if self.fallback_allocation and used == 0 and device != "disk":
+                found = _fallback_piece(queue, limit, self.no_split, functools.partial(
+                    self._size_on, device=device, device_map=device_map))
+                if found is not None:  # placed next, on this device; the block goes on after
+                    queue = [found[0], (name, piece), *found[1]]
+                    continue
+            if self.verbose:
+                _log.info("%r (%d bytes) does not fit on %r (%d of %s used)", name, size,
+                          device, used, limit)
+            index, used = index + 1, 0
+            queue.insert(0, (name, piece))
+        return device_map
+
+    def _size_on(self, name: str, device: MapDevice, device_map: Mapping[str, MapDevice]) -> int:
+        return self.sizes[name] + _tied_extra(self.model, name, self.tied, device_map, device,
+                                              self.dtype, self.special)
 
 
 def _splittable(piece: nn.Module | torch.Tensor, no_split: Container[str]) -> bool:

@@ -32,9 +32,11 @@ class TinyLM(nn.Module):
 
     ``head.weight`` is ``embed.weight`` (checkpoints store it once, as ``embed.weight``), and
     ``positions`` is a non-persistent buffer computed at construction (no checkpoint has it).
+    With ``tied=False`` the head has weights of its own.
     """
 
-    def __init__(self, vocab: int = VOCAB, width: int = WIDTH, blocks: int = BLOCKS) -> None:
+    def __init__(self, vocab: int = VOCAB, width: int = WIDTH, blocks: int = BLOCKS,
+                 tied: bool = True) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.register_buffer("positions", torch.arange(64, dtype=torch.float32)[:, None] / 64,
@@ -42,7 +44,8 @@ class TinyLM(nn.Module):
         self.blocks = nn.ModuleList(Block(width) for _ in range(blocks))
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
-        self.head.weight = self.embed.weight
+        if tied:
+            self.head.weight = self.embed.weight
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids) + self.positions[: ids.shape[-1]]
@@ -51,7 +54,7 @@ class TinyLM(nn.Module):
         return self.head(self.norm(x))
 
 
-def make_model(seed: int = 0, **kwargs: int) -> TinyLM:
+def make_model(seed: int = 0, **kwargs: int | bool) -> TinyLM:
     """A TinyLM with random, non-trivial weights (norms and buffers perturbed too)."""
     torch.manual_seed(seed)
     model = TinyLM(**kwargs)
@@ -106,7 +109,7 @@ def save_checkpoint(model: nn.Module, folder: str | os.PathLike, kind: str = "sa
     return index
 
 
-def empty_model(**kwargs: int) -> TinyLM:
+def empty_model(**kwargs: int | bool) -> TinyLM:
     from nbaccel.big_modeling import init_empty_weights
 
     with init_empty_weights():

@@ -100,13 +100,22 @@ def test_balanced_memory_without_gpus_is_the_budget():
 def test_auto_map_fills_cpu_keeps_blocks_whole_and_reserves_one():
     budget = 2048 + 3 * BLOCK
     device_map = infer_auto_device_map(empty_model(), {"cpu": budget},
-                                       no_split_module_classes=["Block"])
+                                       no_split_module_classes=["Block"], offload_buffers=True)
     # two blocks fit beside the embedding; the third block's room is kept to run offloaded ones
     # (direct buffers come last, as in Accelerate)
     assert device_map == {"embed": "cpu", "positions": "disk", "blocks.0": "cpu",
                           "blocks.1": "cpu", "blocks.2": "disk", "blocks.3": "disk",
                           "norm": "disk", "head": "disk"}
     assert check_device_map(empty_model(), device_map) == device_map
+
+
+def test_buffers_of_disk_modules_are_counted_on_cpu_unless_offloaded():
+    budget = 2048 + 3 * BLOCK
+    # the disk blocks' gates and "positions" stay in RAM, so the second block no longer fits
+    device_map = infer_auto_device_map(empty_model(), {"cpu": budget}, ["Block"])
+    assert device_map == {"embed": "cpu", "positions": "disk", "blocks.0": "cpu",
+                          "blocks.1": "disk", "blocks.2": "disk", "blocks.3": "disk",
+                          "norm": "disk", "head": "disk"}
 
 
 def test_auto_map_puts_everything_on_cpu_when_it_fits():
@@ -184,21 +193,22 @@ def test_longest_prefix_wins():
     assert device_for("x", {}) is None
 
 
-def _big_then_small():
-    """A 16640 B leaf, then a container of two 80 B leaves (16800 B in all)."""
-    return nn.Sequential(nn.Linear(64, 64), nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+def _two_big_then_small():
+    """Two 16640 B leaves, then a container of two 80 B leaves (33440 B in all)."""
+    return nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64),
+                         nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
 
 
 def test_fallback_allocation_puts_a_piece_that_fits_on_a_device_that_would_stay_empty():
-    # 16750 B of CPU less the 16640 B kept free to run offloaded layers leaves 110 B: "0" never
-    # fits, and without a fallback the whole model goes to disk
-    assert infer_auto_device_map(_big_then_small(), {"cpu": 16_750}) == {"": "disk"}
-    device_map = infer_auto_device_map(_big_then_small(), {"cpu": 16_750},
+    # 16750 B of CPU less the 16640 B kept free to run the second big layer leaves 110 B: "0"
+    # never fits, and without a fallback the whole model goes to disk
+    assert infer_auto_device_map(_two_big_then_small(), {"cpu": 16_750}) == {"": "disk"}
+    device_map = infer_auto_device_map(_two_big_then_small(), {"cpu": 16_750},
                                        fallback_allocation=True)
-    assert device_map == {"0": "disk", "1.0": "cpu", "1.1": "disk"}
-    assert check_device_map(_big_then_small(), device_map) == device_map
+    assert device_map == {"0": "disk", "1": "disk", "2.0": "cpu", "2.1": "disk"}
+    assert check_device_map(_two_big_then_small(), device_map) == device_map
     # nothing fits at all: the device stays empty, as without the fallback
-    assert infer_auto_device_map(_big_then_small(), {"cpu": 16_700},
+    assert infer_auto_device_map(_two_big_then_small(), {"cpu": 16_700},
                                  fallback_allocation=True) == {"": "disk"}
 
 

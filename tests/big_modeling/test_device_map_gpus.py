@@ -6,8 +6,13 @@ import pytest
 import torch
 
 import nbaccel.environment
-from nbaccel.big_modeling import get_balanced_memory, get_max_memory
+from nbaccel.big_modeling import (
+    get_balanced_memory,
+    get_max_memory,
+    infer_auto_device_map,
+)
 from nbaccel.big_modeling import sizes as sizes_module
+from nbaccel.big_modeling.device_map import resolve_device_map
 from tests.big_modeling.helpers import empty_model
 
 BLOCK = 4480  # one helpers.Block in fp32
@@ -69,3 +74,61 @@ def test_one_measured_gpu_keeps_a_tenth_free(fake_gpus):
         0: 45_000, "cpu": CPU}
     # a budget given by hand is the user's to choose
     assert get_balanced_memory(empty_model(), {0: 50_000}, ["Block"]) == {0: 50_000}
+
+
+def test_buffers_of_offloaded_blocks_are_counted_on_gpu_0(fake_gpus):
+    fake_gpus(0, 0)  # budgets given below; only the GPU count matters
+    budget = {0: 2048 + 2 * BLOCK, 1: 2 * BLOCK, "cpu": CPU}
+    # the buffers of offloaded blocks travel with their weights: GPU 0 holds the embedding, one
+    # block and room to run one offloaded block, as in Accelerate
+    assert infer_auto_device_map(empty_model(), budget, ["Block"], offload_buffers=True) == {
+        "embed": 0, "blocks.0": 0, "blocks.1": 1, "blocks.2": 1, "blocks.3": "cpu",
+        "norm": "cpu", "head": "cpu", "positions": "cpu"}
+    # by default they stay on GPU 0 while the model runs (Accelerate only warns that they may not
+    # fit): with "positions" and a gate there, block 0 no longer does
+    device_map = infer_auto_device_map(empty_model(), budget, ["Block"])
+    assert device_map == {"embed": 0, "blocks.0": 1, "blocks.1": 1, "blocks.2": "cpu",
+                          "blocks.3": "cpu", "norm": "cpu", "head": "cpu", "positions": "cpu"}
+    assert 2048 + BLOCK + 64 * 2 + 256 <= budget[0]  # embedding, room to run, held buffers
+
+
+def _accelerate_map(model, strategy, budget):
+    accelerate_utils = pytest.importorskip("accelerate.utils")
+    if strategy != "sequential":
+        budget = accelerate_utils.get_balanced_memory(model, dict(budget), ["Block"],
+                                                      low_zero=strategy == "balanced_low_0")
+    return dict(accelerate_utils.infer_auto_device_map(model, dict(budget), ["Block"]))
+
+
+STRATEGIES = ["auto", "balanced", "balanced_low_0", "sequential"]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_strategies_fill_gpu_0_then_gpu_1_then_cpu_then_disk(fake_gpus, strategy):
+    fake_gpus(0, 0)
+    # an untied head: Accelerate keeps a tied head beside its embedding, nbaccel in model order
+    model = empty_model(blocks=8, tied=False)
+    budget = {0: 12_000, 1: 12_000, "cpu": 12_000}
+    device_map = resolve_device_map(model, strategy, budget, ["Block"], offload_buffers=True)
+    # GPU 0 and the CPU keep one block's room to run offloaded blocks; GPU 1 needs none
+    assert device_map == {"embed": 0, "blocks.0": 0, "blocks.1": 1, "blocks.2": 1,
+                          "blocks.3": "cpu", "blocks.4": "disk", "blocks.5": "disk",
+                          "blocks.6": "disk", "blocks.7": "disk", "norm": "disk",
+                          "head": "disk", "positions": "disk"}
+    assert device_map == _accelerate_map(model, strategy, budget)
+
+
+def test_balanced_low_0_keeps_gpu_0_lighter(fake_gpus):
+    fake_gpus(0, 0)
+    model = empty_model(blocks=8, tied=False)
+    budget = {0: 30_000, 1: 30_000, "cpu": CPU}
+    maps = {s: resolve_device_map(model, s, budget, ["Block"], offload_buffers=True)
+            for s in STRATEGIES}
+    gpu_0 = {s: [n for n, d in m.items() if d == 0] for s, m in maps.items()}
+    assert gpu_0["balanced_low_0"] == ["embed"]
+    assert maps["balanced_low_0"] == _accelerate_map(model, "balanced_low_0", budget)
+    # the others spread the model over both GPUs: sequential fills GPU 0 first, auto and
+    # balanced stop at an even share plus one block of headroom
+    assert gpu_0["sequential"] == ["embed", *(f"blocks.{i}" for i in range(6))]
+    assert gpu_0["auto"] == gpu_0["balanced"] == ["embed", *(f"blocks.{i}" for i in range(5))]
+    assert set(maps["auto"].values()) == {0, 1}
