@@ -123,6 +123,8 @@ class Accelerator(ProcessHelpers, CheckpointHelpers):
         if self.fsdp_plugin is not None and self.state.num_processes == 1:
             warnings.warn("FSDP was asked for in a single process; the model is trained unsharded", stacklevel=2)
             self.fsdp_plugin = None
+        if self.fsdp_plugin is not None and self._mixed_precision != "no":
+            self.fsdp_plugin.set_mixed_precision(self._mixed_precision)
         self.scaler = make_grad_scaler(self._mixed_precision, self.device, self.scaler_handler)
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.rng_types = rng_types
@@ -294,7 +296,8 @@ class Accelerator(ProcessHelpers, CheckpointHelpers):
             from nbaccel.fsdp import shard_model
 
             optimizers = list(_optimizers or []) + [o.optimizer for o in self._optimizers]
-            model = shard_model(model, self.fsdp_plugin, self.device, self.num_processes, optimizers)
+            model = shard_model(model, self.fsdp_plugin, self.device, self.num_processes, optimizers,
+                                upcast=self._mixed_precision != "no")
         elif self.num_processes > 1 and trainable and not evaluation_mode and self.device.type != "xla":
             kwargs = self.ddp_handler.to_kwargs()
             if self.device.type == "cuda":

@@ -5,10 +5,17 @@ optimizer built before ``prepare`` would update stale tensors; :func:`shard_mode
 parameter to its replacement by name and rewrites the optimizers' parameter groups. Full
 state dicts are gathered with ``torch.distributed.checkpoint.state_dict`` (a collective: every
 rank calls it; with ``cpu_offload`` only rank 0 receives the tensors).
+
+Mixed precision is FSDP2's own: a ``MixedPrecisionPolicy`` (from the plugin, or built from the
+accelerator's ``mixed_precision`` as Accelerate builds it) gathers parameters in ``param_dtype``
+for forward and backward and reduces gradients in ``reduce_dtype``, while the sharded parameters
+the optimizer updates, and the full state dicts, stay float32.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -17,7 +24,10 @@ from nbaccel.errors import ConfigError
 from nbaccel.plugins import FullyShardedDataParallelPlugin
 
 __all__ = ["full_model_state_dict", "full_optimizer_state_dict", "is_fsdp_model", "load_full_model_state_dict",
-           "load_full_optimizer_state_dict", "shard_model"]
+           "load_full_optimizer_state_dict", "make_mixed_precision_policy", "shard_model"]
+
+# Names a policy's dtypes may be given by (Accelerate's `mixed_precision` names).
+POLICY_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def is_fsdp_model(model: Any) -> bool:
@@ -25,6 +35,60 @@ def is_fsdp_model(model: Any) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
+
+
+def make_mixed_precision_policy(value: Any) -> Any:
+    """A ``torch.distributed.fsdp.MixedPrecisionPolicy`` from a policy, a precision name, or a dict of its fields.
+
+    A name (``"bf16"``, ``"fp16"``, ``"fp32"``) sets ``param_dtype`` and ``reduce_dtype``, as
+    Accelerate does for FSDP2. In a dict, dtypes may be given as ``torch.dtype`` or as names.
+
+    Args:
+        value: a ``MixedPrecisionPolicy``, a name, a mapping of ``MixedPrecisionPolicy`` fields, or ``None``.
+
+    Returns:
+        The policy (``None`` for ``None``).
+
+    Raises:
+        ConfigError: an unknown name, an unknown field, or a value of another type.
+
+    Example:
+        >>> make_mixed_precision_policy("bf16").param_dtype
+        torch.bfloat16
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if value is None or isinstance(value, MixedPrecisionPolicy):
+        return value
+    if isinstance(value, str):
+        dtype = _policy_dtype("mixed_precision_policy", value)
+        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+    if isinstance(value, Mapping):
+        fields = [f.name for f in dataclasses.fields(MixedPrecisionPolicy)]
+        unknown = sorted(set(value) - set(fields))
+        if unknown:
+            raise ConfigError(f"`mixed_precision_policy` has unknown keys {unknown}; valid keys: {fields}. "
+                              "Fix: drop them (`buffer_dtype` is FSDP1's)", key="mixed_precision_policy",
+                              value=unknown, valid=fields)
+        return MixedPrecisionPolicy(**{k: _policy_dtype(k, v) if isinstance(v, str) else v for k, v in value.items()})
+    raise ConfigError(f"`mixed_precision_policy` must be a torch.distributed.fsdp.MixedPrecisionPolicy, one of "
+                      f"{list(POLICY_DTYPES)} or a dict of its fields (got {type(value).__name__}: {value!r}); "
+                      "for example mixed_precision_policy='bf16'", key="mixed_precision_policy", value=value,
+                      valid=list(POLICY_DTYPES))
+
+
+def _policy_dtype(key: str, name: str) -> torch.dtype:
+    if name not in POLICY_DTYPES:
+        raise ConfigError(f"`{key}` must be one of {list(POLICY_DTYPES)} (got {name!r}); for example 'bf16'",
+                          key=key, value=name, valid=list(POLICY_DTYPES))
+    return POLICY_DTYPES[name]
+
+
+def _upcast_trainable(model: torch.nn.Module) -> None:
+    """Make trainable parameters float32: FSDP2 needs one dtype per group, and the policy casts for compute."""
+    for param in model.parameters():
+        if param.requires_grad and param.is_floating_point() and param.dtype != torch.float32:
+            param.data = param.data.float()
 
 
 def _wrap_targets(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin) -> list[torch.nn.Module]:
@@ -44,16 +108,17 @@ def _wrap_targets(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin
 
 
 def shard_model(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin, device: torch.device,
-                num_processes: int, optimizers: list[torch.optim.Optimizer], mp_policy: Any = None) -> torch.nn.Module:
+                num_processes: int, optimizers: list[torch.optim.Optimizer], upcast: bool = False) -> torch.nn.Module:
     """Apply ``fully_shard`` to the wrap targets then the root, over a 1-D mesh of all processes.
 
     Args:
         model: the model, on ``device`` already.
-        plugin: the FSDP settings.
+        plugin: the FSDP settings; its ``mixed_precision_policy`` (``None``: full precision) is used.
         device: this process's device (its type names the mesh's device type).
         num_processes: size of the mesh.
         optimizers: optimizers built on ``model``'s parameters; they are re-pointed in place.
-        mp_policy: a ``MixedPrecisionPolicy`` (the plugin's wins when it has one).
+        upcast: make trainable half-precision parameters float32 first (mixed precision keeps
+            float32 master weights, as in Accelerate).
 
     Returns:
         ``model`` itself, now an ``FSDPModule``.
@@ -61,11 +126,13 @@ def shard_model(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin, 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+    if upcast:
+        _upcast_trainable(model)
     before = dict(model.named_parameters())
     mesh = init_device_mesh(device.type, (num_processes,))
     kwargs: dict[str, Any] = {
         "mesh": mesh, "reshard_after_forward": plugin.reshard_after_forward,
-        "mp_policy": plugin.mixed_precision_policy or mp_policy or MixedPrecisionPolicy(),
+        "mp_policy": make_mixed_precision_policy(plugin.mixed_precision_policy) or MixedPrecisionPolicy(),
         "offload_policy": CPUOffloadPolicy() if plugin.cpu_offload else OffloadPolicy(),
     }
     for module in _wrap_targets(model, plugin):

@@ -234,7 +234,9 @@ class FullyShardedDataParallelPlugin:
         state_dict_type: how ``save_state`` writes the model: gathered on rank 0
             (``FULL_STATE_DICT``) or one shard per rank (``SHARDED_STATE_DICT``).
         cpu_offload: keep sharded parameters on CPU.
-        mixed_precision_policy: a ``torch.distributed.fsdp.MixedPrecisionPolicy`` or ``None``.
+        mixed_precision_policy: a ``torch.distributed.fsdp.MixedPrecisionPolicy``, a precision
+            name (``"bf16"``, ``"fp16"``, ``"fp32"``: parameter and reduction dtype), or a dict of
+            the policy's fields. ``None``: built from the accelerator's ``mixed_precision``.
 
     Example:
         >>> FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Block"]).auto_wrap_policy
@@ -262,6 +264,28 @@ class FullyShardedDataParallelPlugin:
                                      else "SIZE_BASED_WRAP" if self.min_num_params else "NO_WRAP")
         _check_choice("auto_wrap_policy", self.auto_wrap_policy, get_args(AutoWrapPolicy))
         _check_choice("state_dict_type", self.state_dict_type, get_args(StateDictType))
+        if self.mixed_precision_policy is not None:
+            from nbaccel.fsdp import make_mixed_precision_policy
+
+            self.mixed_precision_policy = make_mixed_precision_policy(self.mixed_precision_policy)
+
+    def set_mixed_precision(self, mixed_precision: str, override: bool = False) -> None:
+        """Shard with ``mixed_precision`` (``"bf16"``, ``"fp16"``): parameters gathered and gradients reduced in it.
+
+        A policy the plugin already has is kept unless ``override``, as in Accelerate.
+
+        Raises:
+            ConfigError: an unknown precision name.
+
+        Example:
+            >>> plugin = FullyShardedDataParallelPlugin(); plugin.set_mixed_precision("bf16")
+            >>> plugin.mixed_precision_policy.reduce_dtype
+            torch.bfloat16
+        """
+        if override or self.mixed_precision_policy is None:
+            from nbaccel.fsdp import make_mixed_precision_policy
+
+            self.mixed_precision_policy = make_mixed_precision_policy(mixed_precision)
 
     @classmethod
     def from_config(cls, config: Mapping[str, object]) -> FullyShardedDataParallelPlugin:

@@ -140,3 +140,50 @@ def test_clip_grad_norm_under_fsdp2_is_the_global_norm():
         kind, norm, after = results[rank]
         assert kind == "Tensor"  # a plain tensor, not a DTensor
         assert abs(norm - single[1]) < 1e-5 and abs(after - 0.1) < 1e-5
+
+
+def _train_bf16(folder: str) -> dict:
+    plugin = nbaccel.FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Block"])
+    accelerator = nbaccel.Accelerator(fsdp_plugin=plugin, mixed_precision="bf16")
+    nbaccel.set_seed(0)
+    model, optimizer = model_and_optimizer(kind=BlockStack)
+    model.to(torch.bfloat16)  # loaded in bf16: prepare keeps fp32 master weights, as Accelerate does
+    loader = DataLoader(regression_data(64), batch_size=8)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    seen: list[torch.dtype] = []
+    hook = model.blocks[0].linear.register_forward_pre_hook(lambda module, args: seen.append(module.weight.dtype))
+    epochs = [sum(train_steps(accelerator, model, optimizer, loader)) for _ in range(5)]
+    hook.remove()
+    accelerator.save_model(model, folder)
+    policy = accelerator.fsdp_plugin.mixed_precision_policy
+    return {"epochs": epochs, "compute_dtypes": set(seen), "master_dtypes": {p.dtype for p in model.parameters()},
+            "policy": (policy.param_dtype, policy.reduce_dtype)}
+
+
+def test_fsdp2_with_bf16_computes_in_bf16_and_saves_fp32(tmp_path):
+    results = launch(_train_bf16, 2, str(tmp_path / "model"))
+    for rank in (0, 1):
+        r = results[rank]
+        assert r["policy"] == (torch.bfloat16, torch.bfloat16)
+        assert r["compute_dtypes"] == {torch.bfloat16}  # parameters gathered in bf16 for the forward
+        assert r["master_dtypes"] == {torch.float32}  # the optimizer updates fp32 shards
+        assert r["epochs"][-1] < 0.1 * r["epochs"][0]  # it learns (summed loss per epoch)
+    saved = load_file(str(tmp_path / "model" / "model.safetensors"))
+    assert sorted(saved) == sorted(BlockStack().state_dict())
+    assert {t.dtype for t in saved.values()} == {torch.float32}
+
+
+def test_fsdp_mixed_precision_policy_from_names_and_dicts():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    plugin = nbaccel.FullyShardedDataParallelPlugin(mixed_precision_policy={"param_dtype": "bf16",
+                                                                            "reduce_dtype": torch.float32})
+    assert plugin.mixed_precision_policy == MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    plugin.set_mixed_precision("fp16")  # a policy the user gave is kept
+    assert plugin.mixed_precision_policy.param_dtype == torch.bfloat16
+    with pytest.raises(nbaccel.ConfigError) as info:
+        nbaccel.FullyShardedDataParallelPlugin(mixed_precision_policy={"buffer_dtype": torch.bfloat16})
+    assert info.value.key == "mixed_precision_policy" and "param_dtype" in info.value.valid
+    with pytest.raises(nbaccel.ConfigError) as info:
+        nbaccel.FullyShardedDataParallelPlugin(mixed_precision_policy="fp8")
+    assert info.value.value == "fp8" and info.value.valid == ["bf16", "fp16", "fp32"]
