@@ -29,6 +29,33 @@ print(f"name={__name__} rank={dist.get_rank()} world={dist.get_world_size()} sum
 dist.destroy_process_group()
 """
 
+TRAIN = """\
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from nbaccel import Accelerator
+
+accelerator = Accelerator()
+torch.manual_seed(0)
+x = torch.randn(64, 4)
+y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+loader = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True)
+model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+losses = []
+for epoch in range(3):
+    for xb, yb in loader:
+        loss = torch.nn.functional.mse_loss(model(xb), yb)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(accelerator.gather(loss.detach()).mean().item())
+print(f"rank={accelerator.process_index} world={accelerator.num_processes} mp={accelerator.mixed_precision} "
+      f"steps={len(losses)}", flush=True)
+if accelerator.is_main_process:
+    print(f"first_loss={losses[0]:.4f} final_loss={losses[-1]:.4f}", flush=True)
+"""
+
 FAILING = """\
 import os, sys
 rank = int(os.environ["RANK"])
@@ -63,6 +90,17 @@ def test_launch_runs_the_script_on_two_labelled_processes_with_its_args(tmp_path
     for rank in (0, 1):
         assert (f"[rank{rank}]: name=__main__ rank={rank} world=2 sum=3 mp=no "
                 f"argv=['--lr', '0.1', '--num_processes', '9']") in result.stdout
+
+
+def test_an_accelerator_script_trains_under_launch_with_its_flags(tmp_path):
+    result = nbaccel("launch", "--num_processes", "2", "--mixed_precision", "bf16", _script(tmp_path, TRAIN))
+    assert result.returncode == 0, result.stderr
+    for rank in (0, 1):  # 64 samples, 8 per batch, 2 ranks: 4 steps an epoch
+        assert f"[rank{rank}]: rank={rank} world=2 mp=bf16 steps=12" in result.stdout
+    losses = [line for line in result.stdout.splitlines() if "final_loss=" in line]
+    assert len(losses) == 1 and losses[0].startswith("[rank0]: "), result.stdout
+    first, final = (float(part.split("=")[1]) for part in losses[0].split(": ", 1)[1].split())
+    assert final < 0.5 * first
 
 
 def test_flags_override_the_config_file(tmp_path):
