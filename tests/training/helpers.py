@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import IterableDataset, TensorDataset
+from torch.utils.data import Dataset, IterableDataset, Sampler, TensorDataset
 
 import nbaccel
 
@@ -107,6 +107,40 @@ class EpochShuffledStream(IterableDataset):
     def __iter__(self):
         for i in torch.randperm(self.n, generator=torch.Generator().manual_seed(self.epoch)).tolist():
             yield torch.tensor([i])
+
+
+class EpochRecordingSampler(Sampler[int]):
+    """``0 .. n-1`` in order; remembers every epoch it is given (not a ``DistributedSampler``)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.epochs: list[int] = []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epochs.append(epoch)
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class EpochRecordingDataset(Dataset):
+    """Items ``0 .. n-1``; remembers every epoch it is given."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.epochs: list[int] = []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epochs.append(epoch)
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+    def __len__(self) -> int:
+        return self.n
 
 
 def model_and_optimizer(seed: int = 0, lr: float = 0.05, kind: type[nn.Module] = TinyMLP, momentum: float = 0.0

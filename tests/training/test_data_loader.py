@@ -8,7 +8,8 @@ from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
 import nbaccel
 from nbaccel.data_loader import prepare_data_loader, skip_first_batches
-from tests.training.helpers import CountingStream, EpochShuffledStream, launch
+from tests.training.helpers import (CountingStream, EpochRecordingDataset, EpochRecordingSampler,
+                                    EpochShuffledStream, launch)
 
 
 def _shards(n_items: int, batch_size: int, n: int, **kwargs) -> list[list[list[int]]]:
@@ -167,7 +168,21 @@ def test_shuffling_agrees_across_ranks_even_with_different_seeds():
     assert sorted(sum(results[0], [])) == list(range(16))
 
 
-def test_batches_move_to_the_device_and_set_epoch_reaches_the_sampler():
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_set_epoch_reaches_a_sampler_and_a_dataset_that_take_it(num_processes):
+    sampler, dataset = EpochRecordingSampler(8), EpochRecordingDataset(8)
+    loader = prepare_data_loader(DataLoader(dataset, batch_size=2, sampler=sampler), num_processes=num_processes,
+                                 process_index=num_processes - 1)
+    loader.set_epoch(3)
+    assert sampler.epochs == [3] and dataset.epochs == [3]
+    assert len([b for b in loader]) == 4 // num_processes  # the pass runs as epoch 3 ...
+    assert sampler.epochs[-1] == dataset.epochs[-1] == 3 and loader.iteration == 4  # ... and the next is 4
+    skipped = skip_first_batches(loader, 1)
+    skipped.set_epoch(7)  # through the skipping loader too
+    assert sampler.epochs[-1] == dataset.epochs[-1] == 7 and loader.iteration == 7
+
+
+def test_batches_move_to_the_device():
     accelerator = nbaccel.Accelerator(dataloader_config=nbaccel.DataLoaderConfiguration(non_blocking=True))
     loader = accelerator.prepare(DataLoader([{"x": torch.ones(2)}] * 4, batch_size=2))
     assert all(batch["x"].device == accelerator.device for batch in loader)
