@@ -11,7 +11,10 @@ from tests.training.helpers import flat_weights, launch, model_and_optimizer, re
 
 
 def _train(per_process_batch: int, accumulation: int = 1, epochs: int = 2) -> dict:
-    accelerator = nbaccel.Accelerator(gradient_accumulation_steps=accumulation)
+    # As in Accelerate, the default shuffle depends on the process count (one process reseeds its
+    # sampler from the global RNG each pass); the seedable sampler gives every count one order.
+    config = nbaccel.DataLoaderConfiguration(use_seedable_sampler=True)
+    accelerator = nbaccel.Accelerator(gradient_accumulation_steps=accumulation, dataloader_config=config)
     nbaccel.set_seed(0)
     model, optimizer = model_and_optimizer()
     loader = DataLoader(regression_data(64), batch_size=per_process_batch, shuffle=True)
