@@ -221,3 +221,13 @@ def test_a_mapped_offload_read_of_a_file_cut_short_names_the_file(tmp_path):
     with pytest.raises(CheckpointError) as caught:
         map_tensor(info)
     assert caught.value.path == str(path) and "truncated" in str(caught.value)
+
+
+def test_a_kernel_without_populate_read_still_maps_the_right_bytes(tmp_path, monkeypatch):
+    from nbaccel.big_modeling import checkpoint_files
+    from nbaccel.big_modeling.checkpoint_files import map_tensor
+
+    monkeypatch.setattr(checkpoint_files, "_MADV_POPULATE_READ", 0x7FFF)  # advice the kernel refuses (EINVAL)
+    path = tmp_path / "w.safetensors"
+    safetensors.torch.save_file({"a": torch.arange(4096.0)}, path)
+    assert torch.equal(map_tensor(SafetensorsFile(str(path)).tensors["a"]), torch.arange(4096.0))
