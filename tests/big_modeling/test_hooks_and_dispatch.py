@@ -363,3 +363,14 @@ def test_a_broken_offload_index_or_folder_names_the_weight_and_file(tmp_path, ki
         model(sample_ids())
     assert (info.value.key, info.value.path) == (key, path)
     assert key in str(info.value) and (path is None or path in str(info.value))
+
+
+def test_offloaded_weights_loader_is_a_mapping_that_refuses_unknown_names(tmp_path):
+    from nbaccel import OffloadedWeightsLoader
+    from nbaccel.big_modeling.offload import offload_state_dict
+
+    offload_state_dict(tmp_path, {"w": torch.ones(3)})
+    weights = OffloadedWeightsLoader(state_dict={"b": torch.zeros(1)}, save_folder=tmp_path)
+    assert sorted(weights) == ["b", "w"] and torch.equal(weights["w"], torch.ones(3))
+    with pytest.raises(KeyError, match="missing"):
+        weights["missing"]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from nbaccel import notebook_launcher
 from tests.cli.helpers import env_with, nbaccel
 
 
@@ -28,3 +31,28 @@ def test_a_check_that_does_not_finish_in_time_is_reported_as_failed(tmp_path):
     result = nbaccel("test", "--num_processes", "2", "--timeout", "0.2")
     assert result.returncode == 1
     assert "nbaccel test: FAILED: the check did not finish (timeout)." in result.stderr
+
+
+def _check_with_a_no_op_all_reduce():
+    import torch.distributed as dist
+
+    from nbaccel.cli.test_cmd import sanity_check
+
+    dist.all_reduce = lambda *args, **kwargs: None  # a collective that silently does nothing
+    return sanity_check()
+
+
+def _check_with_a_ddp_that_does_not_average():
+    import torch
+
+    from nbaccel.cli.test_cmd import sanity_check
+
+    torch.nn.parallel.DistributedDataParallel = lambda module, **kwargs: module  # gradients stay per rank
+    return sanity_check()
+
+
+def test_the_check_catches_a_collective_that_gives_wrong_results():
+    with pytest.raises(RuntimeError, match=r"all_reduce gave 1.0 on rank 0, expected 3.0"):
+        notebook_launcher(_check_with_a_no_op_all_reduce, num_processes=2)
+    with pytest.raises(RuntimeError, match=r"after one DDP step the ranks' weights differ by .*not averaged"):
+        notebook_launcher(_check_with_a_ddp_that_does_not_average, num_processes=2)

@@ -187,3 +187,16 @@ def test_fsdp_mixed_precision_policy_from_names_and_dicts():
     with pytest.raises(nbaccel.ConfigError) as info:
         nbaccel.FullyShardedDataParallelPlugin(mixed_precision_policy="fp8")
     assert info.value.value == "fp8" and info.value.valid == ["bf16", "fp16", "fp32"]
+
+
+def test_fsdp_plugin_errors_name_the_setting_and_the_valid_values():
+    from nbaccel.errors import ConfigError
+    from nbaccel.fsdp import _wrap_targets
+
+    with pytest.raises(ConfigError) as info:
+        nbaccel.FullyShardedDataParallelPlugin(mixed_precision_policy=3)
+    assert info.value.key == "mixed_precision_policy" and "bf16" in info.value.valid
+    plugin = nbaccel.FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["NoSuchBlock"])
+    with pytest.raises(ConfigError) as info:
+        _wrap_targets(torch.nn.Sequential(torch.nn.Linear(2, 2)), plugin)
+    assert "matches no submodule of Sequential" in str(info.value) and "'Linear'" in str(info.value)
