@@ -153,13 +153,22 @@ class DataLoaderShard(DataLoader):
             return batch
         return send_to_device(batch, self.device, self.non_blocking)
 
-    def __iter__(self) -> Iterator[Any]:
+    def _start_pass(self) -> None:
+        """Before a pass: the epoch reaches the sampler and dataset, and where the pass starts is recorded."""
         owner = self._epoch_owner
         self._apply_epoch(owner.iteration)
         owner._start_generator_state = self.sync_generator.get_state() if self.sync_generator is not None else None
         self._seed_pass()
         owner._in_progress = True
         self._begin()
+
+    def _end_pass(self) -> None:
+        owner = self._epoch_owner
+        owner.iteration += 1
+        owner._in_progress = False
+
+    def __iter__(self) -> Iterator[Any]:
+        self._start_pass()
         try:
             it = super().__iter__()
             current = next(it, _END)
@@ -173,8 +182,7 @@ class DataLoaderShard(DataLoader):
                     yield self._place(current)
                 index += 1
                 current = upcoming
-            owner.iteration += 1
-            owner._in_progress = False
+            self._end_pass()
         finally:
             self.gradient_state._remove_dataloader(self)
 
@@ -206,12 +214,11 @@ class DataLoaderDispatcher(DataLoaderShard):
         parts = [b for b in (next(it, _END) for _ in range(self.num_processes)) if b is not _END]
         return concatenate(parts) if parts else _END
 
+    def _seed_pass(self) -> None:
+        """Rank 0 reads every batch through its own sampler: nothing to seed per pass here."""
+
     def __iter__(self) -> Iterator[Any]:
-        owner = self._epoch_owner
-        self._apply_epoch(owner.iteration)  # rank 0 reads: its sampler and dataset must see the epoch
-        owner._start_generator_state = self.sync_generator.get_state() if self.sync_generator is not None else None
-        owner._in_progress = True
-        self._begin()
+        self._start_pass()  # rank 0 reads: its sampler and dataset must see the epoch
         first: Any = None
         try:
             it = DataLoader.__iter__(self) if self.process_index == 0 else iter(())
@@ -233,8 +240,7 @@ class DataLoaderDispatcher(DataLoaderShard):
                     yield self._place(self._slice(batch, first))
                 index += 1
                 current = upcoming
-            owner.iteration += 1
-            owner._in_progress = False
+            self._end_pass()
         finally:
             self.gradient_state._remove_dataloader(self)
 

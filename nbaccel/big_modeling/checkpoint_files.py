@@ -76,6 +76,12 @@ def anonymous_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
     return raw.view(dtype).reshape(shape)
 
 
+def _truncated(info: TensorInfo, file_size: int) -> CheckpointError:
+    return CheckpointError(f"{info.path} ends after {file_size} bytes, inside a tensor that should end at byte "
+                           f"{info.offset + info.nbytes}: the file is truncated. Save or download it again.",
+                           path=info.path)
+
+
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+; Python names it from 3.13
 
 
@@ -114,9 +120,7 @@ def map_tensor(info: TensorInfo) -> torch.Tensor:
     with open(info.path, "rb") as handle:
         size = os.fstat(handle.fileno()).st_size
         if size < info.offset + info.nbytes:
-            raise CheckpointError(
-                f"{info.path} ends after {size} bytes, inside a tensor that should end at byte "
-                f"{info.offset + info.nbytes}: the file is truncated. Save or download it again.", path=info.path)
+            raise _truncated(info, size)
         mapped = mmap.mmap(handle.fileno(), info.offset + info.nbytes - start, flags=mmap.MAP_PRIVATE,
                            prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
     _prefault(mapped)
@@ -153,10 +157,7 @@ def read_tensor(info: TensorInfo, release_on_free: bool = False) -> torch.Tensor
         while done < info.nbytes:
             n = os.preadv(fd, [view[done:]], info.offset + done)
             if n == 0:
-                raise CheckpointError(
-                    f"{info.path} ends after {info.offset + done} bytes, inside a tensor that "
-                    f"should end at byte {info.offset + info.nbytes}: the file is truncated. "
-                    "Save or download it again.", path=info.path)
+                raise _truncated(info, info.offset + done)
             done += n
     finally:
         os.close(fd)

@@ -61,9 +61,9 @@ def _hook_sites(module: nn.Module, name: str, preload: Sequence[str]
     ``ParameterList``, say) holds tensors its forward uses directly.
     """
     seen: set[int] = set()
-    todo = [(name, module)]
+    todo = [(name, module)]  # a stack: depth first, children in order
     while todo:
-        site, current = todo.pop(0)
+        site, current = todo.pop()
         if id(current) in seen:
             continue  # one module under two names gets one hook
         seen.add(id(current))
@@ -73,7 +73,7 @@ def _hook_sites(module: nn.Module, name: str, preload: Sequence[str]
             yield site, current, whole
         if not whole:
             dot = f"{site}." if site else ""
-            todo = [(dot + n, c) for n, c in current.named_children()] + todo
+            todo.extend(reversed([(dot + n, c) for n, c in current.named_children()]))
 
 
 def _split_overlaps(model: nn.Module, device_map: dict[str, MapDevice]) -> dict[str, MapDevice]:

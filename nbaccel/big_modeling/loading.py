@@ -153,9 +153,10 @@ def _load(model: nn.Module, checkpoint: str | os.PathLike,
     return index
 
 
-def _check_whole_tensor_loading(full_state_dict: bool, broadcast_from_rank0: bool) -> None:
-    """Reject Accelerate's FSDP/DTensor loading options: nbaccel loads whole tensors into plain
-    modules, in every process that asks."""
+def _check_whole_tensor_loading(full_state_dict: bool, broadcast_from_rank0: bool,
+                                offload_8bit_bnb: bool = False) -> None:
+    """Reject Accelerate's FSDP/DTensor and bitsandbytes loading options: nbaccel loads whole
+    tensors into plain modules, in every process that asks."""
     if full_state_dict is not True:
         raise ConfigError(
             f"full_state_dict={full_state_dict!r} is not supported: nbaccel loads whole tensors "
@@ -169,6 +170,12 @@ def _check_whole_tensor_loading(full_state_dict: bool, broadcast_from_rank0: boo
             "Drop the argument and let each process load the checkpoint (safetensors files are "
             "memory-mapped, so processes on one machine share the pages).",
             key="broadcast_from_rank0", value=broadcast_from_rank0, valid=[False])
+    if offload_8bit_bnb is not False:
+        raise ConfigError(
+            f"offload_8bit_bnb={offload_8bit_bnb!r} is not supported: nbaccel does not handle "
+            "bitsandbytes 8-bit modules, so only offload_8bit_bnb=False is valid. Drop the "
+            "argument, or load quantized models with transformers' from_pretrained.",
+            key="offload_8bit_bnb", value=offload_8bit_bnb, valid=[False])
 
 
 def load_checkpoint_in_model(model: nn.Module, checkpoint: str | os.PathLike,
@@ -225,13 +232,7 @@ def load_checkpoint_in_model(model: nn.Module, checkpoint: str | os.PathLike,
         >>> model.weight.device.type
         'cpu'
     """
-    _check_whole_tensor_loading(full_state_dict, broadcast_from_rank0)
-    if offload_8bit_bnb is not False:
-        raise ConfigError(
-            f"offload_8bit_bnb={offload_8bit_bnb!r} is not supported: nbaccel does not handle "
-            "bitsandbytes 8-bit modules, so only offload_8bit_bnb=False is valid. Drop the "
-            "argument, or load quantized models with transformers' from_pretrained.",
-            key="offload_8bit_bnb", value=offload_8bit_bnb, valid=[False])
+    _check_whole_tensor_loading(full_state_dict, broadcast_from_rank0, offload_8bit_bnb)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.removeprefix("torch."))
     checked = None if device_map is None else check_device_map(model, device_map)
