@@ -17,8 +17,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from nbaccel.environment import apply_environment, read_distributed_env
+from nbaccel.environment import apply_environment, single_process_environment
 from nbaccel.errors import ConfigError
+from nbaccel.identity import current_identity
 from nbaccel.optimizer import AcceleratedOptimizer
 from nbaccel.scheduler import AcceleratedScheduler
 
@@ -145,20 +146,14 @@ def prepare_deepspeed(accelerator: Any, args: tuple[Any, ...]) -> list[Any]:
 
 def _ensure_process_group(accelerator: Any) -> None:
     """DeepSpeed needs a process group even in one process: join one of size 1 on loopback."""
-    import socket
-
     dist = torch.distributed
     if dist.is_initialized():
         return
-    if read_distributed_env() is not None:
+    if current_identity() is not None:
         accelerator.state.init_process_group()
         return
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     # DeepSpeed reads torchrun's variables itself (LOCAL_RANK above all): give this process a world of one.
-    apply_environment({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    apply_environment(single_process_environment())
     accelerator.state.init_process_group()
 
 

@@ -43,6 +43,7 @@ __all__ = [
     "read_distributed_env",
     "read_worker_settings",
     "settings_from_fields",
+    "single_process_environment",
     "temporary_environment",
     "tpu_detected",
     "worker_environment",
@@ -417,3 +418,23 @@ def settings_from_fields(**fields: object) -> WorkerSettings:
     """Build :class:`WorkerSettings` from the fields it knows, ignoring the rest."""
     names = {f.name for f in dataclasses.fields(WorkerSettings)}
     return WorkerSettings(**{k: v for k, v in fields.items() if k in names})  # type: ignore[arg-type]
+
+
+def single_process_environment(port: int | None = None) -> dict[str, str]:
+    """torchrun's variables for a world of one on loopback (``port=None``: a free port).
+
+    Used where a lone process still needs them: DeepSpeed outside a launch, and a script run by
+    ``nbaccel launch`` on one worker, so that its own ``init_process_group()`` works.
+
+    Example:
+        >>> single_process_environment(29500)["WORLD_SIZE"], single_process_environment(29500)["MASTER_PORT"]
+        ('1', '29500')
+    """
+    if port is None:
+        import socket
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+    return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "NODE_RANK": "0",
+            "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}

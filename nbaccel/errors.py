@@ -28,9 +28,9 @@
     └── CheckpointMismatchError            checkpoint and model disagree (missing or unexpected
                                            keys, shape mismatches)
 
-Exceptions raised *inside* a worker are re-raised in the caller as their own type; the
-failure report travels on them as the ``launch_failures`` attribute (see
-:mod:`nbaccel.launch.failures`).
+Exceptions raised *inside* a worker are re-raised in the caller as their own type *and* as a
+``WorkerFailedError``; every rank's failure, root cause first, travels on them as ``failures``
+(also ``launch_failures``); see :mod:`nbaccel.launch.failures`.
 """
 
 from __future__ import annotations
@@ -110,19 +110,36 @@ class PayloadPicklingError(LaunchError):
 
 
 class WorkerFailedError(LaunchError):
-    """A worker failed in a way that cannot be re-raised as its own exception type.
+    """One or more workers of a launch failed: the family every worker failure belongs to.
+
+    Catch this to handle any failed launch, on one machine or several. When the root-cause
+    worker raised an ``Exception``, the error raised in the caller is an instance of *both* its
+    own type and this class (``except KeyError`` and ``except WorkerFailedError`` both catch it);
+    a plain ``WorkerFailedError`` means its exception could not be rebuilt here, and
+    :class:`ProcessExitedError` that it exited or was killed without raising one.
 
     Attributes:
-        failures: the :class:`~nbaccel.launch.failures.WorkerFailure` records, root cause first.
+        failures: every failed rank's :class:`~nbaccel.launch.failures.WorkerFailure`, root cause first.
     """
 
-    def __init__(self, msg: str, failures: tuple = ()) -> None:
-        super().__init__(msg)
-        self.failures = failures
+    failures: tuple = ()
+
+    def __init__(self, *args: object, failures: tuple = ()) -> None:
+        # *args: the user's exception type may sit before this class in a re-raised error's MRO
+        # and pass its own arguments up through super().__init__.
+        super().__init__(*args)
+        if failures:
+            self.failures = tuple(failures)
 
     @property
-    def root_cause(self):  # -> WorkerFailure
+    def root_cause(self):  # -> WorkerFailure | None
+        """The earliest failure (the first of :attr:`failures`)."""
         return self.failures[0] if self.failures else None
+
+    @property
+    def launch_failures(self) -> tuple:
+        """The same as :attr:`failures` (the name nbaccel used first)."""
+        return self.failures
 
 
 class ProcessExitedError(WorkerFailedError):

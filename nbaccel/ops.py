@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from nbaccel.errors import ConfigError, DistributedOperationError
+from nbaccel.identity import current_identity
 
 __all__ = [
     "broadcast",
@@ -94,9 +95,8 @@ def _world() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
     if "torch_xla" in sys.modules:  # XLA replicas have no torch.distributed group
-        from nbaccel.state import ProcessState
-
-        return ProcessState().num_processes
+        identity = current_identity()
+        return identity.world_size if identity is not None else 1
     return 1
 
 

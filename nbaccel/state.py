@@ -14,21 +14,15 @@ from __future__ import annotations
 
 import enum
 import gc
-import sys
 import threading
 from datetime import timedelta
 from typing import Any
 
 import torch
 
-from nbaccel.environment import (
-    DistributedEnv,
-    MixedPrecision,
-    read_distributed_env,
-    read_worker_settings,
-    tpu_detected,
-)
+from nbaccel.environment import MixedPrecision, read_worker_settings, tpu_detected
 from nbaccel.errors import ConfigError
+from nbaccel.identity import WorkerIdentity, current_identity
 
 __all__ = ["DistributedType", "ProcessState", "reset_process_state"]
 
@@ -64,19 +58,11 @@ _shared: dict[str, Any] = {}
 _per_replica: dict[int, dict[str, Any]] = {}
 
 
-def _thread_replica() -> Any:
-    """The calling thread's XLA replica when several share this process, else ``None`` (imports nothing)."""
-    xla_launch = sys.modules.get("nbaccel.launch.xla")
-    replica = xla_launch.current_replica() if xla_launch is not None else None
-    return replica if replica is not None and replica.shares_process else None
-
-
-def _state_dict() -> dict[str, Any]:
-    replica = _thread_replica()
-    if replica is None:
+def _state_dict(identity: WorkerIdentity | None) -> dict[str, Any]:
+    if identity is None or not identity.shares_process:
         return _shared
     with _lock:
-        return _per_replica.setdefault(replica.rank, {})
+        return _per_replica.setdefault(identity.rank, {})
 
 
 class ProcessState:
@@ -85,7 +71,7 @@ class ProcessState:
     All instances in one process share their state; the first one made decides ``cpu`` (a later
     ``cpu=True`` while the state is on an accelerator is a :class:`~nbaccel.errors.ConfigError`). XLA
     replicas that run as threads of one process each have their own (rank and world size from
-    the XLA launcher, not from the shared environment).
+    their :class:`~nbaccel.identity.WorkerIdentity`, not from the shared environment).
 
     Args:
         cpu: run on CPU even where accelerators exist.
@@ -103,7 +89,8 @@ class ProcessState:
 
     def __init__(self, cpu: bool = False, backend: str | None = None,
                  timeout: timedelta | None = None) -> None:
-        self.__dict__ = _state_dict()
+        identity = current_identity()  # the one answer to "which rank am I" (nbaccel.identity)
+        self.__dict__ = _state_dict(identity)
         if self.__dict__.get("_initialized"):
             if cpu and self.device.type != "cpu":
                 raise ConfigError(
@@ -113,14 +100,9 @@ class ProcessState:
                     "Accelerator, or run the training through notebook_launcher(..., use_cpu=True)",
                     key="cpu", value=cpu, valid=f"False (the state is on {self.device})")
             return
-        replica = _thread_replica()
         with _lock:
             settings = read_worker_settings()
-            dist = read_distributed_env()
-            if replica is not None:
-                dist = DistributedEnv(rank=replica.rank, local_rank=replica.rank, world_size=replica.world_size,
-                                      local_world_size=replica.world_size, node_rank=0,
-                                      master_addr="127.0.0.1", master_port=0)
+            dist = identity
             self.settings = settings
             self.use_cpu = bool(cpu or settings.use_cpu)
             self.process_index = dist.rank if dist else 0

@@ -12,10 +12,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import re
 import runpy
 import signal
-import socket
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -25,15 +23,14 @@ from typing import Any, get_args
 from nbaccel.cli.main import UsageError
 from nbaccel.cli.slurm import read_slurm
 from nbaccel.config import LaunchConfig, load_config
-from nbaccel.environment import MixedPrecision
+from nbaccel.environment import MixedPrecision, single_process_environment
 from nbaccel.errors import ConfigError, NbaccelError, WorkerFailedError
+from nbaccel.launch.tracebacks import trim_traceback
 
 __all__ = ["Terminated", "add_launch_flags", "launch_function", "register", "report_failure",
            "resolve_config", "run_script"]
 
 _DEFAULT_MULTI_NODE_PORT = 29500
-_INTERNAL_FRAMES = re.compile(r"(^<frozen runpy>|[/\\](nbaccel[/\\](launch|cli)[/\\][^/\\]+\.py|runpy\.py|"
-                              r"torch[/\\]distributed[/\\]elastic[/\\].+\.py))$")
 _FLAG_OF_KEY = {"use_cpu": "cpu"}
 
 
@@ -52,15 +49,6 @@ class Terminated(BaseException):
 # ----------------------------------------------------------------------------- the worker side
 
 
-def _single_worker_variables() -> dict[str, str]:
-    """torchrun's variables for a world of one, so a script's ``init_process_group()`` works there too."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "NODE_RANK": "0",
-            "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-
-
 def run_script(target: str, script_args: Sequence[str], as_module: bool = False) -> None:
     """Run ``target`` as ``__main__`` in this worker, as ``python target *script_args`` would.
 
@@ -70,7 +58,7 @@ def run_script(target: str, script_args: Sequence[str], as_module: bool = False)
         as_module: run ``python -m target`` instead of a file.
     """
     if "WORLD_SIZE" not in os.environ:
-        os.environ.update(_single_worker_variables())
+        os.environ.update(single_process_environment())
     sys.argv = [target, *script_args]
     if as_module:
         sys.path[0:1] = [os.getcwd()]
@@ -155,36 +143,20 @@ def _sigterm_stops_workers() -> Iterator[None]:
 
 
 def launch_function(function: Callable[..., Any], args: Sequence[Any], cfg: LaunchConfig, *,
-                    hang_timeout: float | None = None, return_all: bool = False, rdzv_id: str = "none") -> Any:
+                    hang_timeout: float | None = None, return_all: bool = False, rdzv_id: str = "none",
+                    warm_imports: bool | None = None) -> Any:
     """Run ``function(*args)`` as ``cfg`` says: this machine's supervisor, or elastic across machines."""
-    from nbaccel.launch.launcher import notebook_launcher
+    from nbaccel.launch.registry import launch
+    from nbaccel.launch.request import build_request
 
     if cfg.start_method != "spawn":
         import torch  # noqa: F401 - once here, so forked workers share it instead of importing it each
 
+    port = cfg.main_process_port or (_DEFAULT_MULTI_NODE_PORT if cfg.num_machines > 1 else None)
+    request = build_request(function, args, config=cfg, hang_timeout=None if cfg.num_machines > 1 else hang_timeout,
+                            return_all=return_all, rdzv_id=rdzv_id, use_port=port, warm_imports=warm_imports)
     with _sigterm_stops_workers():
-        if cfg.num_machines > 1:
-            port = cfg.main_process_port or _DEFAULT_MULTI_NODE_PORT
-            return notebook_launcher(
-                function, args, config=cfg, num_nodes=cfg.num_machines, node_rank=cfg.machine_rank,
-                master_addr=cfg.main_process_ip or "127.0.0.1", use_port=port, rdzv_backend=cfg.rdzv_backend,
-                rdzv_endpoint=f"{cfg.main_process_ip}:{port}", rdzv_id=rdzv_id, return_all=return_all)
-        return notebook_launcher(function, args, config=cfg, hang_timeout=hang_timeout, return_all=return_all)
-
-
-def _trim(traceback_text: str) -> str:
-    """Drop the launcher's own frames (runpy, nbaccel.launch, the CLI) from a worker's traceback."""
-    out: list[str] = []
-    skipping = False
-    for line in traceback_text.splitlines(keepends=True):
-        match = re.match(r'  File "(.+)", line \d+', line)
-        if match:
-            skipping = bool(_INTERNAL_FRAMES.search(match.group(1)))
-        elif not line.startswith("    "):
-            skipping = False
-        if not skipping:
-            out.append(line)
-    return "".join(out)
+        return launch(request)
 
 
 def report_failure(exc: BaseException, prog: str, *, trim: bool = True) -> int | None:
@@ -195,12 +167,12 @@ def report_failure(exc: BaseException, prog: str, *, trim: bool = True) -> int |
     """
     from nbaccel.launch.failures import format_report
 
-    failures = getattr(exc, "launch_failures", None) or (exc.failures if isinstance(exc, WorkerFailedError) else None)
+    failures = exc.failures if isinstance(exc, WorkerFailedError) else getattr(exc, "failures", None)
     if not failures:
         return None
     root = failures[0]
     if root.traceback and root.exc_type != "SystemExit":
-        sys.stderr.write(f"{prog}: traceback of rank {root.rank} (the root cause):\n{(_trim(root.traceback) if trim else root.traceback).rstrip()}\n")
+        sys.stderr.write(f"{prog}: traceback of rank {root.rank} (the root cause):\n{(trim_traceback(root.traceback) if trim else root.traceback).rstrip()}\n")
     sys.stderr.write(f"{prog}: error: {format_report(failures)}\n")
     sys.stderr.flush()
     if isinstance(exc, SystemExit):
@@ -210,6 +182,21 @@ def report_failure(exc: BaseException, prog: str, *, trim: bool = True) -> int |
     if root.signal is not None:
         return 128 + root.signal
     return root.exitcode if root.exitcode else 1
+
+
+def _script_builds_ddp(args: argparse.Namespace) -> bool:
+    """Whether the script looks like it builds a DDP model (then the launcher imports what DDP needs once)."""
+    from nbaccel.launch.warmup import may_build_ddp, source_names
+
+    if args.module:
+        spec = importlib.util.find_spec(args.script)
+        origin = spec.origin if spec is not None else None
+    else:
+        origin = args.script
+    try:
+        return may_build_ddp(names=source_names(Path(origin).read_text())) if origin else False
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def _check_target(args: argparse.Namespace) -> None:
@@ -268,12 +255,13 @@ def run(args: argparse.Namespace) -> int:
     _check_target(args)
     try:
         launch_function(run_script, (args.script, list(args.script_args), args.module), cfg,
-                        hang_timeout=args.hang_timeout, rdzv_id=os.environ.get("SLURM_JOB_ID", "none"))
+                        hang_timeout=args.hang_timeout, rdzv_id=os.environ.get("SLURM_JOB_ID", "none"),
+                        warm_imports=_script_builds_ddp(args))
     except Terminated as exc:
         print(f"nbaccel launch: {exc}; every worker was stopped", file=sys.stderr, flush=True)
         return 128 + exc.signum
     except KeyboardInterrupt as exc:
-        if getattr(exc, "launch_failures", None):
+        if getattr(exc, "failures", None):
             return report_failure(exc, "nbaccel launch") or 130
         print("nbaccel launch: interrupted; every worker was stopped", file=sys.stderr, flush=True)
         return 130

@@ -1,29 +1,37 @@
-"""Multi-machine launches through torch's elastic agent (an existing, well-tested engine).
+"""The elastic launcher: multi-machine launches through torch's elastic agent (an existing, well-tested engine).
 
 Each machine runs one launcher; their agents meet through a c10d (or static) rendezvous and
-start their local workers. Failures come back as nbaccel's failure report, root cause first.
-The agent installs signal handlers in the calling process and leaves them there; they are
-saved and restored around the call.
+start their local workers. Every worker records its identity from the agent's variables, runs
+the function, and on failure writes torch's error file with nbaccel's report in it (the
+exception pickled, as a local worker sends it), so a failure on several machines is raised as
+on one: the :class:`~nbaccel.errors.WorkerFailedError` family, the worker's own type joined in,
+root cause first. The agent installs signal handlers in the calling process and leaves them
+there; they are saved and restored around the call.
 """
 
 from __future__ import annotations
 
+import base64
 import functools
+import json
+import os
 import signal
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
-from nbaccel.config import LaunchConfig
-from nbaccel.environment import apply_environment, worker_environment
-from nbaccel.errors import ConfigError
+from nbaccel.environment import apply_environment, read_distributed_env, worker_environment
+from nbaccel.identity import WorkerIdentity, set_identity
 from nbaccel.launch.failures import WorkerFailure, raise_failures
-from nbaccel.launch.preflight import plan_launch, say
+from nbaccel.launch.request import LaunchRequest
+from nbaccel.launch.worker import describe_error
 
-__all__ = ["launch_multi_node"]
+__all__ = ["LAUNCHER", "ElasticLauncher"]
 
 _HANDLED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+_REPORT_KEY = "nbaccel"
 
 
 @contextmanager
@@ -37,15 +45,33 @@ def _signal_handlers_restored() -> Iterator[None]:
                 signal.signal(getattr(signal, name), handler)
 
 
-def _entry(function: Callable[..., Any], env: Mapping[str, str], kwargs: Mapping[str, Any],
-           *args: Any) -> Any:
-    from torch.distributed.elastic.multiprocessing.errors import record
+def _write_error_file(exc: BaseException) -> None:
+    """torch's error file (its ``record`` format), with nbaccel's report of ``exc`` added."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    report = describe_error(exc)
+    pickled = report.pop("exception")
+    report["exception"] = base64.b64encode(pickled).decode() if pickled is not None else None
+    data = {"message": {"message": f"{type(exc).__name__}: {exc}", "extraInfo": {
+        "py_callstack": report["traceback"], "timestamp": str(int(report["time"])), _REPORT_KEY: report}}}
+    with open(path, "w") as handle:
+        json.dump(data, handle)
 
+
+def _entry(function: Callable[..., Any], env: Mapping[str, str], kwargs: Mapping[str, Any], *args: Any) -> Any:
+    """The worker body under the agent: identity -> run -> report (in the error file)."""
     import nbaccel.state
 
     apply_environment(env)
     nbaccel.state.reset_process_state()
-    return record(function)(*args, **kwargs)
+    dist = read_distributed_env()
+    set_identity(WorkerIdentity.from_distributed_env(dist) if dist is not None else None)
+    try:
+        return function(*args, **kwargs)
+    except BaseException as exc:
+        _write_error_file(exc)
+        raise
 
 
 def _failures(error: Any) -> list[WorkerFailure]:
@@ -54,65 +80,54 @@ def _failures(error: Any) -> list[WorkerFailure]:
         data = failure.error_file_data or {}
         info = data.get("message", {}) if isinstance(data.get("message"), dict) else {}
         extra = info.get("extraInfo", {}) if isinstance(info, dict) else {}
+        ours = extra.get(_REPORT_KEY) if isinstance(extra, dict) else None
+        signal_number = -failure.exitcode if failure.exitcode < 0 else None
+        if isinstance(ours, dict):
+            pickled = ours.get("exception")
+            out.append(WorkerFailure(
+                rank=rank, pid=failure.pid, time=float(ours.get("time", time.time())), exitcode=failure.exitcode,
+                signal=signal_number, exc_type=ours.get("exc_type", ""), message=ours.get("message", ""),
+                traceback=ours.get("traceback", ""), exception=base64.b64decode(pickled) if pickled else None))
+            continue
         message = info.get("message", "") if isinstance(info, dict) else str(failure.message)
         exc_type, _, text = str(message).partition(": ")
         out.append(WorkerFailure(
             rank=rank, pid=failure.pid, time=float(failure.timestamp), exitcode=failure.exitcode,
-            signal=-failure.exitcode if failure.exitcode < 0 else None,
-            exc_type=exc_type if text else "", message=text or str(failure.message),
+            signal=signal_number, exc_type=exc_type if text else "", message=text or str(failure.message),
             traceback=extra.get("py_callstack", "")))
     return out
 
 
-def launch_multi_node(function: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
-                      cfg: LaunchConfig, *, master_addr: str, rdzv_backend: str, rdzv_endpoint: str,
-                      rdzv_conf: Mapping[str, Any], rdzv_id: str, max_restarts: int, monitor_interval: float,
-                      log_line_prefix_template: str | None, return_all: bool) -> Any:
-    """Run this machine's share of a multi-machine job.
+class ElasticLauncher:
+    """Runs this machine's share of a multi-machine request under torch's elastic agent."""
 
-    Returns:
-        ``{global_rank: value}`` for this machine's workers when ``return_all``, else the value of
-        global rank 0 when it runs here, or of this machine's first worker.
+    name = "elastic"
 
-    Raises:
-        ConfigError: the rendezvous settings are incomplete.
-        BaseException: the root cause of a worker failure, as in single-machine launches.
-    """
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig as ElasticConfig
-    from torch.distributed.launcher.api import elastic_launch
+    def launch(self, request: LaunchRequest) -> dict[int, Any]:
+        """``{global_rank: value}`` for this machine's workers, or the root-cause failure raised."""
+        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.launcher.api import LaunchConfig as ElasticConfig
+        from torch.distributed.launcher.api import elastic_launch
 
-    if rdzv_backend not in ("static", "c10d"):
-        raise ConfigError(f"rdzv_backend must be 'static' or 'c10d' (got {rdzv_backend!r})",
-                          key="rdzv_backend", value=rdzv_backend, valid=("static", "c10d"))
-    endpoint = rdzv_endpoint or (f"{cfg.main_process_ip or master_addr}:{cfg.main_process_port}"
-                                 if cfg.main_process_port else "")
-    if not endpoint:
-        raise ConfigError("a multi-machine launch needs a rendezvous endpoint. Fix: pass "
-                          "rdzv_endpoint='host:port' (or use_port= with master_addr=).",
-                          key="rdzv_endpoint", value=rdzv_endpoint, valid="'host:port'")
-    plan = plan_launch(cfg)
-    say(plan.note)
-    n = plan.num_processes
-    conf = dict(rdzv_conf)
-    if rdzv_backend == "static":
-        conf.setdefault("rank", cfg.machine_rank)
-    elastic = ElasticConfig(
-        min_nodes=cfg.num_machines, max_nodes=cfg.num_machines, nproc_per_node=n, run_id=rdzv_id,
-        rdzv_endpoint=endpoint, rdzv_backend=rdzv_backend, rdzv_configs=conf, max_restarts=max_restarts,
-        monitor_interval=monitor_interval, start_method=plan.start_method,
-        log_line_prefix_template=log_line_prefix_template or "[rank${rank}]: ")
-    env = worker_environment(plan.settings, threads=plan.threads, visible_gpus=plan.visible_gpus)
-    entry = functools.update_wrapper(functools.partial(_entry, function, env, dict(kwargs)), function)
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+        rdzv, cfg, plan = request.rendezvous, request.config, request.plan
+        assert rdzv is not None, "build_request sets the rendezvous of every multi-machine request"
+        n = plan.num_processes
+        elastic = ElasticConfig(
+            min_nodes=cfg.num_machines, max_nodes=cfg.num_machines, nproc_per_node=n, run_id=rdzv.run_id,
+            rdzv_endpoint=rdzv.endpoint, rdzv_backend=rdzv.backend, rdzv_configs=dict(rdzv.conf),
+            max_restarts=rdzv.max_restarts, monitor_interval=rdzv.monitor_interval, start_method=plan.start_method,
+            log_line_prefix_template=rdzv.log_line_prefix_template or "[rank${rank}]: ")
+        env = worker_environment(plan.settings, threads=plan.threads, visible_gpus=plan.visible_gpus)
+        function = request.function
+        entry = functools.update_wrapper(functools.partial(_entry, function, env, dict(request.kwargs)), function)
+        with _signal_handlers_restored(), tempfile.TemporaryDirectory(prefix="nbaccel-elastic-") as logs:
+            elastic.logs_specs = DefaultLogsSpecs(log_dir=logs, tee=Std.ALL)
+            try:
+                results: dict[int, Any] = elastic_launch(elastic, entry)(*request.args)
+            except ChildFailedError as error:
+                raise_failures(_failures(error), cfg.num_machines * n)
+        return dict(results)  # the agent keys results by global rank
 
-    with _signal_handlers_restored(), tempfile.TemporaryDirectory(prefix="nbaccel-elastic-") as logs:
-        elastic.logs_specs = DefaultLogsSpecs(log_dir=logs, tee=Std.ALL)
-        try:
-            results: dict[int, Any] = elastic_launch(elastic, entry)(*args)
-        except ChildFailedError as error:
-            raise_failures(_failures(error), cfg.num_machines * n)
-    by_global = dict(results)  # the agent keys results by global rank
-    if return_all:
-        return by_global
-    return by_global.get(0, by_global[min(by_global)] if by_global else None)
+
+LAUNCHER = ElasticLauncher()

@@ -1,10 +1,14 @@
 """Worker failures as data, and how they are raised in the caller, root cause first.
 
-The earliest failure is the root cause. A worker that raised is re-raised in the caller as the
-same exception type with its message; the remote traceback is chained as ``__cause__`` and the
-report travels on the exception as ``launch_failures``. Failures that cannot be re-raised that
-way (``os._exit``, a signal, an exception that does not unpickle) raise
-:class:`~nbaccel.errors.WorkerFailedError` / :class:`~nbaccel.errors.ProcessExitedError`.
+The earliest failure is the root cause. Every launcher (one machine or several, processes or
+XLA replicas) reports failures as :class:`WorkerFailure` records and raises them here, so a
+failed launch has one shape everywhere: an exception of the
+:class:`~nbaccel.errors.WorkerFailedError` family carrying every rank's failure on ``failures``,
+root cause first. A worker that raised an ``Exception`` is re-raised as its own type joined with
+``WorkerFailedError`` (so ``except KeyError`` still works), with its message; the remote
+traceback is chained as ``__cause__``. Failures that cannot be re-raised that way (``os._exit``,
+a signal, an exception that does not unpickle) raise :class:`~nbaccel.errors.ProcessExitedError`
+/ :class:`~nbaccel.errors.WorkerFailedError`.
 """
 
 from __future__ import annotations
@@ -89,14 +93,75 @@ def format_report(failures: Sequence[WorkerFailure], stopped: Sequence[int] = ()
     return "\n".join(lines)
 
 
+def _family_type(kind: type[BaseException]) -> type[BaseException] | None:
+    """``kind`` joined with :class:`WorkerFailedError` (cached), or ``None`` when it cannot or must not be."""
+    if issubclass(kind, WorkerFailedError):
+        return kind
+    if not issubclass(kind, Exception):  # KeyboardInterrupt, SystemExit: never caught by `except Exception`
+        return None
+    joined = _JOINED.get(kind)
+    if joined is None:
+        try:
+            joined = type(kind.__name__, (kind, WorkerFailedError), {
+                "__module__": kind.__module__, "__qualname__": kind.__qualname__,
+                "__reduce__": _reduce_joined, "__doc__": kind.__doc__})
+        except TypeError:  # a final or layout-incompatible exception type
+            return None
+        _JOINED[kind] = joined
+    return joined
+
+
+_JOINED: dict[type[BaseException], type[BaseException]] = {}
+
+
+def _reduce_joined(self: BaseException) -> tuple:
+    own = type(self).__mro__[1]
+    return (_rebuild_joined, (own, self.args, dict(self.__dict__)))
+
+
+def _rebuild_joined(own: type[BaseException], args: tuple, state: dict) -> BaseException:
+    joined = _family_type(own) or own
+    exc = joined.__new__(joined, *args)
+    # A built-in type's __init__ only stores its arguments (UnicodeError's fields, say); a user's own
+    # __init__ may transform them, and its result is already in args and state: not called again.
+    init_owner = next(k for k in own.__mro__ if "__init__" in k.__dict__)
+    (own.__init__ if init_owner.__module__ == "builtins" else BaseException.__init__)(exc, *args)
+    exc.__dict__.update(state)
+    return exc
+
+
+def _in_family(exc: BaseException, failures: tuple[WorkerFailure, ...]) -> BaseException:
+    """``exc`` as an instance of its own type and of :class:`WorkerFailedError`, carrying ``failures``."""
+    joined = _family_type(type(exc))
+    if joined is not None and joined is not type(exc):
+        try:
+            rebuilt = _rebuild_joined(type(exc), exc.args, dict(exc.__dict__))
+            for name in ("errno", "strerror", "filename", "filename2"):  # OSError's own fields
+                if hasattr(exc, name) and getattr(rebuilt, name, None) != getattr(exc, name):
+                    setattr(rebuilt, name, getattr(exc, name))
+            exc = rebuilt
+        except Exception:  # noqa: BLE001 - an odd constructor: keep the exception as it came
+            pass
+    try:
+        exc.failures = failures  # type: ignore[attr-defined]
+        if not isinstance(exc, WorkerFailedError):
+            exc.launch_failures = failures  # type: ignore[attr-defined]
+    except AttributeError:  # an exception type without a __dict__
+        pass
+    return exc
+
+
 def raise_failures(failures: Sequence[WorkerFailure], world_size: int,
                    stopped: Sequence[int] = ()) -> NoReturn:
-    """Raise the root cause in the caller.
+    """Raise the root cause in the caller, as a member of the :class:`WorkerFailedError` family.
 
     Raises:
-        BaseException: the root-cause worker's own exception type, when it could be rebuilt.
-        ProcessExitedError: the root cause exited or was killed without reporting an exception.
-        WorkerFailedError: the root cause's exception could not be rebuilt here.
+        WorkerFailedError: always a member of this family, with every rank's failure on ``failures``
+            (root cause first): the root-cause worker's own exception type joined with it when that
+            exception could be rebuilt here; :class:`ProcessExitedError` when the root cause exited
+            or was killed without reporting an exception; a plain ``WorkerFailedError`` otherwise.
+        BaseException: a root cause that is not an ``Exception`` (``KeyboardInterrupt``,
+            ``SystemExit``) is raised as it is, with ``failures`` attached.
     """
     ordered = tuple(_sorted(failures))
     root = ordered[0]
@@ -107,11 +172,11 @@ def raise_failures(failures: Sequence[WorkerFailure], world_size: int,
         except Exception:  # noqa: BLE001 - fall back to a generic error below
             exc = None
         if isinstance(exc, BaseException):
-            exc.launch_failures = ordered  # type: ignore[attr-defined]
+            exc = _in_family(exc, ordered)
             if hasattr(exc, "add_note"):
                 exc.add_note(f"[nbaccel] {report}\n[nbaccel] world size {world_size}; the traceback "
                              f"above the line is rank {root.rank}'s, in the worker.")
             raise exc.with_traceback(None) from RemoteTraceback(root.traceback)
     if not root.exc_type:
-        raise ProcessExitedError(f"{report}\n(world size {world_size})", ordered)
-    raise WorkerFailedError(f"{report}\n\n{root.traceback}", ordered) from None
+        raise ProcessExitedError(f"{report}\n(world size {world_size})", failures=ordered)
+    raise WorkerFailedError(f"{report}\n\n{root.traceback}", failures=ordered) from None

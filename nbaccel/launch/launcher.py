@@ -9,74 +9,24 @@ a status observer. Where we differ from Accelerate we do so on purpose:
 - a free loopback port is picked for every launch instead of always 29500;
 - on a CPU-only machine the workers form one gloo job without ``Accelerator(cpu=True)``;
 - when fork is unsafe (CUDA initialized in the notebook) we spawn instead of refusing.
+
+It is a thin adapter: its arguments become one :class:`~nbaccel.launch.request.LaunchRequest`
+(:func:`~nbaccel.launch.request.build_request`), which :func:`~nbaccel.launch.registry.launch`
+hands to the launcher that runs it.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from nbaccel.config import LaunchConfig, StartMethod
-from nbaccel.environment import DistributedEnv, MixedPrecision, worker_environment
-from nbaccel.errors import ConfigError
+from nbaccel.environment import MixedPrecision
 from nbaccel.launch.events import LaunchObserver
-from nbaccel.launch.output import OutputRelay
-from nbaccel.launch.preflight import LaunchPlan, plan_launch, say
-from nbaccel.launch.rendezvous import LoopbackStore
-from nbaccel.launch.starter import SpawnFiles, start_forked, start_spawned
-from nbaccel.launch.supervisor import Supervisor
+from nbaccel.launch.registry import launch
+from nbaccel.launch.request import build_request
 
 __all__ = ["debug_launcher", "notebook_launcher"]
-
-_warmed = False
-
-
-def _warm_imports() -> None:
-    """Import what every DDP worker would import itself (torch._dynamo: ~2 s each) once, here."""
-    global _warmed
-    if not _warmed and "torch" in sys.modules:
-        import torch._dynamo  # noqa: F401
-        import torch.nn.parallel  # noqa: F401
-        _warmed = True
-
-
-def _check_ranks(output_ranks: Iterable[int] | int | None, n: int) -> frozenset[int] | None:
-    if output_ranks is None:
-        return None
-    ranks = frozenset([output_ranks] if isinstance(output_ranks, int) else output_ranks)
-    bad = sorted(r for r in ranks if not isinstance(r, int) or not 0 <= r < n)
-    if bad:
-        raise ConfigError(f"output_ranks names rank {bad[0]!r}, but ranks run from 0 to {n - 1}. Fix: "
-                          f"pass ranks in 0..{n - 1}, or None to show every rank.", key="output_ranks",
-                          value=sorted(ranks, key=str), valid=list(range(n)))
-    return ranks
-
-
-def _check_single_machine_options(**given: Any) -> None:
-    """Refuse options that only nbaccel's own supervisor honours, before a multi-machine launch."""
-    used = [name for name, value in given.items() if value is not None]
-    if used:
-        raise ConfigError(f"{used[0]} is not supported for multi-machine launches (num_nodes > 1): those run "
-                          "under torch's elastic agent, which streams every rank's output and has no timeout or "
-                          f"status events. Fix: drop {used[0]}, or launch on one machine.", key=used[0],
-                          value=given[used[0]], valid=None)
-
-
-def _port_number(use_port: int | str | None) -> int | None:
-    if use_port in (None, ""):
-        return None
-    try:
-        return int(use_port)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise ConfigError(f"use_port must be a port number from 1 to 65535, or None for a free one (got "
-                          f"{use_port!r}). Fix: pass use_port=None, or a number such as 29500.", key="use_port",
-                          value=use_port, valid="1..65535 or None") from None
-
-
-def _resolve(config: LaunchConfig | None, **explicit: Any) -> LaunchConfig:
-    base = config if config is not None else LaunchConfig()
-    return base.with_overrides(**explicit)
 
 
 def notebook_launcher(
@@ -85,10 +35,10 @@ def notebook_launcher(
     num_processes: int | None = None,
     mixed_precision: MixedPrecision | None = None,
     use_port: int | str | None = None,
-    master_addr: str = "127.0.0.1",
+    master_addr: str | None = None,
     node_rank: int | None = None,
     num_nodes: int | None = None,
-    rdzv_backend: str = "static",
+    rdzv_backend: str | None = None,
     rdzv_endpoint: str = "",
     rdzv_conf: dict[str, Any] | None = None,
     rdzv_id: str = "none",
@@ -120,10 +70,11 @@ def notebook_launcher(
             (CPU-only) one per core up to 4, and says so.
         mixed_precision: ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"``; ``None`` takes the config's.
         use_port: the rendezvous port; ``None`` picks a free one (Accelerate always uses 29500).
-        master_addr: machine 0's address for multi-node runs (single-machine runs use loopback).
+        master_addr: machine 0's address for multi-node runs (single-machine runs use loopback);
+            wins over the config's ``main_process_ip``. ``None``: the config's, else ``127.0.0.1``.
         node_rank: this machine's rank in a multi-node run.
         num_nodes: machines taking part; more than one goes through torch's elastic agent.
-        rdzv_backend: ``"static"`` or ``"c10d"`` (multi-node).
+        rdzv_backend: ``"static"`` or ``"c10d"`` (multi-node); ``None``: the config's (default ``"static"``).
         rdzv_endpoint: ``host:port`` of the rendezvous (multi-node).
         rdzv_conf: extra rendezvous settings (multi-node).
         rdzv_id: the job id shared by all machines (multi-node).
@@ -152,7 +103,8 @@ def notebook_launcher(
         PayloadPicklingError: under spawn, the function or an argument cannot be pickled.
         LaunchTimeoutError: ``timeout`` passed or the watchdog fired.
         KeyboardInterrupt: the caller was interrupted; every worker was stopped.
-        BaseException: the root-cause worker's own exception, with ``launch_failures`` attached.
+        WorkerFailedError: a worker failed, on this machine or another: the root-cause worker's own
+            exception type joined with ``WorkerFailedError``, every rank's failure on ``failures``.
 
     Example:
         >>> def train(lr):
@@ -161,81 +113,15 @@ def notebook_launcher(
         >>> notebook_launcher(train, (0.1,), num_processes=2)
         2
     """
-    port = _port_number(use_port)
-    base_ip = config.main_process_ip if config is not None else None
-    endpoint_host = rdzv_endpoint.rsplit(":", 1)[0] if rdzv_endpoint else None
-    cfg = _resolve(config, main_process_ip=base_ip or endpoint_host or master_addr, num_processes=num_processes,
-                   mixed_precision=mixed_precision, use_cpu=use_cpu,
-                   machine_rank=node_rank, num_machines=num_nodes, main_process_port=port,
-                   start_method=start_method, timeout=timeout)
-    if hang_timeout is not None and hang_timeout <= 0:
-        raise ConfigError(f"hang_timeout must be a positive number of seconds or None (got {hang_timeout!r})",
-                          key="hang_timeout", value=hang_timeout, valid="> 0 or None")
-    if cfg.num_machines > 1:
-        from nbaccel.launch.elastic import launch_multi_node
-
-        _check_single_machine_options(output_ranks=output_ranks, timeout=cfg.timeout, observer=observer)
-
-        return launch_multi_node(
-            function, args, dict(kwargs or {}), cfg, master_addr=master_addr, rdzv_backend=rdzv_backend,
-            rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf or {}, rdzv_id=rdzv_id, max_restarts=max_restarts,
-            monitor_interval=monitor_interval, log_line_prefix_template=log_line_prefix_template,
-            return_all=return_all)
-    plan = plan_launch(cfg)
-    say(plan.note)
-    if plan.device_kind == "xla":
-        from nbaccel.launch.xla import launch_xla
-
-        return launch_xla(function, args, dict(kwargs or {}), plan, output_ranks=output_ranks,
-                          return_all=return_all, timeout=cfg.timeout, observer=observer)
-    shown = _check_ranks(output_ranks, plan.num_processes)
-    results = run_local(function, args, dict(kwargs or {}), plan, port=cfg.main_process_port or 0,
-                        shown=shown, timeout=cfg.timeout, hang_timeout=hang_timeout, observer=observer)
-    return results if return_all else results.get(0)
-
-
-def run_local(function: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], plan: LaunchPlan,
-              *, port: int = 0, shown: frozenset[int] | None = None, timeout: float | None = None,
-              hang_timeout: float | None = 120.0, observer: LaunchObserver | None = None) -> dict[int, Any]:
-    """Run ``plan`` on this machine's workers and return ``{rank: result}``."""
-    n = plan.num_processes
-    payload = None
-    if plan.start_method == "spawn":  # fail on an unpicklable payload before anything starts
-        from nbaccel.launch.payload import dumps_payload
-
-        payload = dumps_payload(function, args, kwargs)
-    else:
-        _warm_imports()
-    store = LoopbackStore(port=port) if n > 1 else None
-    files = SpawnFiles() if plan.start_method == "spawn" else None
-    relay = OutputRelay(show=shown, on_line=observer.on_output if observer is not None else None)
-    try:
-        envs = []
-        for rank in range(n):
-            dist = DistributedEnv(rank=rank, local_rank=rank, world_size=n, local_world_size=n, node_rank=0,
-                                  master_addr="127.0.0.1", master_port=store.port if store else 0) if n > 1 else None
-            envs.append(worker_environment(plan.settings, dist, agent_store=store is not None, loopback_only=True,
-                                           threads=plan.threads, visible_gpus=plan.visible_gpus))
-        if observer is not None:
-            observer.on_launch(list(range(n)), plan.start_method)
-        ok = False
-        try:  # the observer hears the end even when starting fails or is interrupted
-            if files is not None:
-                handles = start_spawned(function, args, kwargs, envs, files, payload=payload)
-            else:
-                handles = start_forked(function, args, kwargs, envs,
-                                       inherited_fds=[store.listen_fd] if store is not None else [])
-            results = Supervisor(handles, relay, observer, timeout=timeout, hang_timeout=hang_timeout).run()
-            ok = True
-        finally:
-            if observer is not None:
-                observer.on_end(ok)
-        return results
-    finally:
-        if store is not None:
-            store.close()
-        if files is not None:
-            files.remove()
+    request = build_request(
+        function, args, kwargs, config=config, hang_timeout=hang_timeout, output_ranks=output_ranks,
+        return_all=return_all, observer=observer, master_addr=master_addr, use_port=use_port,
+        rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf, rdzv_id=rdzv_id,
+        max_restarts=max_restarts, monitor_interval=monitor_interval,
+        log_line_prefix_template=log_line_prefix_template, num_processes=num_processes,
+        mixed_precision=mixed_precision, use_cpu=use_cpu, machine_rank=node_rank, num_machines=num_nodes,
+        start_method=start_method, timeout=timeout)
+    return launch(request)
 
 
 def debug_launcher(function: Callable[..., Any], args: Sequence[Any] = (), num_processes: int = 2) -> Any:

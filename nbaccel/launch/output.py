@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import codecs
 import sys
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Mapping
 from typing import Literal, TextIO
 
 __all__ = ["OutputRelay"]
@@ -23,14 +23,18 @@ class OutputRelay:
     Args:
         show: the ranks whose output is written to the caller's streams (``None``: all).
         on_line: called with ``(rank, stream, line)`` for every complete line of every rank.
+        labels: fixed labels for pseudo-ranks that are not workers (torch_xla's host process:
+            ``{-1: "xla"}``); their output is always shown and never passed to ``on_line``.
 
     Ranks in :attr:`capturing` also have their lines kept in :attr:`captured` (for stack dumps).
     """
 
     def __init__(self, show: Container[int] | None = None,
-                 on_line: Callable[[int, Stream, str], None] | None = None) -> None:
+                 on_line: Callable[[int, Stream, str], None] | None = None,
+                 labels: Mapping[int, str] | None = None) -> None:
         self._show = show
         self._on_line = on_line
+        self._labels = dict(labels or {})
         self._decoders: dict[tuple[int, Stream], codecs.IncrementalDecoder] = {}
         self._pending: dict[tuple[int, Stream], str] = {}
         self._open: tuple[int, Stream] | None = None  # a redrawn line without its newline yet
@@ -43,7 +47,7 @@ class OutputRelay:
         return sys.stdout if stream == "stdout" else sys.stderr
 
     def _label(self, rank: int) -> str:
-        return f"[rank{rank}]: "
+        return f"[{self._labels[rank]}]: " if rank in self._labels else f"[rank{rank}]: "
 
     def _close_open_line(self, key: tuple[int, Stream] | None = None) -> None:
         if self._open is not None and self._open != key:
@@ -65,7 +69,7 @@ class OutputRelay:
             self._redraw(rank, stream, rest)
 
     def _visible(self, rank: int) -> bool:
-        return self._show is None or rank in self._show
+        return self._show is None or rank in self._show or rank in self._labels
 
     def _redraw(self, rank: int, stream: Stream, partial: str) -> None:
         current = partial.rstrip("\r").rsplit("\r", 1)[-1]
@@ -85,7 +89,7 @@ class OutputRelay:
         self.last_line[rank] = line
         if rank in self.capturing:
             self.captured.setdefault(rank, []).append(line)
-        if self._on_line is not None:
+        if self._on_line is not None and rank not in self._labels:
             self._on_line(rank, stream, line)
         if not self._visible(rank):
             return

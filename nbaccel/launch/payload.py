@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import pickle
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import cloudpickle
 
 from nbaccel.errors import PayloadPicklingError
 
-__all__ = ["dumps_payload", "dumps_result", "loads", "to_cpu"]
+__all__ = ["dumps_payload", "dumps_result", "find_unpicklable", "loads", "to_cpu"]
 
 
 def to_cpu(value: Any) -> Any:
@@ -38,11 +38,22 @@ def to_cpu(value: Any) -> Any:
     return value
 
 
-def _try_dumps(obj: Any) -> Exception | None:
-    try:
-        cloudpickle.dumps(obj)
-    except Exception as exc:  # noqa: BLE001 - any pickling failure is the answer
-        return exc
+def find_unpicklable(candidates: Iterable[tuple[str, Any]]) -> tuple[str, Any, Exception] | None:
+    """The first ``(path, object)`` of ``candidates`` that cloudpickle refuses, with its error.
+
+    The one finder of "the object that will not pickle", for functions shipped to spawned
+    workers and for a cell's notebook variables alike.
+
+    Example:
+        >>> import threading
+        >>> find_unpicklable([("args[0]", 1), ("args[1]", threading.Lock())])[0]
+        'args[1]'
+    """
+    for path, obj in candidates:
+        try:
+            cloudpickle.dumps(obj)
+        except Exception as exc:  # noqa: BLE001 - any pickling failure is the answer
+            return path, obj, exc
     return None
 
 
@@ -70,11 +81,7 @@ def _find_culprit(function: Callable[..., Any], args: Sequence[Any],
         except ValueError:
             continue
     candidates += [(f"{name}.__globals__[{n!r}]", v) for n, v in _globals_used(function)]
-    for path, obj in candidates:
-        error = _try_dumps(obj)
-        if error is not None:
-            return path, obj, error
-    return None
+    return find_unpicklable(candidates)
 
 
 def dumps_payload(function: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> bytes:

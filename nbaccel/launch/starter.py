@@ -20,7 +20,7 @@ from typing import Any
 
 from nbaccel.environment import child_base_environment
 from nbaccel.launch.payload import dumps_payload
-from nbaccel.launch.supervisor import WorkerHandle
+from nbaccel.launch.handles import WorkerHandle
 from nbaccel.launch.worker import WorkerSpec, run_worker
 
 __all__ = ["SpawnFiles", "start_forked", "start_spawned"]

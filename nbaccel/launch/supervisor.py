@@ -5,89 +5,53 @@ of any size are read while the workers run), notices exits, stops the other rank
 failure, enforces the timeout and the hang watchdog, and on the caller's ``KeyboardInterrupt``
 stops everything (SIGTERM, then SIGKILL after a grace period) before re-raising it. Whatever
 happens, no worker outlives :meth:`Supervisor.run`.
+
+What varies between launchers is configuration, not subclassing: a :class:`SupervisorPolicy`
+(timeouts, grace period) and, where the ranks run inside another process that nbaccel started
+(torch_xla's host process), that ``host`` handle: its output is shown under its own label, its
+exit ends every rank that had not reported, and stack dumps are asked of it. How one process is
+polled and signalled is its :class:`WorkerHandle`'s business.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import selectors
 import signal
-import subprocess
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from nbaccel.errors import LaunchTimeoutError
 from nbaccel.launch.events import LaunchObserver, RankState
 from nbaccel.launch.failures import WorkerFailure, raise_failures
-from nbaccel.launch.frames import FrameReader
+from nbaccel.launch.handles import WorkerHandle, open_pidfd
 from nbaccel.launch.output import OutputRelay
 from nbaccel.launch.payload import loads
 
-__all__ = ["Supervisor", "WorkerHandle"]
+__all__ = ["Supervisor", "SupervisorPolicy"]
 
 _READ_SIZE = 1 << 20
 
 
-@dataclass
-class WorkerHandle:
-    """The supervisor's view of one worker process."""
+@dataclass(frozen=True)
+class SupervisorPolicy:
+    """How a supervisor watches its workers.
 
-    rank: int
-    pid: int
-    ctl_fd: int
-    out_fd: int
-    err_fd: int
-    popen: subprocess.Popen[bytes] | None = None
-    state: RankState = "starting"
-    result: bytes | None = None
-    error: dict[str, Any] | None = None
-    exitcode: int | None = None
-    signal: int | None = None
-    exited: bool = False
-    started_at: float | None = None
-    result_at: float | None = None
-    frames: FrameReader = field(default_factory=FrameReader)
-    pidfd: int | None = None
+    Attributes:
+        timeout: seconds after which the launch is stopped (``None``: no limit).
+        hang_timeout: after some ranks finished, seconds of silence from the rest before their
+            stacks are dumped and they are stopped (``None``: no watchdog).
+        grace: seconds between SIGTERM and SIGKILL when stopping workers.
+        poll_interval: how often exits and deadlines are checked.
+    """
 
-    def poll(self) -> bool:
-        """Reap the process if it has exited; returns whether it has."""
-        if self.exited:
-            return True
-        if self.popen is not None:
-            code = self.popen.poll()
-            if code is None:
-                return False
-            self.exitcode, self.signal = (None, -code) if code < 0 else (code, None)
-        else:
-            try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:
-                pid, status = self.pid, 0
-            if pid == 0:
-                return False
-            if os.WIFSIGNALED(status):
-                self.exitcode, self.signal = None, os.WTERMSIG(status)
-            else:
-                self.exitcode = os.waitstatus_to_exitcode(status)
-        self.exited = True
-        return True
-
-    def send(self, sig: int) -> None:
-        """Send ``sig`` unless the process is already gone."""
-        if not self.exited:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
-
-
-def _open_pidfd(pid: int) -> int | None:
-    try:
-        return os.pidfd_open(pid)
-    except (AttributeError, OSError):  # not Linux >= 5.3: exits are found by polling
-        return None
+    timeout: float | None = None
+    hang_timeout: float | None = 120.0
+    grace: float = 3.0
+    poll_interval: float = 0.05
 
 
 class Supervisor:
@@ -97,32 +61,30 @@ class Supervisor:
         workers: the started workers, one per rank.
         relay: where their output goes.
         observer: optional status panel.
-        timeout: seconds after which the launch is stopped (``None``: no limit).
-        hang_timeout: after some ranks finished, seconds of silence from the rest before their
-            stacks are dumped and they are stopped (``None``: no watchdog).
-        grace: seconds between SIGTERM and SIGKILL when stopping workers.
-        poll_interval: how often exits and deadlines are checked.
+        policy: timeouts and grace period.
+        host: a process that is not a rank but runs the ranks inside it (torch_xla's host): its
+            exit ends the ranks that had not reported, it gets the stack-dump signal, and its own
+            failure is reported only when no rank got as far as starting.
     """
 
     def __init__(self, workers: Sequence[WorkerHandle], relay: OutputRelay,
-                 observer: LaunchObserver | None = None, *, timeout: float | None = None,
-                 hang_timeout: float | None = 120.0, grace: float = 3.0,
-                 poll_interval: float = 0.05) -> None:
+                 observer: LaunchObserver | None = None, *, policy: SupervisorPolicy | None = None,
+                 host: WorkerHandle | None = None) -> None:
         self.workers = list(workers)
         self.relay = relay
         self.observer = observer
-        self.timeout = timeout
-        self.hang_timeout = hang_timeout
-        self.grace = grace
-        self.poll_interval = poll_interval
+        self.policy = policy if policy is not None else SupervisorPolicy()
+        self.host = host
+        self._host_failure: WorkerFailure | None = None
+        self._handles = ([host] if host is not None else []) + self.workers  # everything with a process
         self._selector = selectors.DefaultSelector()
         self._last_activity = time.monotonic()
         self._stopped: list[int] = []
-        for handle in self.workers:
+        for handle in self._handles:
             for fd, kind in ((handle.ctl_fd, "ctl"), (handle.out_fd, "stdout"), (handle.err_fd, "stderr")):
                 os.set_blocking(fd, False)
                 self._selector.register(fd, selectors.EVENT_READ, (handle, kind))
-            handle.pidfd = _open_pidfd(handle.pid)
+            handle.pidfd = open_pidfd(handle.pid) if handle is host or host is None else None
             if handle.pidfd is not None:  # wakes the loop the moment the worker exits
                 self._selector.register(handle.pidfd, selectors.EVENT_READ, (handle, "exit"))
 
@@ -145,26 +107,27 @@ class Supervisor:
             self._kill_remaining()
             self._close()
         if failures:
-            raise_failures(failures, len(self.workers), self._stopped)
+            raise_failures(failures, len(self.workers), [r for r in self._stopped if self._is_rank(r)])
         return {h.rank: loads(h.result) for h in self.workers if h.result is not None}
 
     # ------------------------------------------------------------------ loop
     def _watch(self, started: float) -> list[WorkerFailure]:
         failures: list[WorkerFailure] = []
         stop_deadline: float | None = None
-        while any(not h.exited for h in self.workers):
-            self._pump(self.poll_interval)
-            for handle in self.workers:
+        grace = self.policy.grace
+        while any(not h.exited for h in self._handles):
+            self._pump(self.policy.poll_interval)
+            for handle in self._handles:
                 if not handle.exited and handle.poll():
                     failure = self._on_exit(handle)
                     if failure is not None:
                         failures.append(failure)
             now = time.monotonic()
-            for handle in self.workers:  # returned, but stuck tearing down: its result stands
-                if not handle.exited and handle.result_at is not None and now - handle.result_at > self.grace + 2:
+            for handle in self._handles:  # returned, but stuck tearing down: its result stands
+                if not handle.exited and handle.result_at is not None and now - handle.result_at > grace + 2:
                     handle.send(signal.SIGKILL)
             if failures and stop_deadline is None:
-                stop_deadline = now + self.grace
+                stop_deadline = now + grace
                 self._terminate_running(signal.SIGTERM)
             elif stop_deadline is not None and now > stop_deadline:
                 self._terminate_running(signal.SIGKILL)
@@ -220,8 +183,12 @@ class Supervisor:
                     ready.close()
         self.relay.flush_rank(handle.rank)
 
+    def _is_rank(self, rank: int) -> bool:
+        return self.host is None or rank != self.host.rank
+
     def _on_message(self, handle: WorkerHandle, kind: str, body: Any) -> None:
         if kind == "started":
+            handle.pid = body.get("pid", handle.pid)  # a replica reports its own process (inside the host)
             handle.started_at = body["time"]
             self._set_state(handle, "running")
         elif kind == "result":
@@ -232,10 +199,15 @@ class Supervisor:
 
     def _set_state(self, handle: WorkerHandle, state: RankState) -> None:
         handle.state = state
-        if self.observer is not None:
+        if self.observer is not None and handle is not self.host:
             self.observer.on_state(handle.rank, state)
 
     def _on_exit(self, handle: WorkerHandle) -> WorkerFailure | None:
+        if self.host is None:
+            return self._on_worker_exit(handle)
+        return self._on_host_exit() if handle is self.host else self._on_hosted_exit(handle)
+
+    def _on_worker_exit(self, handle: WorkerHandle) -> WorkerFailure | None:
         self._drain(handle)
         if handle.result is not None and handle.error is None and handle.rank not in self._stopped:
             self._set_state(handle, "finished")
@@ -256,15 +228,58 @@ class Supervisor:
             signal=handle.signal, exc_type=error.get("exc_type", ""), message=error.get("message", message),
             traceback=error.get("traceback", ""), exception=error.get("exception"))
 
+    # ------------------------------------------------------------------ ranks inside a host process
+    def _on_hosted_exit(self, handle: WorkerHandle) -> WorkerFailure | None:
+        host = self.host
+        assert host is not None
+        self._drain(handle)  # a report may still be in the pipe
+        if handle.result is None and handle.error is None and handle.rank not in self._stopped:
+            return self._unreported(handle)
+        failure = self._on_worker_exit(handle)
+        if all(r.exited for r in self.workers) and not host.exited:
+            host.result_at = time.monotonic()  # every rank is done: the host gets a grace to tear down
+        return failure
+
+    def _on_host_exit(self) -> WorkerFailure | None:
+        host = self.host
+        assert host is not None
+        failure = self._on_worker_exit(host)
+        for replica in self.workers:
+            if not replica.exited:
+                self._drain(replica)  # frames still in a pipe decide whether the rank reported
+        if failure is None or any(r.state != "starting" for r in self.workers):
+            self._host_failure = failure
+            return None  # the ranks' own reports (or their absence) say what went wrong
+        message = f"the host process failed before any rank started: {failure.message}"
+        return dataclasses.replace(failure, message=message)
+
+    def _unreported(self, handle: WorkerHandle) -> WorkerFailure | None:
+        host = self.host
+        assert host is not None
+        if handle.state == "starting":
+            self._set_state(handle, "stopped")
+            return None
+        self._set_state(handle, "failed")
+        said, known = "", self._host_failure
+        if known is not None and known.exc_type:
+            said = f" The host process reported: {known.exc_type}: {known.message.strip().splitlines()[-1]}"
+        in_host = handle.pid == host.pid  # a rank run inside the host itself: its exit is the host's
+        return WorkerFailure(
+            rank=handle.rank, pid=handle.pid, time=known.time if known is not None else time.time(),
+            exitcode=host.exitcode if in_host else None, signal=host.signal if in_host else None,
+            message="its process ended without reporting an exception (a crash in native code such as an XLA "
+                    f"abort, an OOM kill, or os._exit); look for a faulthandler stack in the output above.{said}")
+
     # ------------------------------------------------------------------ deadlines
     def _check_deadlines(self, now: float, started: float) -> None:
-        if self.timeout is not None and now - started > self.timeout:
-            self._raise_stuck("timeout", f"the launch ran past timeout={self.timeout:g}s")
+        timeout, hang_timeout = self.policy.timeout, self.policy.hang_timeout
+        if timeout is not None and now - started > timeout:
+            self._raise_stuck("timeout", f"the launch ran past timeout={timeout:g}s")
         finished = [h for h in self.workers if h.exited]
-        if (self.hang_timeout is not None and finished and len(finished) < len(self.workers)
-                and now - self._last_activity > self.hang_timeout):
+        if (hang_timeout is not None and finished and len(finished) < len(self.workers)
+                and now - self._last_activity > hang_timeout):
             ranks = [h.rank for h in self.workers if not h.exited]
-            self._raise_stuck("hang", f"ranks {ranks} made no progress for {self.hang_timeout:g}s after "
+            self._raise_stuck("hang", f"ranks {ranks} made no progress for {hang_timeout:g}s after "
                               f"ranks {[h.rank for h in finished]} finished")
 
     def _raise_stuck(self, reason: Literal["timeout", "hang"], what: str) -> None:
@@ -280,17 +295,22 @@ class Supervisor:
         """Ask every running worker for its Python stacks (SIGUSR1 + faulthandler) and collect them."""
         running = [h for h in self.workers if not h.exited and h.state == "running"]
         self.relay.capturing = {h.rank for h in running}
-        for handle in running:
-            handle.send(signal.SIGUSR1)
+        if self.host is not None:  # every process the host runs dumps all its threads
+            self.relay.capturing.add(self.host.rank)
+            self.host.send(signal.SIGUSR1)
+        else:
+            for handle in running:
+                handle.send(signal.SIGUSR1)
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
             self._pump(0.05)
         self.relay.capturing = set()
-        return {h.rank: "\n".join(self.relay.captured.pop(h.rank, [])) for h in running}
+        shared = "\n".join(self.relay.captured.pop(self.host.rank, [])) if self.host is not None else ""
+        return {h.rank: "\n".join(self.relay.captured.pop(h.rank, [])) or shared for h in running}
 
     # ------------------------------------------------------------------ stopping
     def _terminate_running(self, sig: int) -> None:
-        for handle in self.workers:
+        for handle in self._handles:
             if not handle.exited:
                 if handle.rank not in self._stopped:
                     self._stopped.append(handle.rank)
@@ -299,14 +319,14 @@ class Supervisor:
     def _stop_all(self, interrupted: bool) -> None:
         """SIGTERM every live worker, SIGKILL after the grace period; a second interrupt skips the wait."""
         self._terminate_running(signal.SIGTERM)
-        deadline = time.monotonic() + self.grace
+        deadline = time.monotonic() + self.policy.grace
         try:
-            while any(not h.exited for h in self.workers) and time.monotonic() < deadline:
+            while any(not h.exited for h in self._handles) and time.monotonic() < deadline:
                 try:
                     self._pump(0.02)
                 except (OSError, ValueError):
                     pass
-                for handle in self.workers:
+                for handle in self._handles:
                     if handle.poll() and handle.state in ("starting", "running"):
                         self._set_state(handle, "stopped")
         except KeyboardInterrupt:
@@ -314,10 +334,10 @@ class Supervisor:
         self._kill_remaining()
 
     def _kill_remaining(self) -> None:
-        for handle in self.workers:
+        for handle in self._handles:
             if not handle.exited:
                 handle.send(signal.SIGKILL)
-        for handle in self.workers:
+        for handle in self._handles:
             while not handle.poll():
                 time.sleep(0.005)
             if handle.state in ("starting", "running"):

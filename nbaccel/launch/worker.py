@@ -1,10 +1,14 @@
-"""The worker side of a launch: set up one fresh worker process, run the function, report back.
+"""The worker side of a launch: one body for every worker (identity -> run -> report), and the process around it.
 
-Used by both start methods: a forked worker calls :func:`run_worker` straight after ``fork``; a
-spawned one reaches it through :mod:`nbaccel.launch.trampoline`. The worker dies with its parent
-(``PR_SET_PDEATHSIG``), writes fd 1 and 2 into the supervisor's pipes, reports ``started``,
-then ``result`` or ``error`` on its control pipe, and leaves with ``os._exit`` so no handler of
-the parent (a Jupyter kernel's, say) runs in it.
+:func:`run_body` is what every rank runs, whichever launcher started it: it records the rank's
+:class:`~nbaccel.identity.WorkerIdentity`, reports ``started``, runs the function, and reports
+``result`` or ``error`` on the rank's control pipe. A local worker process (:func:`run_worker`)
+and an XLA replica thread (:mod:`nbaccel.launch.xla`) differ only in what they set up around it.
+
+:func:`run_worker` is a fresh worker process: a forked worker calls it straight after ``fork``;
+a spawned one reaches it through :mod:`nbaccel.launch.trampoline`. The worker dies with its
+parent (``PR_SET_PDEATHSIG``), writes fd 1 and 2 into the supervisor's pipes, and leaves with
+``os._exit`` so no handler of the parent (a Jupyter kernel's, say) runs in it.
 """
 
 from __future__ import annotations
@@ -24,12 +28,13 @@ from typing import Any, NoReturn
 
 import cloudpickle
 
-from nbaccel.environment import apply_environment
+from nbaccel.environment import apply_environment, read_distributed_env
 from nbaccel.errors import PayloadPicklingError
+from nbaccel.identity import WorkerIdentity, clear_identity, set_identity
 from nbaccel.launch.frames import write_frame
 from nbaccel.launch.payload import dumps_result
 
-__all__ = ["WorkerSpec", "die_with_parent", "run_worker"]
+__all__ = ["WorkerSpec", "describe_error", "die_with_parent", "report_error", "run_body", "run_worker"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -96,22 +101,28 @@ def _setup_process(spec: WorkerSpec) -> None:
     state = sys.modules.get("nbaccel.state")
     if state is not None:
         state.reset_process_state()
+    clear_identity()  # the parent's (a notebook's, or a launcher's own worker's) is not this worker's
 
 
-def _report_error(spec: WorkerSpec, exc: BaseException) -> None:
+def describe_error(exc: BaseException) -> dict[str, Any]:
+    """What a worker reports about ``exc``: time, type, message, traceback, and ``exc`` pickled when it can travel."""
     try:
         pickled: bytes | None = cloudpickle.dumps(exc)
         cloudpickle.loads(pickled)
     except Exception:  # noqa: BLE001 - the parent then raises a generic error
         pickled = None
-    body = {
+    return {
         "time": time.time(),
         "exc_type": f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
         "message": str(exc),
         "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
         "exception": pickled,
     }
-    write_frame(spec.ctl_fd, "error", body)
+
+
+def report_error(ctl_fd: int, exc: BaseException) -> None:
+    """Send ``exc`` (pickled when it can travel, with its traceback text) as an ``error`` frame."""
+    write_frame(ctl_fd, "error", describe_error(exc))
 
 
 def _teardown() -> None:
@@ -121,13 +132,23 @@ def _teardown() -> None:
         dist.destroy_process_group()
 
 
-def run_worker(spec: WorkerSpec, function: Callable[..., Any], args: Sequence[Any],
-               kwargs: Mapping[str, Any]) -> NoReturn:
-    """Run ``function(*args, **kwargs)`` as worker ``spec.rank`` and exit the process."""
-    code = 0
+def run_body(ctl_fd: int, rank: int, identity: WorkerIdentity | None, function: Callable[..., Any],
+             args: Sequence[Any], kwargs: Mapping[str, Any], *, per_thread: bool = False) -> BaseException | None:
+    """Be rank ``rank``: record its identity, run ``function``, report the result or the error.
+
+    Args:
+        ctl_fd: the rank's control pipe to the supervisor.
+        rank: its global rank (for messages).
+        identity: who it is (``None``: a lone worker outside any process group).
+        function: what it runs, with ``args`` and ``kwargs``.
+        per_thread: the identity is the calling thread's only (replica threads sharing a process).
+
+    Returns:
+        ``None`` when the result was reported, else the exception that was reported instead.
+    """
+    set_identity(identity, thread=per_thread)
     try:
-        _setup_process(spec)
-        write_frame(spec.ctl_fd, "started", {"pid": os.getpid(), "time": time.time()})
+        write_frame(ctl_fd, "started", {"pid": os.getpid(), "time": time.time()})
         try:
             result = function(*args, **kwargs)
         except SystemExit as stop:
@@ -138,17 +159,41 @@ def run_worker(spec: WorkerSpec, function: Callable[..., Any], args: Sequence[An
             payload = dumps_result(result)
         except Exception as exc:  # noqa: BLE001
             raise PayloadPicklingError(
-                f"rank {spec.rank} returned a {type(result).__qualname__} that cannot be pickled back to "
+                f"rank {rank} returned a {type(result).__qualname__} that cannot be pickled back to "
                 f"the caller: {exc}. Fix: return plain data (tensors, numbers, dicts, state_dict()).",
                 object_path="return value", object_type=type(result).__qualname__) from exc
-        write_frame(spec.ctl_fd, "result", payload)
-        _teardown()
+        write_frame(ctl_fd, "result", payload)
+        return None
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the supervisor
-        code = 130 if isinstance(exc, KeyboardInterrupt) else 1
         try:
-            _report_error(spec, exc)
-        except BaseException:  # noqa: BLE001 - the exit code still tells the supervisor
+            report_error(ctl_fd, exc)
+        except BaseException:  # noqa: BLE001 - the exit code / missing report still tells the supervisor
             pass
+        return exc
+    finally:
+        if per_thread:
+            set_identity(None, thread=True)
+
+
+def run_worker(spec: WorkerSpec, function: Callable[..., Any], args: Sequence[Any],
+               kwargs: Mapping[str, Any]) -> NoReturn:
+    """Run ``function(*args, **kwargs)`` as worker ``spec.rank`` and exit the process."""
+    code = 0
+    try:
+        try:
+            _setup_process(spec)
+        except BaseException as exc:  # noqa: BLE001 - reported like a failure of the function
+            report_error(spec.ctl_fd, exc)
+            raise
+        dist = read_distributed_env()  # what the launcher exported for this rank (torchrun's variables)
+        identity = WorkerIdentity.from_distributed_env(dist) if dist is not None else None
+        failed = run_body(spec.ctl_fd, spec.rank, identity, function, args, kwargs)
+        if failed is not None:
+            code = 130 if isinstance(failed, KeyboardInterrupt) else 1
+        else:
+            _teardown()
+    except BaseException as exc:  # noqa: BLE001 - the exit code tells the supervisor
+        code = 130 if isinstance(exc, KeyboardInterrupt) else 1
     finally:
         try:
             sys.stdout.flush()

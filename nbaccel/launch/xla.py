@@ -11,9 +11,12 @@ in one process). It discards what the function returns. nbaccel wraps it like th
 
 The caller creates a control, stdout and stderr pipe per rank before forking the host, so every
 replica, whichever process or thread it runs in, reports ``started`` / ``result`` / ``error``
-frames on its own pipe and the usual :class:`~nbaccel.launch.supervisor.Supervisor` reads them:
-output arrives labelled per rank, results of any size come back (moved to CPU), and the first
-failure is raised with its remote traceback.
+frames on its own pipe and the usual :class:`~nbaccel.launch.supervisor.Supervisor` reads them,
+with the host as its ``host`` (not a rank): output arrives labelled per rank, results of any
+size come back (moved to CPU), and the first failure is raised with its remote traceback. Every
+replica runs the same worker body as a local worker (:func:`~nbaccel.launch.worker.run_body`),
+with its :class:`~nbaccel.identity.WorkerIdentity` set for its thread when replicas share a
+process, so ``ProcessState``, ``%%accel_launch`` cells and the collectives see its own rank.
 
 Output: a replica process that holds one replica points its fd 1 and 2 at that rank's pipes, so
 even C++ output is labelled. Where several replica threads share a process, only Python-level
@@ -38,50 +41,32 @@ Where torch_xla limits the promises:
 
 from __future__ import annotations
 
-import dataclasses
 import faulthandler
 import io
 import os
 import signal
 import sys
 import threading
-import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
 from nbaccel.environment import DistributedEnv, WorkerSettings, apply_environment, worker_environment
-from nbaccel.errors import PayloadPicklingError
-from nbaccel.launch.events import LaunchObserver, RankState
-from nbaccel.launch.failures import WorkerFailure, raise_failures
-from nbaccel.launch.frames import write_frame
+from nbaccel.identity import WorkerIdentity, current_identity
+from nbaccel.launch.handles import WorkerHandle
 from nbaccel.launch.output import OutputRelay, Stream
-from nbaccel.launch.payload import dumps_result, loads
-from nbaccel.launch.supervisor import Supervisor, WorkerHandle
-from nbaccel.launch.worker import WorkerSpec, _report_error, die_with_parent, run_worker
+from nbaccel.launch.request import LaunchRequest
+from nbaccel.launch.supervisor import Supervisor, SupervisorPolicy
+from nbaccel.launch.warmup import finish_warmup
+from nbaccel.launch.worker import WorkerSpec, die_with_parent, run_body, run_worker
 
-__all__ = ["HOST_RANK", "ReplicaInfo", "current_replica", "launch_xla"]
+__all__ = ["HOST_RANK", "LAUNCHER", "XlaLauncher", "current_replica"]
 
 HOST_RANK = -1
 """The pseudo-rank of the torch_xla host process in output labels and failure reports."""
 
 # --------------------------------------------------------------------------- replica side
-
-
-@dataclass(frozen=True)
-class ReplicaInfo:
-    """Who the calling replica thread is, as the XLA launcher set it up.
-
-    Attributes:
-        rank: the replica's global ordinal.
-        world_size: replicas in the launch.
-        shares_process: other replicas run as threads of the same process (TPU v2/v3, the CPU runtime).
-    """
-
-    rank: int
-    world_size: int
-    shares_process: bool
 
 
 @dataclass(frozen=True)
@@ -103,14 +88,17 @@ _process_lock = threading.Lock()
 _process_pid: int | None = None  # the process whose one-time replica setup has run
 
 
-def current_replica() -> ReplicaInfo | None:
-    """The calling thread's replica, inside a function started by :func:`launch_xla`; else ``None``.
+def current_replica() -> WorkerIdentity | None:
+    """The calling replica's identity, inside a function started by the XLA launcher; else ``None``.
+
+    The same :class:`~nbaccel.identity.WorkerIdentity` that :func:`nbaccel.identity.current_identity`
+    gives there (``shares_process`` tells whether replicas run as threads of one process).
 
     Example:
         >>> current_replica() is None  # outside a launch
         True
     """
-    return getattr(_local, "info", None)
+    return current_identity() if getattr(_local, "active", False) else None
 
 
 class _RoutedStream(io.TextIOBase):
@@ -163,37 +151,42 @@ def _setup_process_once(job: _ReplicaJob) -> bool:
         return shared
 
 
-def _enter_replica(job: _ReplicaJob, rank: int) -> None:
+def _enter_replica(job: _ReplicaJob, rank: int) -> WorkerIdentity:
+    """Point this replica's output at its pipes; return who it is."""
     shared = _setup_process_once(job)
     _, out_fd, err_fd = job.pipes[rank]
+    _local.active = True
     if shared:
         _local.streams = {"stdout": _line_stream(out_fd), "stderr": _line_stream(err_fd)}
-    else:  # the only replica here: the whole process's output is this rank's
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.dup2(out_fd, 1)
-        os.dup2(err_fd, 2)
-        sys.stdout = sys.__stdout__ = _line_stream(1)
-        sys.stderr = sys.__stderr__ = _line_stream(2)
-        faulthandler.enable(all_threads=True)
-        if job.world_size > 1:  # one process per replica (TPU v4 and later): torchrun's variables work
-            import torch_xla.runtime as xr
+        return WorkerIdentity(rank=rank, local_rank=rank, world_size=job.world_size,
+                              local_world_size=job.world_size, shares_process=True)
+    # the only replica here: the whole process's output is this rank's
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(out_fd, 1)
+    os.dup2(err_fd, 2)
+    sys.stdout = sys.__stdout__ = _line_stream(1)
+    sys.stderr = sys.__stderr__ = _line_stream(2)
+    faulthandler.enable(all_threads=True)
+    if job.world_size == 1:
+        return WorkerIdentity()
+    import torch_xla.runtime as xr  # one process per replica (TPU v4 and later): torchrun's variables work
 
-            dist = DistributedEnv(rank=rank, local_rank=xr.local_ordinal(), world_size=job.world_size,
-                                  local_world_size=xr.local_device_count(), node_rank=0,
-                                  master_addr="127.0.0.1", master_port=0)
-            apply_environment(worker_environment(job.settings, dist))
-    _local.info = ReplicaInfo(rank=rank, world_size=job.world_size, shares_process=shared)
+    dist = DistributedEnv(rank=rank, local_rank=xr.local_ordinal(), world_size=job.world_size,
+                          local_world_size=xr.local_device_count(), node_rank=0,
+                          master_addr="127.0.0.1", master_port=0)
+    apply_environment(worker_environment(job.settings, dist))
+    return WorkerIdentity.from_distributed_env(dist)
 
 
 def _leave_replica() -> None:
-    for stream in getattr(_local, "streams", {}).values():
+    for stream in (getattr(_local, "streams", None) or {}).values():
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
     _local.streams = None
-    _local.info = None
+    _local.active = False
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -202,35 +195,23 @@ def _leave_replica() -> None:
 
 
 def _replica_main(index: int) -> None:
-    """What ``torch_xla.launch`` runs in every replica: run the function, report on this rank's pipe."""
+    """What ``torch_xla.launch`` runs in every replica: the shared worker body, on this rank's pipe."""
     job = _JOB
-    assert job is not None, "nbaccel's XLA replica entry ran outside launch_xla"
+    assert job is not None, "nbaccel's XLA replica entry ran outside the XLA launcher"
     ctl_fd = job.pipes[index][0]
-    spec = WorkerSpec(rank=index, env={}, ctl_fd=ctl_fd, parent_pid=job.host_pid)
     try:
-        _enter_replica(job, index)
-        write_frame(ctl_fd, "started", {"pid": os.getpid(), "time": time.time()})
         try:
-            result = job.function(*job.args, **job.kwargs)
-        except SystemExit as stop:
-            if stop.code not in (None, 0):
-                raise
-            result = None
-        try:
-            payload = dumps_result(result)
-        except Exception as exc:  # noqa: BLE001
-            raise PayloadPicklingError(
-                f"rank {index} returned a {type(result).__qualname__} that cannot be pickled back to the "
-                f"caller: {exc}. Fix: return plain data (tensors, numbers, dicts, state_dict()).",
-                object_path="return value", object_type=type(result).__qualname__) from exc
-        write_frame(ctl_fd, "result", payload)
-    except BaseException as exc:  # noqa: BLE001 - reported; the supervisor then stops the whole launch
-        try:
-            _report_error(spec, exc)
-        except BaseException:  # noqa: BLE001 - the missing report still tells the supervisor
-            pass
+            identity = _enter_replica(job, index)
+        except BaseException as exc:  # noqa: BLE001 - reported like a failure of the function
+            run_body(ctl_fd, index, None, _reraise, (exc,), {}, per_thread=True)
+            return
+        run_body(ctl_fd, index, identity, job.function, job.args, job.kwargs, per_thread=identity.shares_process)
     finally:
         _leave_replica()
+
+
+def _reraise(exc: BaseException) -> None:
+    raise exc
 
 
 def _host_main(job: _ReplicaJob, single: bool) -> None:
@@ -285,102 +266,6 @@ class _ReplicaHandle(WorkerHandle):
             self.host.send(sig)
 
 
-class _XlaRelay(OutputRelay):
-    """Labels the host process's own output ``[xla]`` and always shows it."""
-
-    def _label(self, rank: int) -> str:
-        return "[xla]: " if rank == HOST_RANK else super()._label(rank)
-
-    def _visible(self, rank: int) -> bool:
-        return rank == HOST_RANK or super()._visible(rank)
-
-
-class _XlaSupervisor(Supervisor):
-    """The supervisor, with one host handle (first) and one handle per replica."""
-
-    def __init__(self, host: _HostHandle, replicas: Sequence[_ReplicaHandle], relay: OutputRelay,
-                 observer: LaunchObserver | None, **kwargs: Any) -> None:
-        super().__init__([host, *replicas], relay, observer, **kwargs)
-        self.host = host
-        self.replicas = list(replicas)
-        self._host_failure: WorkerFailure | None = None
-
-    def run(self) -> dict[int, Any]:
-        """As :meth:`Supervisor.run`, counting and reporting only the replicas (not the host)."""
-        try:
-            failures = self._watch(time.monotonic())
-        except BaseException:
-            self._stop_all(interrupted=True)
-            raise
-        finally:
-            self._kill_remaining()
-            self._close()
-        if failures:
-            raise_failures(failures, len(self.replicas), [r for r in self._stopped if r != HOST_RANK])
-        return {h.rank: loads(h.result) for h in self.replicas if h.result is not None}
-
-    def _set_state(self, handle: WorkerHandle, state: RankState) -> None:
-        if handle is self.host:
-            handle.state = state
-        else:
-            super()._set_state(handle, state)
-
-    def _on_message(self, handle: WorkerHandle, kind: str, body: Any) -> None:
-        if kind == "started" and handle is not self.host:
-            handle.pid = body["pid"]  # the replica's own process (signals still go to the host's group)
-        super()._on_message(handle, kind, body)
-
-    def _on_exit(self, handle: WorkerHandle) -> WorkerFailure | None:
-        if handle is self.host:
-            return self._on_host_exit()
-        self._drain(handle)  # a report may still be in the pipe
-        if handle.result is None and handle.error is None and handle.rank not in self._stopped:
-            return self._unreported(handle)
-        failure = super()._on_exit(handle)
-        if all(r.exited for r in self.replicas) and not self.host.exited:
-            self.host.result_at = time.monotonic()  # every rank is done: the host gets a grace to tear down
-        return failure
-
-    def _on_host_exit(self) -> WorkerFailure | None:
-        failure = super()._on_exit(self.host)
-        for replica in self.replicas:
-            if not replica.exited:
-                self._drain(replica)  # frames still in a pipe decide whether the rank reported
-        if failure is None or any(r.state != "starting" for r in self.replicas):
-            self._host_failure = failure
-            return None  # the replicas' own reports (or their absence) say what went wrong
-        message = f"torch_xla.launch failed in the host process before any replica started: {failure.message}"
-        return dataclasses.replace(failure, message=message)
-
-    def _unreported(self, handle: WorkerHandle) -> WorkerFailure | None:
-        if handle.state == "starting":
-            self._set_state(handle, "stopped")
-            return None
-        self._set_state(handle, "failed")
-        host = self._host_failure
-        said = ""
-        if host is not None and host.exc_type:
-            said = f" torch_xla reported: {host.exc_type}: {host.message.strip().splitlines()[-1]}"
-        in_host = handle.pid == self.host.pid  # one replica, run inside the host: its exit is the host's
-        return WorkerFailure(
-            rank=handle.rank, pid=handle.pid, time=host.time if host is not None else time.time(),
-            exitcode=self.host.exitcode if in_host else None, signal=self.host.signal if in_host else None,
-            message="its replica process ended without reporting an exception (a crash in native code such as "
-                    "an XLA abort, an OOM kill, or os._exit); look for a faulthandler stack in the output "
-                    f"above.{said}")
-
-    def dump_stacks(self, wait: float = 1.0) -> dict[int, str]:
-        running = [h for h in self.replicas if not h.exited and h.state == "running"]
-        self.relay.capturing = {h.rank for h in running} | {HOST_RANK}
-        self.host.send(signal.SIGUSR1)  # every process of the group dumps all its threads
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            self._pump(0.05)
-        self.relay.capturing = set()
-        shared = "\n".join(self.relay.captured.pop(HOST_RANK, []))
-        return {h.rank: "\n".join(self.relay.captured.pop(h.rank, [])) or shared for h in running}
-
-
 def _start_host(function: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], n: int,
                 settings: WorkerSettings, env: Mapping[str, str]) -> tuple[_HostHandle, list[_ReplicaHandle]]:
     """Fork the host process (its own process group) with a control/stdout/stderr pipe per rank."""
@@ -388,6 +273,7 @@ def _start_host(function: Callable[..., Any], args: Sequence[Any], kwargs: Mappi
     rank_pipes = [[os.pipe() for _ in range(3)] for _ in range(n)]
     read_ends = [r for r, _ in host_pipes] + [r for trio in rank_pipes for r, _ in trio]
     parent = os.getpid()
+    finish_warmup()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: fork with threads
         pid = os.fork()
@@ -416,60 +302,42 @@ def _start_host(function: Callable[..., Any], args: Sequence[Any], kwargs: Mappi
     return host, replicas
 
 
-def launch_xla(function: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], plan: Any, *,
-               output_ranks: Iterable[int] | int | None = None, return_all: bool = False,
-               timeout: float | None = None, observer: LaunchObserver | None = None,
-               hang_timeout: float | None = 120.0) -> Any:
-    """Run ``function`` on every XLA device through ``torch_xla.launch`` and bring its results back.
-
-    Called by :func:`~nbaccel.launch.launcher.notebook_launcher` when the plan's device kind is
-    ``"xla"``; ``plan.num_processes`` is 1 or the number of devices the runtime reports.
-
-    Returns:
-        Rank 0's return value (moved to CPU), or ``{rank: value}`` when ``return_all``.
-
-    Raises:
-        ConfigError: ``output_ranks`` names a rank that does not exist.
-        LaunchTimeoutError: ``timeout`` passed or the hang watchdog fired.
-        KeyboardInterrupt: the caller was interrupted; the host and every replica were stopped.
-        BaseException: the root-cause replica's own exception, with ``launch_failures`` attached.
+class XlaLauncher:
+    """Runs a request on every XLA device through ``torch_xla.launch`` (fork only; see the module docstring).
 
     Example:
         >>> def where():
         ...     import torch_xla.runtime as xr
         ...     return xr.global_ordinal()
-        >>> launch_xla(where, (), {}, plan_launch(LaunchConfig(distributed_type="XLA")))  # doctest: +SKIP
+        >>> notebook_launcher(where, config=LaunchConfig(distributed_type="XLA"))  # doctest: +SKIP
         0
     """
-    from nbaccel.launch.launcher import _check_ranks
 
-    n = plan.num_processes
-    shown = _check_ranks(output_ranks, n)
-    import torch_xla  # noqa: F401 - imported once here (about 5 s), not in every host process
+    name = "xla"
 
-    settings: WorkerSettings = plan.settings
-    env = worker_environment(settings, threads=plan.threads)
-    relay = _XlaRelay(show=shown, on_line=_without_host(observer.on_output) if observer is not None else None)
-    if observer is not None:
-        observer.on_launch(list(range(n)), "fork")
-    host, replicas = _start_host(function, args, kwargs, n, settings, env)
-    supervisor = _XlaSupervisor(host, replicas, relay, observer, timeout=timeout, hang_timeout=hang_timeout)
-    ok = False
-    try:
-        results = supervisor.run()
-        ok = True
-    finally:
-        _kill_group(host.pid)
+    def launch(self, request: LaunchRequest) -> dict[int, Any]:
+        """Fork the host, let torch_xla start the replicas, supervise them to the end."""
+        n = request.num_processes
+        import torch_xla  # noqa: F401 - imported once here (about 5 s), not in every host process
+
+        settings: WorkerSettings = request.plan.settings
+        env = worker_environment(settings, threads=request.plan.threads)
+        observer = request.observer
+        relay = OutputRelay(show=request.output_ranks, labels={HOST_RANK: "xla"},
+                            on_line=observer.on_output if observer is not None else None)
         if observer is not None:
-            observer.on_end(ok)
-    return results if return_all else results.get(0)
-
-
-def _without_host(on_output: Callable[[int, Stream, str], None]) -> Callable[[int, Stream, str], None]:
-    def forward(rank: int, stream: Stream, line: str) -> None:
-        if rank != HOST_RANK:
-            on_output(rank, stream, line)
-    return forward
+            observer.on_launch(list(range(n)), "fork")
+        host, replicas = _start_host(request.function, request.args, request.kwargs, n, settings, env)
+        policy = SupervisorPolicy(timeout=request.config.timeout, hang_timeout=request.hang_timeout)
+        ok = False
+        try:
+            results = Supervisor(replicas, relay, observer, policy=policy, host=host).run()
+            ok = True
+        finally:
+            _kill_group(host.pid)
+            if observer is not None:
+                observer.on_end(ok)
+        return results
 
 
 def _kill_group(pgid: int) -> None:
@@ -478,3 +346,6 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+LAUNCHER = XlaLauncher()

@@ -1,6 +1,8 @@
 """IPython magics: ``%load_ext nbaccel`` registers ``%%accel_launch``, ``%accel_config``, ``%accel_env``.
 
-Loading imports only IPython and nbaccel's config (no torch, no ipywidgets, no device).
+Loading imports only IPython and nbaccel's config (no torch, no ipywidgets, no device). Once a
+cell has imported torch, what DDP needs is imported in a background thread while the user types
+(see :mod:`nbaccel.launch.warmup`), so the first launch that trains does not wait for it.
 """
 
 from __future__ import annotations
@@ -19,9 +21,20 @@ def load_ipython_extension(ipython: Any) -> None:
 
         %load_ext nbaccel
     """
+    from nbaccel.launch.warmup import start_warmup
     from nbaccel.magics.magics import AccelMagics
 
     ipython.register_magics(AccelMagics(ipython))
+    events = getattr(ipython, "events", None)
+    if events is not None and _warm_after_cell not in events.callbacks.get("post_run_cell", []):
+        events.register("post_run_cell", _warm_after_cell)
+    start_warmup()  # a no-op unless torch is imported already
+
+
+def _warm_after_cell(*_: Any) -> None:
+    from nbaccel.launch.warmup import start_warmup
+
+    start_warmup()
 
 
 def unload_ipython_extension(ipython: Any) -> None:
@@ -31,3 +44,6 @@ def unload_ipython_extension(ipython: Any) -> None:
         for name in names:
             manager.magics[kind].pop(name, None)
     manager.registry.pop("AccelMagics", None)
+    events = getattr(ipython, "events", None)
+    if events is not None and _warm_after_cell in events.callbacks.get("post_run_cell", []):
+        events.unregister("post_run_cell", _warm_after_cell)

@@ -18,8 +18,9 @@ from typing import Any, NamedTuple
 
 import cloudpickle
 
-from nbaccel.environment import read_distributed_env
 from nbaccel.errors import PayloadPicklingError
+from nbaccel.identity import current_identity
+from nbaccel.launch.payload import find_unpicklable
 
 __all__ = ["CellProgram", "CellResult", "names_used", "run_cell_program"]
 
@@ -142,13 +143,8 @@ class CellProgram:
         try:
             return cloudpickle.dumps({n: ns[n] for n in names})
         except Exception as whole:  # noqa: BLE001 - find which name it was
-            culprit, exc = None, whole
-            for name in names:
-                try:
-                    cloudpickle.dumps(ns[name])
-                except Exception as inner:  # noqa: BLE001
-                    culprit, exc = name, inner
-                    break
+            found = find_unpicklable((name, ns[name]) for name in names)
+            culprit, exc = (found[0], found[2]) if found is not None else (None, whole)
             if culprit is None:  # each pickles alone; only together they fail
                 what, type_name = "the notebook variables " + ", ".join(map(repr, names)), "dict"
             else:
@@ -200,8 +196,8 @@ def run_cell_program(program: CellProgram) -> CellResult | None:
     ns = program.namespace()
     ns.pop(_LAST, None)
     exec(program._code, ns)  # noqa: S102 - the user's own cell, run as the notebook would
-    dist = read_distributed_env()
-    rank = dist.rank if dist is not None else 0
+    identity = current_identity()  # per replica thread on XLA, where the process environment is shared
+    rank = identity.rank if identity is not None else 0
     value = ns.pop(_LAST, None)
     if rank != 0 and not program.all_ranks:
         return None

@@ -21,7 +21,8 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from nbaccel.config import LaunchConfig, StartMethod, load_config
 from nbaccel.environment import MixedPrecision, config_file_path, in_colab, in_notebook
-from nbaccel.errors import ConfigError, EnvironmentStateError, PayloadPicklingError
+from nbaccel.errors import ConfigError, EnvironmentStateError, PayloadPicklingError, WorkerFailedError
+from nbaccel.launch.request import LaunchRequest
 from nbaccel.magics.cell import CellProgram, CellResult, run_cell_program
 from nbaccel.magics.render import attach_renderer, render_interrupt
 from nbaccel.magics.session import SessionDefaults
@@ -121,10 +122,10 @@ class AccelMagics(Magics):
         args = parse_argstring(self.accel_launch, line)
         out_names = _out_names(args.out)
         config = self._config(args)
-        n = self._plan(config).num_processes  # also fails early on a config this machine cannot run
         program = self._program(line, cell, out_names, args.all_ranks)
-        observer = self._observer(args.status, n, config)
-        results = self._launch(program, config, args, observer)
+        request = self._request(program, config, args)  # also fails early on what this machine cannot run
+        request = request.with_observer(self._observer(args.status, request))
+        results = self._launch(request)
         return self._finish(results, out_names, args.all_ranks, cell)
 
     def _config(self, args: argparse.Namespace) -> LaunchConfig:
@@ -146,13 +147,17 @@ class AccelMagics(Magics):
             raise _usage(exc) from None
 
     @staticmethod
-    def _plan(config: LaunchConfig) -> Any:
-        from nbaccel.launch.preflight import plan_launch
+    def _request(program: CellProgram, config: LaunchConfig, args: argparse.Namespace) -> LaunchRequest:
+        from nbaccel.launch.request import build_request
+        from nbaccel.launch.warmup import may_build_ddp, source_names, start_warmup
 
-        if config.num_machines > 1:  # the elastic agent decides; report this machine's share
-            return argparse.Namespace(num_processes=config.num_processes or 1)
+        warm = may_build_ddp(names=source_names(program.source) | set(program.shipped_names()))
+        if warm:
+            start_warmup()  # overlaps with the rest of the preparation; joined before any fork
         try:
-            return plan_launch(config)
+            return build_request(run_cell_program, (program,), config=config, output_ranks=args.ranks,
+                                 return_all=args.all_ranks, hang_timeout=args.hang_timeout,
+                                 rdzv_endpoint=args.rdzv_endpoint, warm_imports=warm)
         except (ConfigError, EnvironmentStateError) as exc:
             raise _usage(exc) from None
 
@@ -175,8 +180,9 @@ class AccelMagics(Magics):
                              "started. Fix the line shown and run the cell again.") from None
 
     @staticmethod
-    def _observer(mode: StatusMode, n: int, config: LaunchConfig) -> Any:
-        if config.num_machines > 1:  # torch's elastic agent runs those workers and streams their output
+    def _observer(mode: StatusMode, request: LaunchRequest) -> Any:
+        n = request.num_processes
+        if request.config.num_machines > 1:  # torch's elastic agent runs those workers and streams their output
             if mode in ("widget", "text"):
                 raise UsageError(f"%%accel_launch: --status {mode} is not available for multi-machine launches "
                                  "(--num_nodes > 1): torch's elastic agent runs them and streams every rank's "
@@ -189,22 +195,18 @@ class AccelMagics(Magics):
         return status_observer(n, prefer="widget" if mode != "text" else "text",
                                title=f"%%accel_launch: {n} process{'es' if n != 1 else ''}")
 
-    def _launch(self, program: CellProgram, config: LaunchConfig, args: argparse.Namespace, observer: Any) -> Any:
-        from nbaccel.launch.launcher import notebook_launcher
+    def _launch(self, request: LaunchRequest) -> Any:
+        from nbaccel.launch.registry import launch
 
         try:
-            return notebook_launcher(
-                run_cell_program, (program,), config=config, output_ranks=args.ranks,
-                return_all=args.all_ranks, hang_timeout=args.hang_timeout, rdzv_endpoint=args.rdzv_endpoint,
-                rdzv_backend=config.rdzv_backend, master_addr=config.main_process_ip or "127.0.0.1",
-                observer=observer)
+            return launch(request)
         except KeyboardInterrupt:
-            raise render_interrupt(observer) from None
+            raise render_interrupt(request.observer) from None
         except PayloadPicklingError as exc:
             cause = exc.__cause__ if isinstance(exc.__cause__, PayloadPicklingError) else exc
             raise attach_renderer(cause, self.shell) from None
         except ConfigError as exc:
-            if getattr(exc, "launch_failures", None) is None:
+            if not isinstance(exc, WorkerFailedError):
                 raise _usage(exc) from None
             raise attach_renderer(exc, self.shell)  # noqa: B904 - a worker's own ConfigError
         except BaseException as exc:

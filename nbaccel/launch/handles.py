@@ -1,0 +1,74 @@
+"""`WorkerHandle`: the launcher's view of one worker process, how it is polled and signalled."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass, field
+from typing import Any
+
+from nbaccel.launch.events import RankState
+from nbaccel.launch.frames import FrameReader
+
+__all__ = ["WorkerHandle", "open_pidfd"]
+
+
+@dataclass
+class WorkerHandle:
+    """The supervisor's view of one worker process."""
+
+    rank: int
+    pid: int
+    ctl_fd: int
+    out_fd: int
+    err_fd: int
+    popen: subprocess.Popen[bytes] | None = None
+    state: RankState = "starting"
+    result: bytes | None = None
+    error: dict[str, Any] | None = None
+    exitcode: int | None = None
+    signal: int | None = None
+    exited: bool = False
+    started_at: float | None = None
+    result_at: float | None = None
+    frames: FrameReader = field(default_factory=FrameReader)
+    pidfd: int | None = None
+
+    def poll(self) -> bool:
+        """Reap the process if it has exited; returns whether it has."""
+        if self.exited:
+            return True
+        if self.popen is not None:
+            code = self.popen.poll()
+            if code is None:
+                return False
+            self.exitcode, self.signal = (None, -code) if code < 0 else (code, None)
+        else:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                pid, status = self.pid, 0
+            if pid == 0:
+                return False
+            if os.WIFSIGNALED(status):
+                self.exitcode, self.signal = None, os.WTERMSIG(status)
+            else:
+                self.exitcode = os.waitstatus_to_exitcode(status)
+        self.exited = True
+        return True
+
+    def send(self, sig: int) -> None:
+        """Send ``sig`` unless the process is already gone."""
+        if not self.exited:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def open_pidfd(pid: int) -> int | None:
+    """A descriptor that becomes readable when ``pid`` exits, where Linux has them."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):  # not Linux >= 5.3: exits are found by polling
+        return None

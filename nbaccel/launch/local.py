@@ -1,0 +1,74 @@
+"""The local launcher: this machine's workers, started by fork or spawn, watched by the supervisor.
+
+::
+
+    LaunchRequest ─► LocalLauncher.launch
+                        ├─ loopback rendezvous store (several workers)
+                        ├─ start_forked / start_spawned ──► worker × N (worker.run_worker)
+                        └─ Supervisor(policy) ◄── ctl / stdout / stderr pipes, per rank
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nbaccel.environment import DistributedEnv, worker_environment
+from nbaccel.launch.output import OutputRelay
+from nbaccel.launch.payload import dumps_payload
+from nbaccel.launch.rendezvous import LoopbackStore
+from nbaccel.launch.request import LaunchRequest
+from nbaccel.launch.starter import SpawnFiles, start_forked, start_spawned
+from nbaccel.launch.supervisor import Supervisor, SupervisorPolicy
+from nbaccel.launch.warmup import may_build_ddp, prepare_for_fork
+
+__all__ = ["LAUNCHER", "LocalLauncher"]
+
+
+class LocalLauncher:
+    """Runs a request's workers on this machine (fork when safe, else spawn)."""
+
+    name = "local"
+
+    def launch(self, request: LaunchRequest) -> dict[int, Any]:
+        """Start ``request.num_processes`` workers and supervise them to the end."""
+        plan = request.plan
+        n = plan.num_processes
+        function, args, kwargs = request.function, request.args, request.kwargs
+        payload = dumps_payload(function, args, kwargs) if plan.start_method == "spawn" else None  # fail early
+        observer = request.observer
+        store = LoopbackStore(port=request.config.main_process_port or 0) if n > 1 else None
+        files = SpawnFiles() if payload is not None else None
+        relay = OutputRelay(show=request.output_ranks, on_line=observer.on_output if observer is not None else None)
+        try:
+            envs = []
+            for rank in range(n):
+                dist = DistributedEnv(rank=rank, local_rank=rank, world_size=n, local_world_size=n, node_rank=0,
+                                      master_addr="127.0.0.1", master_port=store.port if store else 0) if n > 1 else None
+                envs.append(worker_environment(plan.settings, dist, agent_store=store is not None, loopback_only=True,
+                                               threads=plan.threads, visible_gpus=plan.visible_gpus))
+            if observer is not None:
+                observer.on_launch(list(range(n)), plan.start_method)
+            ok = False
+            try:  # the observer hears the end even when starting fails or is interrupted
+                if files is not None:
+                    handles = start_spawned(function, args, kwargs, envs, files, payload=payload)
+                else:
+                    warm = request.warm_imports
+                    prepare_for_fork(may_build_ddp(function) if warm is None else warm)
+                    handles = start_forked(function, args, kwargs, envs,
+                                           inherited_fds=[store.listen_fd] if store is not None else [])
+                policy = SupervisorPolicy(timeout=request.config.timeout, hang_timeout=request.hang_timeout)
+                results = Supervisor(handles, relay, observer, policy=policy).run()
+                ok = True
+            finally:
+                if observer is not None:
+                    observer.on_end(ok)
+            return results
+        finally:
+            if store is not None:
+                store.close()
+            if files is not None:
+                files.remove()
+
+
+LAUNCHER = LocalLauncher()

@@ -1,0 +1,227 @@
+"""`LaunchRequest`: one launch, resolved and validated once, carrying every setting a launcher needs.
+
+The magic, the CLI and :func:`~nbaccel.launch.launcher.notebook_launcher` each build one with
+:func:`build_request` and hand it to :func:`~nbaccel.launch.registry.launch`; no launcher reads
+a setting from anywhere else, and nothing unpacks a request back into keyword arguments.
+
+Precedence, lowest first: the config file < the session's defaults (``%accel_config``) < flags
+< explicit arguments. The callers layer the first three into a :class:`LaunchConfig` (the magic
+and the CLI read the file; ``notebook_launcher`` starts from ``config=`` or the defaults);
+:func:`build_request` applies the explicit arguments on top, plans the launch on this machine
+(:func:`~nbaccel.launch.preflight.plan_launch`) and chooses the launcher, in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, get_args
+
+from nbaccel.config import LaunchConfig, RdzvBackend
+from nbaccel.errors import ConfigError
+from nbaccel.launch.events import LaunchObserver
+from nbaccel.launch.preflight import LaunchPlan, plan_launch
+
+__all__ = ["LaunchRequest", "Rendezvous", "build_request"]
+
+_DEFAULT_ADDR = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """How the machines of a multi-machine launch meet (torch elastic's settings).
+
+    Attributes:
+        backend: ``"static"`` or ``"c10d"``.
+        endpoint: ``host:port`` of the rendezvous.
+        conf: extra rendezvous settings.
+        run_id: the job id shared by all machines.
+        max_restarts: restarts the elastic agent may make.
+        monitor_interval: seconds between the agent's checks.
+        log_line_prefix_template: the agent's output prefix (``None``: ``[rank${rank}]: ``).
+    """
+
+    backend: RdzvBackend
+    endpoint: str
+    conf: Mapping[str, Any] = field(default_factory=dict)
+    run_id: str = "none"
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    log_line_prefix_template: str | None = None
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    """One launch: what to run, where, and how to report; immutable once built.
+
+    Attributes:
+        function: what every worker runs.
+        args: its positional arguments.
+        kwargs: its keyword arguments.
+        config: the resolved settings (every layer applied).
+        plan: this machine's concrete choices (device kind, workers, start method, settings).
+        launcher: the name of the launcher module that runs it (``"local"``, ``"xla"``, ``"elastic"``).
+        hang_timeout: seconds of silence, after some ranks finished, before the rest are stopped.
+        output_ranks: the ranks whose output is shown (``None``: all).
+        return_all: return ``{rank: value}`` instead of rank 0's value.
+        observer: receives per-rank state and output events.
+        rendezvous: how machines meet (multi-machine launches only).
+        warm_imports: import what DDP needs in the caller before forking (``None``: guess from
+            the function; see :mod:`nbaccel.launch.warmup`).
+    """
+
+    function: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: Mapping[str, Any]
+    config: LaunchConfig
+    plan: LaunchPlan
+    launcher: str
+    hang_timeout: float | None = 120.0
+    output_ranks: frozenset[int] | None = None
+    return_all: bool = False
+    observer: LaunchObserver | None = None
+    rendezvous: Rendezvous | None = None
+    warm_imports: bool | None = None
+
+    @property
+    def num_processes(self) -> int:
+        """Workers on this machine."""
+        return self.plan.num_processes
+
+    def with_observer(self, observer: LaunchObserver | None) -> LaunchRequest:
+        """A copy reporting to ``observer``."""
+        return dataclasses.replace(self, observer=observer)
+
+
+def _port_number(use_port: int | str | None) -> int | None:
+    if use_port in (None, ""):
+        return None
+    try:
+        return int(use_port)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ConfigError(f"use_port must be a port number from 1 to 65535, or None for a free one (got "
+                          f"{use_port!r}). Fix: pass use_port=None, or a number such as 29500.", key="use_port",
+                          value=use_port, valid="1..65535 or None") from None
+
+
+def _check_ranks(output_ranks: Iterable[int] | int | None, n: int) -> frozenset[int] | None:
+    if output_ranks is None:
+        return None
+    ranks = frozenset([output_ranks] if isinstance(output_ranks, int) else output_ranks)
+    bad = sorted(r for r in ranks if not isinstance(r, int) or not 0 <= r < n)
+    if bad:
+        raise ConfigError(f"output_ranks names rank {bad[0]!r}, but ranks run from 0 to {n - 1}. Fix: "
+                          f"pass ranks in 0..{n - 1}, or None to show every rank.", key="output_ranks",
+                          value=sorted(ranks, key=str), valid=list(range(n)))
+    return ranks
+
+
+def _refuse_on_several_machines(**given: Any) -> None:
+    """Refuse options that only nbaccel's own supervisor honours, before a multi-machine launch."""
+    used = [name for name, value in given.items() if value is not None]
+    if used:
+        raise ConfigError(f"{used[0]} is not supported for multi-machine launches (num_nodes > 1): those run "
+                          "under torch's elastic agent, which streams every rank's output and has no timeout or "
+                          f"status events. Fix: drop {used[0]}, or launch on one machine.", key=used[0],
+                          value=given[used[0]], valid=None)
+
+
+def _rendezvous(cfg: LaunchConfig, *, backend: str | None, endpoint: str, conf: Mapping[str, Any] | None,
+                run_id: str, max_restarts: int, monitor_interval: float, prefix: str | None) -> Rendezvous:
+    chosen = backend if backend is not None else cfg.rdzv_backend
+    if chosen not in get_args(RdzvBackend):
+        raise ConfigError(f"rdzv_backend must be one of {list(get_args(RdzvBackend))} (got {chosen!r}). Fix: pass "
+                          "rdzv_backend='c10d' (or 'static' with node_rank=).", key="rdzv_backend", value=chosen,
+                          valid=get_args(RdzvBackend))
+    if not endpoint and cfg.main_process_port:
+        endpoint = f"{cfg.main_process_ip}:{cfg.main_process_port}"
+    if not endpoint:
+        raise ConfigError("a multi-machine launch needs a rendezvous endpoint. Fix: pass "
+                          "rdzv_endpoint='host:port' (or use_port= with master_addr=).",
+                          key="rdzv_endpoint", value=endpoint, valid="'host:port'")
+    settings = dict(conf or {})
+    if chosen == "static":
+        settings.setdefault("rank", cfg.machine_rank)
+    return Rendezvous(backend=chosen, endpoint=endpoint, conf=settings, run_id=run_id,  # type: ignore[arg-type]
+                      max_restarts=max_restarts, monitor_interval=monitor_interval,
+                      log_line_prefix_template=prefix)
+
+
+def build_request(
+    function: Callable[..., Any],
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    config: LaunchConfig | None = None,
+    launcher: str | None = None,
+    hang_timeout: float | None = 120.0,
+    output_ranks: Iterable[int] | int | None = None,
+    return_all: bool = False,
+    observer: LaunchObserver | None = None,
+    warm_imports: bool | None = None,
+    master_addr: str | None = None,
+    use_port: int | str | None = None,
+    rdzv_backend: str | None = None,
+    rdzv_endpoint: str = "",
+    rdzv_conf: Mapping[str, Any] | None = None,
+    rdzv_id: str = "none",
+    max_restarts: int = 0,
+    monitor_interval: float = 0.1,
+    log_line_prefix_template: str | None = None,
+    **settings: Any,
+) -> LaunchRequest:
+    """Resolve and validate one launch: ``config`` with the explicit arguments on top, planned here.
+
+    Args:
+        function: what every worker runs.
+        args: its positional arguments.
+        kwargs: its keyword arguments.
+        config: the settings layered so far (file < session < flags); ``None``: the defaults.
+        launcher: a launcher module's name, to choose one explicitly; ``None`` picks ``"elastic"``
+            for several machines, ``"xla"`` on XLA devices, else ``"local"``.
+        hang_timeout: see :class:`LaunchRequest`.
+        output_ranks: see :class:`LaunchRequest`.
+        return_all: see :class:`LaunchRequest`.
+        observer: see :class:`LaunchRequest`.
+        warm_imports: see :class:`LaunchRequest`.
+        master_addr: machine 0's address; wins over the config's ``main_process_ip``.
+        use_port: the rendezvous port; wins over the config's ``main_process_port``.
+        rdzv_backend: wins over the config's ``rdzv_backend`` (multi-machine).
+        rdzv_endpoint: ``host:port`` of the rendezvous (multi-machine).
+        rdzv_conf: extra rendezvous settings (multi-machine).
+        rdzv_id: the job id shared by all machines (multi-machine).
+        max_restarts: restarts the elastic agent may make (multi-machine).
+        monitor_interval: seconds between the elastic agent's checks (multi-machine).
+        log_line_prefix_template: the elastic agent's output prefix (multi-machine).
+        **settings: :class:`LaunchConfig` fields; those not ``None`` win over ``config``.
+
+    Raises:
+        ConfigError: a setting is invalid, or asks for hardware that is not here; nothing started.
+        EnvironmentStateError: fork was requested but is unsafe in this process.
+
+    Example:
+        >>> request = build_request(print, ("hi",), num_processes=2, use_cpu=True)
+        >>> request.launcher, request.num_processes, request.plan.start_method
+        ('local', 2, 'fork')
+    """
+    base = config if config is not None else LaunchConfig()
+    if hang_timeout is not None and hang_timeout <= 0:
+        raise ConfigError(f"hang_timeout must be a positive number of seconds or None (got {hang_timeout!r})",
+                          key="hang_timeout", value=hang_timeout, valid="> 0 or None")
+    endpoint_host = rdzv_endpoint.rsplit(":", 1)[0] if rdzv_endpoint else None
+    address = master_addr or base.main_process_ip or endpoint_host or _DEFAULT_ADDR
+    cfg = base.with_overrides(main_process_ip=address, main_process_port=_port_number(use_port), **settings)
+    rendezvous = None
+    if cfg.num_machines > 1:
+        _refuse_on_several_machines(output_ranks=output_ranks, timeout=cfg.timeout, observer=observer)
+        rendezvous = _rendezvous(cfg, backend=rdzv_backend, endpoint=rdzv_endpoint, conf=rdzv_conf,
+                                 run_id=rdzv_id, max_restarts=max_restarts, monitor_interval=monitor_interval,
+                                 prefix=log_line_prefix_template)
+    plan = plan_launch(cfg)
+    if launcher is None:
+        launcher = "elastic" if rendezvous is not None else "xla" if plan.device_kind == "xla" else "local"
+    return LaunchRequest(
+        function=function, args=tuple(args), kwargs=dict(kwargs or {}), config=cfg, plan=plan,
+        launcher=launcher, hang_timeout=hang_timeout, output_ranks=_check_ranks(output_ranks, plan.num_processes),
+        return_all=return_all, observer=observer, rendezvous=rendezvous, warm_imports=warm_imports)

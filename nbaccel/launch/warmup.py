@@ -1,0 +1,140 @@
+"""Importing what DDP needs once, in the caller, so forked workers inherit it; never on a trivial launch's path.
+
+The first ``DistributedDataParallel`` built in a process imports ``torch._dynamo``: about 1 s
+here, and about 2 s in *each* of 4 workers that share 2 cores. Imported in the caller before
+forking, workers get it for free. But a function that never builds a DDP model would pay that
+second for nothing on its first launch, so the import happens:
+
+- in a background thread started when the extension loads (``%load_ext nbaccel``), while the
+  user is still typing; and at the start of a launch whose function looks like it builds a
+  model (:func:`may_build_ddp`), overlapping the launch's own preparation;
+- never on the path of a launch that does not need it.
+
+Forking while another thread is in the middle of an import would leave the child with a
+half-initialized module and a module lock nobody will release, so the thread is always joined
+before any fork in this process: by the launchers, and by an ``os.register_at_fork`` hook for
+forks nbaccel does not make itself.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import sys
+import threading
+import types
+from collections.abc import Callable, Iterable
+from typing import Any
+
+__all__ = ["finish_warmup", "may_build_ddp", "prepare_for_fork", "source_names", "start_warmup", "warmed_up"]
+
+# Names whose presence in a function (or the functions it calls) suggests it builds a DDP/FSDP model.
+_DDP_NAMES = frozenset({
+    "DistributedDataParallel", "DDP", "Accelerator", "prepare", "prepare_model", "fully_shard",
+    "FullyShardedDataParallel", "FSDP", "compile",
+})
+_MODULES = ("torch._dynamo", "torch.nn.parallel")
+_lock = threading.Lock()
+_thread: threading.Thread | None = None
+_done = False
+
+
+def _import_all() -> None:
+    global _done
+    try:
+        for name in _MODULES:
+            __import__(name)
+    except Exception:  # noqa: BLE001 - a worker then imports it itself, as it would without nbaccel
+        pass
+    _done = True
+
+
+def warmed_up() -> bool:
+    """Whether the DDP imports are in this process already."""
+    return _done
+
+
+def start_warmup() -> None:
+    """Begin importing what DDP needs in a background thread (once; only where torch is imported)."""
+    global _thread
+    with _lock:
+        if _done or _thread is not None or "torch" not in sys.modules:
+            return
+        _thread = threading.Thread(target=_import_all, name="nbaccel-warmup", daemon=True)
+        _thread.start()
+
+
+def finish_warmup() -> None:
+    """Wait for a warm-up in progress (call before forking); returns at once when none runs."""
+    thread = _thread
+    if thread is not None and thread is not threading.current_thread():
+        thread.join()
+
+
+def _names_of(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names_of(const)
+    return names
+
+
+def _function_names(function: Any, depth: int = 3, seen: set[int] | None = None) -> set[str]:
+    """Global and attribute names used by ``function`` and, a few calls deep, the functions it calls."""
+    seen = set() if seen is None else seen
+    code = getattr(function, "__code__", None)
+    if code is None or id(code) in seen:
+        return set()
+    seen.add(id(code))
+    names = _names_of(code)
+    if depth > 0:
+        globals_ = getattr(function, "__globals__", {})
+        for name in names & set(globals_):
+            callee = globals_[name]
+            if isinstance(callee, types.FunctionType):
+                names |= _function_names(callee, depth - 1, seen)
+    return names
+
+
+def source_names(source: str) -> set[str]:
+    """Every name and attribute name in Python ``source`` (empty when it does not parse)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return set()
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            found.add(node.attr)
+        elif isinstance(node, ast.alias):
+            found.update(node.name.split("."))
+    return found
+
+
+def may_build_ddp(function: Callable[..., Any] | None = None, names: Iterable[str] = ()) -> bool:
+    """A cheap guess: does ``function`` (or code using ``names``) build a DDP or FSDP model?
+
+    A wrong "no" costs what a launch without nbaccel's warm-up costs (each worker imports it);
+    a wrong "yes" costs one import in the caller, once per process.
+
+    Example:
+        >>> may_build_ddp(lambda: 1), may_build_ddp(names=["Accelerator"])
+        (False, True)
+    """
+    used = set(names)
+    if function is not None:
+        used |= _function_names(function)
+    return bool(used & _DDP_NAMES)
+
+
+def prepare_for_fork(wanted: bool) -> None:
+    """Before forking workers: import what DDP needs when ``wanted``, and never fork mid-import."""
+    if wanted and not _done:
+        start_warmup()
+    finish_warmup()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=finish_warmup)
