@@ -9,7 +9,7 @@ import pytest
 from IPython.core.error import UsageError
 
 from nbaccel.config import LaunchConfig, load_config, save_config
-from nbaccel.errors import ConfigError, PayloadPicklingError
+from nbaccel.errors import ConfigError, PayloadPicklingError, WorkerFailedError
 from nbaccel.magics.cell import CellProgram, names_used, run_cell_program
 from nbaccel.magics.magics import AccelMagics
 
@@ -126,7 +126,8 @@ def test_a_workers_own_config_error_is_not_a_usage_error(ip):
     result = run(ip, "%%accel_launch -n 2 --status none\n"
                      "from nbaccel.errors import ConfigError\nraise ConfigError('from the cell', key='k')\n")
     exc = result.error_in_exec
-    assert type(exc) is ConfigError and exc.launch_failures[0].exc_type == "nbaccel.errors.ConfigError"
+    assert isinstance(exc, ConfigError) and isinstance(exc, WorkerFailedError)  # the worker's own, not a UsageError
+    assert type(exc).__name__ == "ConfigError" and exc.failures[0].exc_type == "nbaccel.errors.ConfigError"
 
 
 def test_out_name_the_cell_never_defined_is_a_name_error(ip):
