@@ -16,8 +16,10 @@ import functools
 import json
 import os
 import signal
+import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -69,9 +71,13 @@ def _entry(function: Callable[..., Any], env: Mapping[str, str], kwargs: Mapping
     set_identity(WorkerIdentity.from_distributed_env(dist) if dist is not None else None)
     try:
         return function(*args, **kwargs)
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001 - reported in the error file, then the worker ends
         _write_error_file(exc)
-        raise
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Leave now: torch's own `record` wrapper around this entry would overwrite the report.
+        os._exit(130 if isinstance(exc, KeyboardInterrupt) else 1)
 
 
 def _failures(error: Any) -> list[WorkerFailure]:
