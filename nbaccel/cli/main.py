@@ -14,24 +14,13 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from nbaccel.cli.usage import UsageError
 from nbaccel.errors import ConfigError, NbaccelError
 
 __all__ = ["UsageError", "build_parser", "main"]
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
-
-
-class UsageError(Exception):
-    """A command-line mistake: printed as one line, exit code 2.
-
-    Attributes:
-        prog: the command it belongs to (``"nbaccel launch"``).
-    """
-
-    def __init__(self, msg: str, *, prog: str = "nbaccel") -> None:
-        super().__init__(msg)
-        self.prog = prog
 
 
 class _Parser(argparse.ArgumentParser):

@@ -89,8 +89,13 @@ def _function_names(function: Any, depth: int = 3, seen: set[int] | None = None)
     names = _names_of(code)
     if depth > 0:
         globals_ = getattr(function, "__globals__", {})
-        for name in names & set(globals_):
-            callee = globals_[name]
+        callees = [globals_[name] for name in names & set(globals_)]
+        for cell in getattr(function, "__closure__", None) or ():
+            try:
+                callees.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+        for callee in callees:
             if isinstance(callee, types.FunctionType):
                 names |= _function_names(callee, depth - 1, seen)
     return names

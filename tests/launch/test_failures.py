@@ -134,3 +134,32 @@ def test_next_launch_after_a_failure_works():
     with pytest.raises(CustomError):
         notebook_launcher(_rank1_raises, num_processes=2)
     assert notebook_launcher(_rank, num_processes=2, return_all=True) == {0: 0, 1: 1}
+
+
+def _ranks_raise_different_errors():
+    time.sleep(0.3 * _rank())
+    if _rank() == 0:
+        raise FileNotFoundError(2, "No such file or directory", "/data/train.csv")
+    raise KeyError(f"rank {_rank()}")
+
+
+def test_one_family_catches_every_worker_failure_and_the_users_type_still_works():
+    with pytest.raises(WorkerFailedError) as info:
+        notebook_launcher(_ranks_raise_different_errors, num_processes=3)
+    exc = info.value
+    assert isinstance(exc, FileNotFoundError) and isinstance(exc, OSError)  # the user's own type
+    assert type(exc).__name__ == "FileNotFoundError" and exc.filename == "/data/train.csv" and exc.errno == 2
+    assert exc.root_cause is exc.failures[0] and exc.root_cause.rank == 0  # the root cause first
+    assert exc.failures == exc.launch_failures
+    assert [f.rank for f in exc.failures][0] == 0 and {f.rank for f in exc.failures} <= {0, 1, 2}
+
+
+def _interrupted_worker():
+    raise KeyboardInterrupt("stop")
+
+
+def test_an_interrupt_in_a_worker_is_not_turned_into_an_exception():
+    with pytest.raises(KeyboardInterrupt) as info:
+        notebook_launcher(_interrupted_worker, num_processes=1)
+    assert not isinstance(info.value, Exception)  # `except Exception` must never swallow it
+    assert info.value.failures[0].exc_type == "KeyboardInterrupt"
