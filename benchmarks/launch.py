@@ -6,15 +6,24 @@ is in the function, the time until the launcher returns, and the launcher's own 
 (before the last entry plus after the last exit), medians of ``--repeat`` interleaved rounds, and
 ratios.
 
-Run: ``.venv/bin/python benchmarks/launch.py`` (needs ``pip install accelerate`` for its column).
+Then the first launches in a fresh process (each run in a new interpreter that has imported torch
+but launched nothing yet), 4 CPU workers, nbaccel against Accelerate's ``notebook_launcher`` in the
+same run: a trivial function's first launch (goal <= 1.0x Accelerate's), and a DDP training
+function's first and second launches (goals <= 0.5x and <= 0.25x). The machine's load average
+is printed with the figures: CPU time here is shared.
+
+Run: ``.venv/bin/python benchmarks/launch.py`` (needs ``pip install accelerate`` for its column);
+``--only-first`` runs only the fresh-process table.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +45,74 @@ def work(marks: str) -> None:
     dist.all_reduce(value)
     dist.destroy_process_group()
     Path(marks, f"{os.environ.get('RANK', '0')}-{os.getpid()}").write_text(f"{entered!r} {time.time()!r}")
+
+
+def trivial() -> int:
+    """A function that builds nothing: its launch is pure launcher overhead."""
+    return 1
+
+
+def ddp_train(steps: int = 5) -> float:
+    """A small DDP training loop over gloo (what a notebook's first real launch does)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                                                        torch.nn.Linear(64, 1)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(steps):
+        loss = model(torch.randn(16, 32)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    value = float(loss)
+    del model, optimizer
+    dist.destroy_process_group()
+    return value
+
+
+def _child(launcher: str, function_name: str, n: int) -> None:
+    """In a fresh interpreter: time the first and the second launch of one function."""
+    function = {"trivial": trivial, "ddp": ddp_train}[function_name]
+    if launcher == "nbaccel":
+        from nbaccel import notebook_launcher as nb_launch
+
+        def run() -> None:
+            nb_launch(function, num_processes=n, use_cpu=True)
+    else:
+        from accelerate import notebook_launcher as acc_launch
+
+        def run() -> None:
+            acc_launch(function, num_processes=n, use_port=str(_free_port()))
+    start = time.perf_counter()
+    run()
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    run()
+    print(json.dumps({"first": first, "second": time.perf_counter() - start}))
+
+
+def first_launches(n: int, repeat: int) -> None:
+    """The fresh-process table: each measurement in a new interpreter, launchers interleaved."""
+    cases = [(launcher, fn) for fn in ("trivial", "ddp") for launcher in ("nbaccel", "accelerate")]
+    got: dict[tuple[str, str], list[dict[str, float]]] = {case: [] for case in cases}
+    for round_index in range(repeat):
+        for launcher, fn in cases[round_index % 2:] + cases[:round_index % 2]:
+            done = subprocess.run([sys.executable, __file__, "--child", launcher, fn, str(n)], capture_output=True,
+                                  text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            if done.returncode != 0:
+                raise SystemExit(f"{launcher} {fn} failed:\n{done.stderr[-2000:]}")
+            got[(launcher, fn)].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    med = {case: {k: statistics.median(r[k] for r in runs) for k in ("first", "second")} for case, runs in got.items()}
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"\nfirst launches in a fresh process, {n} CPU workers (median of {repeat}; load average {load})")
+    print(f"{'function':10} {'launch':8} {'nbaccel (s)':>12} {'accelerate (s)':>15} {'ratio':>7} {'goal':>6}")
+    goals = {("trivial", "first"): 1.0, ("ddp", "first"): 0.5, ("ddp", "second"): 0.25}
+    for (fn, which), goal in goals.items():
+        ours, theirs = med[("nbaccel", fn)][which], med[("accelerate", fn)][which]
+        print(f"{fn:10} {which:8} {ours:12.3f} {theirs:15.3f} {ours / theirs:7.2f} {'<= ' + str(goal):>6}")
 
 
 def _spawn_entry(local_rank: int, marks: str, n: int, port: int) -> None:
@@ -113,12 +190,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--processes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--only-first", action="store_true", help="only the fresh-process first-launch table")
+    parser.add_argument("--child", nargs=3, metavar=("LAUNCHER", "FUNCTION", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:
+        return _child(args.child[0], args.child[1], int(args.child[2]))
     try:
         import accelerate  # noqa: F401
     except ImportError:
         print("accelerate not installed: its column is skipped (pip install accelerate)", file=sys.stderr)
         LAUNCHERS.pop("accelerate notebook_launcher")
+    else:
+        first_launches(4, args.repeat)
+    if args.only_first:
+        return
     for launch in LAUNCHERS.values():  # warm-up: first-use imports are not launch overhead
         measure(launch, 2)
     for n in args.processes:

@@ -19,7 +19,7 @@ from nbaccel.launch.rendezvous import LoopbackStore
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.starter import SpawnFiles, start_forked, start_spawned
 from nbaccel.launch.supervisor import Supervisor, SupervisorPolicy
-from nbaccel.launch.warmup import may_build_ddp, prepare_for_fork
+from nbaccel.launch.warmup import finish_warmup, may_build_ddp, start_warmup
 
 __all__ = ["LAUNCHER", "LocalLauncher"]
 
@@ -35,6 +35,8 @@ class LocalLauncher:
         n = plan.num_processes
         function, args, kwargs = request.function, request.args, request.kwargs
         payload = dumps_payload(function, args, kwargs) if plan.start_method == "spawn" else None  # fail early
+        if payload is None and (may_build_ddp(function) if request.warm_imports is None else request.warm_imports):
+            start_warmup()  # overlaps with the preparation below; joined before the fork
         observer = request.observer
         store = LoopbackStore(port=request.config.main_process_port or 0) if n > 1 else None
         files = SpawnFiles() if payload is not None else None
@@ -53,8 +55,7 @@ class LocalLauncher:
                 if files is not None:
                     handles = start_spawned(function, args, kwargs, envs, files, payload=payload)
                 else:
-                    warm = request.warm_imports
-                    prepare_for_fork(may_build_ddp(function) if warm is None else warm)
+                    finish_warmup()  # never fork in the middle of an import
                     handles = start_forked(function, args, kwargs, envs,
                                            inherited_fds=[store.listen_fd] if store is not None else [])
                 policy = SupervisorPolicy(timeout=request.config.timeout, hang_timeout=request.hang_timeout)

@@ -26,7 +26,7 @@ import types
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["finish_warmup", "may_build_ddp", "prepare_for_fork", "source_names", "start_warmup", "warmed_up"]
+__all__ = ["finish_warmup", "may_build_ddp", "source_names", "start_warmup", "warmed_up"]
 
 # Names whose presence in a function (or the functions it calls) suggests it builds a DDP/FSDP model.
 _DDP_NAMES = frozenset({
@@ -132,13 +132,6 @@ def may_build_ddp(function: Callable[..., Any] | None = None, names: Iterable[st
     if function is not None:
         used |= _function_names(function)
     return bool(used & _DDP_NAMES)
-
-
-def prepare_for_fork(wanted: bool) -> None:
-    """Before forking workers: import what DDP needs when ``wanted``, and never fork mid-import."""
-    if wanted and not _done:
-        start_warmup()
-    finish_warmup()
 
 
 if hasattr(os, "register_at_fork"):
