@@ -46,12 +46,14 @@ class SupervisorPolicy:
             stacks are dumped and they are stopped (``None``: no watchdog).
         grace: seconds between SIGTERM and SIGKILL when stopping workers.
         poll_interval: how often exits and deadlines are checked.
+        host_name: how reports name the host process, where the ranks run inside one.
     """
 
     timeout: float | None = None
     hang_timeout: float | None = 120.0
     grace: float = 3.0
     poll_interval: float = 0.05
+    host_name: str = "the host process"
 
 
 class Supervisor:
@@ -250,7 +252,7 @@ class Supervisor:
         if failure is None or any(r.state != "starting" for r in self.workers):
             self._host_failure = failure
             return None  # the ranks' own reports (or their absence) say what went wrong
-        message = f"the host process failed before any rank started: {failure.message}"
+        message = f"{self.policy.host_name} failed before any replica started: {failure.message}"
         return dataclasses.replace(failure, message=message)
 
     def _unreported(self, handle: WorkerHandle) -> WorkerFailure | None:
@@ -262,7 +264,7 @@ class Supervisor:
         self._set_state(handle, "failed")
         said, known = "", self._host_failure
         if known is not None and known.exc_type:
-            said = f" The host process reported: {known.exc_type}: {known.message.strip().splitlines()[-1]}"
+            said = f" {self.policy.host_name} reported: {known.exc_type}: {known.message.strip().splitlines()[-1]}"
         in_host = handle.pid == host.pid  # a rank run inside the host itself: its exit is the host's
         return WorkerFailure(
             rank=handle.rank, pid=handle.pid, time=known.time if known is not None else time.time(),

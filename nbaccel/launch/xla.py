@@ -328,7 +328,8 @@ class XlaLauncher:
         if observer is not None:
             observer.on_launch(list(range(n)), "fork")
         host, replicas = _start_host(request.function, request.args, request.kwargs, n, settings, env)
-        policy = SupervisorPolicy(timeout=request.config.timeout, hang_timeout=request.hang_timeout)
+        policy = SupervisorPolicy(timeout=request.config.timeout, hang_timeout=request.hang_timeout,
+                                  host_name="torch_xla.launch in the host process")
         ok = False
         try:
             results = Supervisor(replicas, relay, observer, policy=policy, host=host).run()
