@@ -9,7 +9,9 @@
     │                                      (for example CUDA initialized before a fork)
     ├── LaunchError (also RuntimeError)    a launch could not start or did not finish
     │   ├── PayloadPicklingError           the function or an argument cannot be shipped
-    │   ├── WorkerFailedError              a worker raised, exited non-zero or was killed
+    │   ├── WorkerFailedError              a worker raised, exited non-zero or was killed (the
+    │   │                                  family of every failed launch; a worker's own exception
+    │   │                                  type is joined in when it re-raises here)
     │   │   └── ProcessExitedError         ... without reporting an exception (os._exit, signal)
     │   └── LaunchTimeoutError (also TimeoutError)
     │                                      the launch ran past ``timeout`` or hung
