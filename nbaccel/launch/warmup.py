@@ -23,7 +23,7 @@ import os
 import sys
 import threading
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 __all__ = ["finish_warmup", "may_build_ddp", "source_names", "start_warmup", "warmed_up"]
@@ -118,9 +118,11 @@ def source_names(source: str) -> set[str]:
     return found
 
 
-def may_build_ddp(function: Callable[..., Any] | None = None, names: Iterable[str] = ()) -> bool:
+def may_build_ddp(function: Callable[..., Any] | None = None, names: Iterable[str] = (),
+                  namespace: Mapping[str, Any] | None = None) -> bool:
     """A cheap guess: does ``function`` (or code using ``names``) build a DDP or FSDP model?
 
+    Functions among ``names`` that ``namespace`` defines (a notebook's, for a cell) are read too.
     A wrong "no" costs what a launch without nbaccel's warm-up costs (each worker imports it);
     a wrong "yes" costs one import in the caller, once per process.
 
@@ -131,6 +133,10 @@ def may_build_ddp(function: Callable[..., Any] | None = None, names: Iterable[st
     used = set(names)
     if function is not None:
         used |= _function_names(function)
+    for name in list(used & set(namespace or {})):
+        value = namespace[name]  # type: ignore[index]
+        if isinstance(value, types.FunctionType):
+            used |= _function_names(value)
     return bool(used & _DDP_NAMES)
 
 

@@ -151,7 +151,7 @@ class AccelMagics(Magics):
         from nbaccel.launch.request import build_request
         from nbaccel.launch.warmup import may_build_ddp, source_names, start_warmup
 
-        warm = may_build_ddp(names=source_names(program.source) | set(program.shipped_names()))
+        warm = may_build_ddp(names=source_names(program.source), namespace=program.namespace())
         if warm:
             start_warmup()  # overlaps with the rest of the preparation; joined before any fork
         try:

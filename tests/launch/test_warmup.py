@@ -62,6 +62,9 @@ def test_the_guess_reads_functions_and_the_functions_they_call():
     assert may_build_ddp(calls_helper) and not may_build_ddp(lambda: 1)
     assert may_build_ddp(names=source_names("from nbaccel import Accelerator\nacc = Accelerator()"))
     assert not may_build_ddp(names=source_names("print('hello')")) and source_names("def (") == set()
+    # a cell that calls a notebook function: the function is read too
+    assert may_build_ddp(names=source_names("train(3)"), namespace={"train": calls_helper, "x": 1})
+    assert not may_build_ddp(names=source_names("x + 1"), namespace={"train": calls_helper, "x": 1})
 
 
 def test_one_trimmer_drops_the_launchers_frames_everywhere():
