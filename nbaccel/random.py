@@ -147,8 +147,8 @@ def _synchronize(rng_type: str, generator: torch.Generator | None) -> None:
         rng = torch.tensor(xm.get_rng_state())
     else:
         rng = generator.get_state()  # type: ignore[union-attr]
-    # nccl broadcasts device tensors only; gloo and XLA take CPU ones.
-    rng = broadcast(rng.to(state.device) if state.device.type == "cuda" else rng, from_process=0).cpu()
+    # `broadcast` carries a CPU state through the device when the group needs it (NCCL) and returns it on CPU.
+    rng = broadcast(rng, from_process=0).cpu()
     if rng_type == "torch":
         torch.set_rng_state(rng)
     elif rng_type == "cuda":
