@@ -493,7 +493,7 @@ class Accelerator(ProcessHelpers, CheckpointHelpers):
         import gc
 
         gc.collect()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if torch.cuda.is_initialized():
             torch.cuda.empty_cache()
         return [None for _ in objects]
 

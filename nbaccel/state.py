@@ -24,6 +24,7 @@ import torch
 from nbaccel.environment import (
     DistributedEnv,
     MixedPrecision,
+    cuda_device_count,
     read_distributed_env,
     read_worker_settings,
     tpu_detected,
@@ -143,9 +144,9 @@ class ProcessState:
             import torch_xla
 
             return torch_xla.device()
-        if not self.use_cpu and torch.cuda.is_available():
-            index = self.local_process_index % max(torch.cuda.device_count(), 1)
-            return torch.device("cuda", index)
+        gpus = 0 if self.use_cpu else cuda_device_count()  # NVML: an Accelerator() in a notebook keeps fork safe
+        if gpus:
+            return torch.device("cuda", self.local_process_index % gpus)
         return torch.device("cpu")
 
     def _pick_backend(self) -> str:

@@ -1,0 +1,135 @@
+"""CUDA facts learned without initializing CUDA here: the device count, and whether fork is still safe.
+
+``torch.cuda.is_initialized()`` is not enough to decide fork: ``torch.cuda.is_available()``
+(without ``PYTORCH_NVML_BASED_CUDA_CHECK=1``), ``torch.cuda.device_count()`` when NVML cannot
+count (no driver library, MIG UUIDs in ``CUDA_VISIBLE_DEVICES``), and every library that calls
+them run ``cudaGetDeviceCount``. That "poisons" fork: torch registers a fork handler, and every
+forked child then fails with "Cannot re-initialize CUDA in forked subprocess", while the parent
+still reports ``is_initialized() == False``. The poison is only visible in a child, so
+:func:`cuda_fork_poisoned` forks a throwaway child that reports it and exits at once.
+
+What always holds: nothing here calls ``cudaGetDeviceCount`` or ``cuInit`` in the calling
+process (unless CUDA is initialized or poisoned there already, when asking costs nothing more);
+a probe child never runs Python cleanup or flushes the parent's buffers (it leaves by
+``os._exit``), and never outlives its call.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import warnings
+from collections.abc import Callable
+
+__all__ = ["cuda_device_count", "cuda_fork_poisoned", "run_in_fork"]
+
+_PROBE_TIMEOUT_S = 20.0
+_MAX_COUNT = 200  # exit statuses carry 0..255; 255 means the probe itself failed
+
+
+def run_in_fork(probe: Callable[[], int], timeout: float = _PROBE_TIMEOUT_S) -> int | None:
+    """Run ``probe()`` in a throwaway forked child and return what it returned (0..254).
+
+    Returns ``None`` when the child could not start, raised, died of a signal, or ran past
+    ``timeout`` (it is killed then).
+
+    Example:
+        >>> run_in_fork(lambda: 7)
+        7
+    """
+    if not hasattr(os, "fork"):  # pragma: no cover - not POSIX
+        return None
+    with warnings.catch_warnings():  # Python 3.12+ warns about fork in a threaded process (a kernel)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        try:
+            pid = os.fork()
+        except OSError:
+            return None
+    if pid == 0:  # the child: answer through the exit status, run nothing else
+        code = 255
+        try:
+            code = max(0, min(int(probe()), 254))
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    pause = 0.0005
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return None
+        time.sleep(pause)
+        pause = min(pause * 2, 0.005)
+    code = os.waitstatus_to_exitcode(status)
+    return code if 0 <= code < 255 else None
+
+
+def _cuda_built() -> bool:
+    """Whether torch is imported here and built with CUDA (a CPU build can never poison fork)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and bool(torch.cuda._is_compiled())
+
+
+def cuda_fork_poisoned() -> bool:
+    """Whether a process forked from this one could not use CUDA ("Cannot re-initialize CUDA in forked subprocess").
+
+    ``False`` at no cost when torch is not imported or has no CUDA; otherwise one throwaway
+    fork (a few milliseconds) asks torch's bad-fork flag in the child.
+
+    Example:
+        >>> cuda_fork_poisoned()   # on a CPU-only torch
+        False
+    """
+    if not _cuda_built():
+        return False
+    import torch
+
+    if torch.cuda._is_in_bad_fork():  # this process is itself a poisoned child
+        return True
+    return run_in_fork(lambda: 1 if torch.cuda._is_in_bad_fork() else 0) == 1
+
+
+def _nvml_count() -> int:
+    """torch's NVML (AMD SMI on ROCm) count honouring ``CUDA_VISIBLE_DEVICES``; negative when it cannot count."""
+    import torch
+
+    counter = getattr(torch.cuda, "_device_count_amdsmi" if torch.version.hip else "_device_count_nvml", None)
+    if counter is None:  # pragma: no cover - a torch without the private counter
+        return -1
+    with warnings.catch_warnings():  # "Can't initialize NVML" where no driver is installed
+        warnings.simplefilter("ignore")
+        try:
+            return int(counter())
+        except Exception:  # noqa: BLE001 - any NVML failure means "cannot count here"
+            return -1
+
+
+def cuda_device_count() -> int:
+    """Visible CUDA devices, counted without initializing CUDA (or poisoning fork) in this process.
+
+    NVML counts first (as ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` does). Where it cannot (no NVML,
+    MIG UUIDs), torch would fall back to ``cudaGetDeviceCount`` here and poison fork; the count
+    is taken in a throwaway child instead, unless CUDA is initialized or poisoned here already.
+
+    Example:
+        >>> cuda_device_count()   # on a CPU-only torch
+        0
+    """
+    if not _cuda_built():
+        return 0
+    import torch
+
+    if torch.cuda.is_initialized():
+        return torch.cuda.device_count()
+    count = _nvml_count()
+    if count >= 0:
+        return count
+    if cuda_fork_poisoned():
+        return torch.cuda.device_count()
+    counted = run_in_fork(lambda: min(torch.cuda.device_count(), _MAX_COUNT))
+    return counted or 0
