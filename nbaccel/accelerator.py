@@ -97,7 +97,8 @@ class Accelerator(ProcessHelpers, CheckpointHelpers):
                  even_batches: bool | None = None, dispatch_batches: bool | None = None) -> None:
         handlers = collect_handlers(kwargs_handlers)
         init_kwargs = handlers.get(InitProcessGroupKwargs, InitProcessGroupKwargs())
-        self.state = AcceleratorState(cpu=cpu, backend=init_kwargs.backend, timeout=init_kwargs.timeout)
+        self.state = AcceleratorState(cpu=cpu, backend=init_kwargs.backend, timeout=init_kwargs.timeout,
+                                      cpu_collectives=bool(fsdp_plugin is not None and fsdp_plugin.cpu_offload))
         settings = self.state.settings
         self._mixed_precision = validate_mixed_precision(mixed_precision or self.state.mixed_precision)
         self.device_placement = device_placement

@@ -1,4 +1,4 @@
-"""Under NCCL every collective nbaccel issues gets a CUDA tensor (CUDA faked: see ``tests/gpu_fakes.py``).
+"""Under NCCL every collective nbaccel issues gets a CUDA tensor, and CPU collectives get a CPU backend (CUDA faked).
 
 An NCCL group carries CUDA tensors only; a CPU seed or RNG state broadcast on it fails with
 "No backend type associated with device type cpu" (``init_process_group("cuda:gloo")``
@@ -8,10 +8,18 @@ state says ``cuda:0``.
 
 from __future__ import annotations
 
+import json
+
+import pytest
 import torch
+import torch.distributed as dist
+import torch.distributed.tensor
 from torch.utils.data import DataLoader
 
-from nbaccel import ops
+from nbaccel import Accelerator, FullyShardedDataParallelPlugin, ops
+from nbaccel.errors import ConfigError
+from nbaccel.fsdp import shard_model
+from nbaccel.state import ProcessState
 from nbaccel.data_loader import prepare_data_loader
 from nbaccel.random import synchronize_rng_states
 from tests.gpu_fakes import fake_cuda_world
@@ -50,3 +58,65 @@ def test_a_group_that_carries_cpu_tensors_gets_them_unmoved(monkeypatch):
     log = fake_cuda_world(monkeypatch, group_device_types=frozenset({"cuda", "cpu"}))
     ops.broadcast(torch.ones(1))
     assert [device.type for _, device in log.calls] == ["cpu"]
+
+
+# --------------------------------------------------------------------------- the backend on CUDA machines
+
+
+@pytest.fixture
+def cuda_worker(monkeypatch):
+    """Rank 0 of 2 on a machine with 2 (faked) GPUs; ``init_process_group`` records its arguments."""
+    from nbaccel import state
+
+    calls: list[dict] = []
+    monkeypatch.setattr(state, "_shared", {})
+    monkeypatch.setattr(state, "cuda_device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: calls.append(kwargs))
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+
+    def fsdp(config: dict) -> None:
+        monkeypatch.setenv("NBACCEL_DISTRIBUTED_TYPE", "FSDP")
+        monkeypatch.setenv("NBACCEL_FSDP_CONFIG", json.dumps(config))
+
+    return calls, fsdp
+
+
+def test_plain_ddp_on_gpus_uses_nccl(cuda_worker):
+    calls, _ = cuda_worker
+    state = ProcessState()
+    assert (state.device, state.backend) == (torch.device("cuda", 0), "nccl")
+    assert calls == [{"backend": "nccl", "rank": 0, "world_size": 2, "device_id": torch.device("cuda", 0)}]
+
+
+@pytest.mark.parametrize("config", [{"fsdp_offload_params": True, "fsdp_state_dict_type": "SHARDED_STATE_DICT"},
+                                    {"fsdp_state_dict_type": "FULL_STATE_DICT"}])
+def test_fsdp_that_offloads_or_gathers_on_cpu_gets_a_cpu_backend_too(cuda_worker, config):
+    calls, fsdp = cuda_worker
+    fsdp(config)
+    assert ProcessState().backend == "cuda:nccl,cpu:gloo"
+    assert calls[0]["backend"] == "cuda:nccl,cpu:gloo"
+
+
+def test_sharded_fsdp_without_offload_keeps_plain_nccl(cuda_worker):
+    _, fsdp = cuda_worker
+    fsdp({"fsdp_offload_params": False, "fsdp_state_dict_type": "SHARDED_STATE_DICT"})
+    assert ProcessState().backend == "nccl"
+
+
+def test_an_fsdp_plugin_with_cpu_offload_given_in_code_gets_a_cpu_backend(cuda_worker):
+    calls, _ = cuda_worker
+    Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(cpu_offload=True))
+    assert calls[0]["backend"] == "cuda:nccl,cpu:gloo"
+
+
+def test_cpu_offload_on_a_group_without_cpu_is_refused_before_sharding(monkeypatch):
+    fake_cuda_world(monkeypatch)
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError) as info:
+        shard_model(model, FullyShardedDataParallelPlugin(cpu_offload=True), torch.device("cuda", 0), 2, [])
+    assert (info.value.key, info.value.value, info.value.valid) == ("backend", "cuda:nccl", "cuda:nccl,cpu:gloo")
+    assert "Fix:" in str(info.value) and not isinstance(model.weight, torch.distributed.tensor.DTensor)
