@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from nbaccel.errors import EnvironmentStateError
 from nbaccel.gradient_state import GradientState
 from nbaccel.ops import send_to_device
 
@@ -91,10 +92,24 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def unscale_(self) -> None:
-        """Divide gradients by the fp16 loss scale (once per step; a no-op without a scaler)."""
-        if self.scaler is not None and not self._unscaled:
-            self.scaler.unscale_(self.optimizer)
-            self._unscaled = True
+        """Divide gradients by the fp16 loss scale (once per step; a no-op without a scaler).
+
+        Raises:
+            EnvironmentStateError: with a scaler, on a micro-step that does not sync gradients:
+                the next backward would add scaled gradients to these unscaled ones (torch's
+                ``GradScaler`` refuses a second ``unscale_`` before ``update``, as in Accelerate).
+        """
+        if self.scaler is None or self._unscaled:
+            return
+        if not self.gradient_state.sync_gradients:
+            raise EnvironmentStateError(
+                "clip_grad_norm_/clip_grad_value_/unscale_gradients was called with mixed_precision='fp16' on a "
+                "gradient accumulation step that does not sync gradients (sync_gradients=False): fp16 gradients "
+                "can be unscaled once per optimizer step, and the next backward would add scaled gradients to the "
+                "unscaled ones. Fix: clip only when gradients sync: `if accelerator.sync_gradients: "
+                "accelerator.clip_grad_norm_(model.parameters(), max_norm)`")
+        self.scaler.unscale_(self.optimizer)
+        self._unscaled = True
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
         """Update the parameters, unless gradients are still accumulating."""
