@@ -1,4 +1,4 @@
-"""CUDA facts learned without initializing CUDA here: the device count, and whether fork is still safe.
+"""CUDA facts learned without initializing CUDA here: the device count, whether fork is still safe, which GPUs.
 
 ``torch.cuda.is_initialized()`` is not enough to decide fork: ``torch.cuda.is_available()``
 (without ``PYTORCH_NVML_BASED_CUDA_CHECK=1``), ``torch.cuda.device_count()`` when NVML cannot
@@ -21,9 +21,12 @@ import signal
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
-__all__ = ["cuda_device_count", "cuda_fork_poisoned", "run_in_fork"]
+from nbaccel.errors import ConfigError
+
+__all__ = ["GpuSelection", "cuda_device_count", "cuda_fork_poisoned", "run_in_fork", "select_gpus"]
 
 _PROBE_TIMEOUT_S = 20.0
 _MAX_COUNT = 200  # exit statuses carry 0..255; 255 means the probe itself failed
@@ -133,3 +136,76 @@ def cuda_device_count() -> int:
         return torch.cuda.device_count()
     counted = run_in_fork(lambda: min(torch.cuda.device_count(), _MAX_COUNT))
     return counted or 0
+
+
+@dataclass(frozen=True)
+class GpuSelection:
+    """The GPUs a launch's ``gpu_ids`` select.
+
+    Attributes:
+        visible_devices: ``CUDA_VISIBLE_DEVICES`` for the workers (``None``: leave the caller's).
+        count: how many GPUs that is.
+        physical_ids: their NVML (physical) ids when known (``None`` for UUIDs).
+    """
+
+    visible_devices: str | None
+    count: int
+    physical_ids: tuple[int, ...] | None
+
+
+def _bad_ids(gpu_ids: str, problem: str, fix: str, valid: object) -> ConfigError:
+    return ConfigError(f"gpu_ids={gpu_ids!r} {problem}. Fix: {fix}", key="gpu_ids", value=gpu_ids, valid=valid)
+
+
+def _physical(entries: list[str]) -> tuple[int, ...] | None:
+    return tuple(int(e) for e in entries) if all(e.isdigit() for e in entries) else None
+
+
+def select_gpus(gpu_ids: str, visible: int, env: Mapping[str, str] | None = None) -> GpuSelection:
+    """Turn ``gpu_ids`` into the workers' ``CUDA_VISIBLE_DEVICES``, relative to what this process sees.
+
+    A number in ``gpu_ids`` is a position among the GPUs this process sees (``cuda:N`` here), so
+    with ``CUDA_VISIBLE_DEVICES=2,3`` in the notebook, ``gpu_ids="1"`` is physical GPU 3. A UUID
+    (``GPU-...``, ``MIG-...``, or a unique prefix of one listed in ``CUDA_VISIBLE_DEVICES``) names
+    a GPU directly.
+
+    Args:
+        gpu_ids: ``"all"`` or comma-separated positions and/or UUIDs.
+        visible: how many GPUs this process sees.
+        env: the environment holding ``CUDA_VISIBLE_DEVICES`` (default ``os.environ``).
+
+    Raises:
+        ConfigError: a position past the visible GPUs, an unknown or ambiguous UUID prefix, a
+            repeated GPU (CUDA would then hide every GPU), or numbers mixed with UUIDs.
+
+    Example:
+        >>> select_gpus("1", 2, {"CUDA_VISIBLE_DEVICES": "2,3"}).visible_devices
+        '3'
+    """
+    env = os.environ if env is None else env
+    raw = env.get("CUDA_VISIBLE_DEVICES")
+    parent = [p.strip() for p in raw.split(",")][:visible] if raw and raw.strip() else None
+    if gpu_ids == "all":
+        return GpuSelection(None, visible, _physical(parent) if parent is not None else tuple(range(visible)))
+    chosen: list[str] = []
+    for item in (p.strip() for p in gpu_ids.split(",")):
+        if item.isdigit():
+            if int(item) >= visible:
+                seen = f" (CUDA_VISIBLE_DEVICES={raw})" if parent is not None else ""
+                raise _bad_ids(gpu_ids, f"names GPU {item}, but only {visible} are visible{seen}; numbers count the "
+                               f"GPUs this process sees, from 0", "set gpu_ids='all' or list existing ids",
+                               list(range(visible)))
+            chosen.append(parent[int(item)] if parent is not None else item)
+            continue
+        matches = [p for p in parent if p.startswith(item)] if parent is not None and not parent[0].isdigit() else [item]
+        if len(matches) != 1:
+            raise _bad_ids(gpu_ids, f"names {item!r}, which {'matches several' if matches else 'matches none'} of the "
+                           f"visible GPUs {parent}", "give a full UUID from `nvidia-smi -L`", parent)
+        chosen.append(matches[0])
+    if len(set(chosen)) != len(chosen):
+        raise _bad_ids(gpu_ids, f"selects a GPU twice ({','.join(chosen)}); CUDA would then hide every GPU",
+                       "list each GPU once", "distinct ids")
+    if len({e.isdigit() for e in chosen}) > 1:
+        raise _bad_ids(gpu_ids, f"mixes numbers and UUIDs ({','.join(chosen)}), which CUDA_VISIBLE_DEVICES cannot "
+                       "hold", "use only numbers or only UUIDs", "numbers or UUIDs")
+    return GpuSelection(",".join(chosen), len(chosen), _physical(chosen))

@@ -91,3 +91,45 @@ def test_a_hung_probe_is_killed_at_its_timeout():
 
 def test_cpu_only_torch_costs_no_fork():
     assert cuda_fork_poisoned() is False and cuda_device_count() == 0
+
+
+# --------------------------------------------------------------------------- gpu_ids arithmetic
+
+
+import pytest  # noqa: E402
+
+from nbaccel.cuda_probe import select_gpus  # noqa: E402
+from nbaccel.errors import ConfigError  # noqa: E402
+
+
+@pytest.mark.parametrize(("visible", "gpu_ids", "count", "expected", "physical"), [
+    (None, "1,3", 4, "1,3", (1, 3)),
+    ("2,3", "1", 2, "3", (3,)),
+    ("4,5,6,7", "0,2", 4, "4,6", (4, 6)),
+    ("7,5", "all", 2, None, (7, 5)),
+    (None, "all", 3, None, (0, 1, 2)),
+    ("MIG-1a2b,MIG-3c4d", "1", 2, "MIG-3c4d", None),
+    ("GPU-aa11,GPU-bb22", "GPU-bb", 2, "GPU-bb22", None),
+    (None, "GPU-0123-4567", 2, "GPU-0123-4567", None),
+])
+def test_gpu_ids_become_the_workers_visible_devices(visible, gpu_ids, count, expected, physical):
+    env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
+    chosen = select_gpus(gpu_ids, count, env)
+    assert (chosen.visible_devices, chosen.physical_ids) == (expected, physical)
+    assert chosen.count == (count if gpu_ids == "all" else len(gpu_ids.split(",")))
+
+
+@pytest.mark.parametrize(("visible", "gpu_ids", "count", "says"), [
+    ("2,3", "2", 2, "names GPU 2, but only 2 are visible (CUDA_VISIBLE_DEVICES=2,3)"),
+    ("GPU-aa11,GPU-aa22", "GPU-aa", 2, "matches several"),
+    ("GPU-aa11,GPU-bb22", "GPU-cc", 2, "matches none"),
+    (None, "1,1", 2, "selects a GPU twice"),
+    ("2,3", "1,3", 2, "names GPU 3"),
+    (None, "0,GPU-0123", 2, "mixes numbers and UUIDs"),
+])
+def test_impossible_gpu_ids_are_named(visible, gpu_ids, count, says):
+    env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
+    with pytest.raises(ConfigError) as info:
+        select_gpus(gpu_ids, count, env)
+    assert info.value.key == "gpu_ids" and info.value.value == gpu_ids
+    assert says in str(info.value) and "Fix:" in str(info.value)
