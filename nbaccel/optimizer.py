@@ -48,7 +48,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self._unscaled = False
         self._on_xla = device is not None and device.type == "xla"
         if device_placement and device is not None and optimizer.state:
-            optimizer.load_state_dict(send_to_device(optimizer.state_dict(), device))
+            optimizer.load_state_dict(_placed(optimizer.state_dict(), device))
 
     # The wrapped optimizer's own attributes, seen through the wrapper.
     @property
@@ -83,7 +83,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.device_placement and self.device is not None:
-            state_dict = send_to_device(state_dict, self.device)
+            state_dict = _placed(state_dict, self.device)
         self.optimizer.load_state_dict(state_dict)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -162,6 +162,24 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"AcceleratedOptimizer({self.optimizer!r})"
+
+
+def _placed(state_dict: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """``state_dict`` with its state on ``device``, except step counters that torch keeps on CPU.
+
+    Adam-style optimizers keep ``step`` as a CPU tensor unless ``capturable`` or ``fused``: on the
+    GPU, reading it each step would cost a device sync per parameter (torch's ``load_state_dict``
+    leaves ``step`` where it finds it, so it must not arrive on the GPU).
+    """
+    on_device: set[Any] = set()
+    for group in state_dict.get("param_groups", []):
+        if group.get("capturable") or group.get("fused"):
+            on_device.update(group.get("params", []))
+    state = {pid: {key: (value.cpu() if key == "step" and torch.is_tensor(value) and pid not in on_device
+                         else send_to_device(value, device))
+                   for key, value in entries.items()}
+             for pid, entries in state_dict.get("state", {}).items()}
+    return {**state_dict, "state": state}
 
 
 def _xla_sync() -> None:
