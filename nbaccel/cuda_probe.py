@@ -16,6 +16,7 @@ a probe child never runs Python cleanup or flushes the parent's buffers (it leav
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -26,7 +27,8 @@ from dataclasses import dataclass
 
 from nbaccel.errors import ConfigError
 
-__all__ = ["GpuSelection", "cuda_device_count", "cuda_fork_poisoned", "run_in_fork", "select_gpus"]
+__all__ = ["GpuSelection", "NvmlGpu", "cuda_device_count", "cuda_fork_poisoned", "nccl_p2p_workaround", "nvml_gpus",
+           "run_in_fork", "select_gpus"]
 
 _PROBE_TIMEOUT_S = 20.0
 _MAX_COUNT = 200  # exit statuses carry 0..255; 255 means the probe itself failed
@@ -209,3 +211,74 @@ def select_gpus(gpu_ids: str, visible: int, env: Mapping[str, str] | None = None
         raise _bad_ids(gpu_ids, f"mixes numbers and UUIDs ({','.join(chosen)}), which CUDA_VISIBLE_DEVICES cannot "
                        "hold", "use only numbers or only UUIDs", "numbers or UUIDs")
     return GpuSelection(",".join(chosen), len(chosen), _physical(chosen))
+
+
+@dataclass(frozen=True)
+class NvmlGpu:
+    """One physical GPU as NVML describes it (no CUDA context needed)."""
+
+    name: str
+    capability: tuple[int, int]
+
+
+@functools.lru_cache(maxsize=1)
+def nvml_gpus() -> tuple[str, tuple[NvmlGpu, ...]] | None:
+    """The driver version and every physical GPU (NVML order), or ``None`` where NVML cannot tell.
+
+    Reads NVML through ``ctypes``: CUDA is not initialized and fork stays safe. Cached: the
+    hardware does not change while a kernel runs.
+
+    Example:
+        >>> nvml_gpus()   # no NVIDIA driver here
+    """
+    from ctypes import CDLL, byref, c_int, c_void_p, create_string_buffer
+
+    try:
+        nvml = CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+    count, driver = c_int(0), create_string_buffer(96)
+    if (nvml.nvmlInit_v2() != 0 or nvml.nvmlDeviceGetCount_v2(byref(count)) != 0
+            or nvml.nvmlSystemGetDriverVersion(driver, 96) != 0):
+        return None
+    gpus = []
+    for index in range(count.value):
+        handle, major, minor, name = c_void_p(), c_int(0), c_int(0), create_string_buffer(96)
+        if (nvml.nvmlDeviceGetHandleByIndex_v2(index, byref(handle)) != 0
+                or nvml.nvmlDeviceGetName(handle, name, 96) != 0
+                or nvml.nvmlDeviceGetCudaComputeCapability(handle, byref(major), byref(minor)) != 0):
+            return None
+        gpus.append(NvmlGpu(name.value.decode(errors="replace"), (major.value, minor.value)))
+    return driver.value.decode(errors="replace"), tuple(gpus)
+
+
+# Accelerate's list: consumer cards whose peer-to-peer / InfiniBand paths hang NCCL on older drivers.
+_P2P_BROKEN = ("RTX 40",)
+_P2P_FIXED_DRIVER = (550, 40, 7)
+
+
+def nccl_p2p_workaround(info: tuple[str, tuple[NvmlGpu, ...]] | None = None) -> dict[str, str]:
+    """``NCCL_P2P_DISABLE=1`` and ``NCCL_IB_DISABLE=1`` where several RTX 40xx cards run a driver before 550.40.07.
+
+    Accelerate's rule (``check_cuda_p2p_ib_support``): NCCL hangs on peer-to-peer over those cards.
+
+    Args:
+        info: what :func:`nvml_gpus` returns (default: ask NVML).
+
+    Example:
+        >>> nccl_p2p_workaround(("535.104.05", (NvmlGpu("NVIDIA GeForce RTX 4090", (8, 9)),) * 2))
+        {'NCCL_P2P_DISABLE': '1', 'NCCL_IB_DISABLE': '1'}
+    """
+    info = nvml_gpus() if info is None else info
+    if info is None:
+        return {}
+    driver, gpus = info
+    if len(gpus) < 2 or not any(marker in gpu.name for gpu in gpus for marker in _P2P_BROKEN):
+        return {}
+    try:
+        version = tuple(int(part) for part in driver.split("."))
+    except ValueError:
+        version = ()
+    if version and version >= _P2P_FIXED_DRIVER:
+        return {}
+    return {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1"}

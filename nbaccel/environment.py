@@ -151,6 +151,10 @@ def worker_environment(settings: WorkerSettings, dist: DistributedEnv | None = N
         env["OMP_NUM_THREADS"] = str(threads)
     if visible_gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible_gpus
+    if not settings.use_cpu and settings.distributed_type in ("MULTI_GPU", "FSDP", "DEEPSPEED"):
+        from nbaccel.cuda_probe import nccl_p2p_workaround  # RTX 40xx on old drivers: NCCL hangs on P2P
+
+        env.update({k: v for k, v in nccl_p2p_workaround().items() if k not in os.environ})
     return env
 
 

@@ -48,28 +48,17 @@ def _refuse(where: str, capability: tuple[int, int] | None, value: object) -> Co
 def gpu_capabilities(physical_ids: Sequence[int] | None = None) -> list[tuple[int, int]] | None:
     """Compute capabilities of the GPUs with these physical (NVML) ids, or of all; ``None`` when NVML cannot tell.
 
-    Reads NVML through ``ctypes``: CUDA is not initialized and fork stays safe.
-
     Example:
         >>> gpu_capabilities()   # no NVIDIA driver here
     """
-    from ctypes import CDLL, byref, c_int, c_void_p
+    from nbaccel.cuda_probe import nvml_gpus
 
-    try:
-        nvml = CDLL("libnvidia-ml.so.1")
-    except OSError:
+    info = nvml_gpus()
+    if info is None:
         return None
-    count = c_int(0)
-    if nvml.nvmlInit_v2() != 0 or nvml.nvmlDeviceGetCount_v2(byref(count)) != 0:
-        return None
-    found = []
-    for index in (range(count.value) if physical_ids is None else physical_ids):
-        handle, major, minor = c_void_p(), c_int(0), c_int(0)
-        if (nvml.nvmlDeviceGetHandleByIndex_v2(index, byref(handle)) != 0
-                or nvml.nvmlDeviceGetCudaComputeCapability(handle, byref(major), byref(minor)) != 0):
-            return None
-        found.append((major.value, minor.value))
-    return found
+    gpus = info[1]
+    ids = range(len(gpus)) if physical_ids is None else physical_ids
+    return [gpus[i].capability for i in ids] if all(0 <= i < len(gpus) for i in ids) else None
 
 
 def check_fp8_launch(device_kind: str, physical_ids: Sequence[int] | None) -> None:

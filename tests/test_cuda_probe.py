@@ -133,3 +133,35 @@ def test_impossible_gpu_ids_are_named(visible, gpu_ids, count, says):
         select_gpus(gpu_ids, count, env)
     assert info.value.key == "gpu_ids" and info.value.value == gpu_ids
     assert says in str(info.value) and "Fix:" in str(info.value)
+
+
+# --------------------------------------------------------------------------- NCCL on consumer cards
+
+
+from nbaccel.cuda_probe import NvmlGpu, nccl_p2p_workaround  # noqa: E402
+
+_4090 = NvmlGpu("NVIDIA GeForce RTX 4090", (8, 9))
+
+
+@pytest.mark.parametrize(("driver", "gpus", "disabled"), [
+    ("535.104.05", (_4090, _4090), True),
+    ("550.40.07", (_4090, _4090), False),
+    ("560.35.03", (_4090, _4090), False),
+    ("535.104.05", (_4090,), False),
+    ("535.104.05", (NvmlGpu("NVIDIA H100 80GB HBM3", (9, 0)),) * 2, False),
+])
+def test_p2p_is_disabled_only_for_several_rtx_40xx_on_old_drivers(driver, gpus, disabled):
+    expected = {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1"} if disabled else {}
+    assert nccl_p2p_workaround((driver, gpus)) == expected
+
+
+def test_gpu_workers_get_the_workaround_unless_the_user_chose(monkeypatch):
+    from nbaccel import cuda_probe
+    from nbaccel.environment import WorkerSettings, worker_environment
+
+    monkeypatch.setattr(cuda_probe, "nvml_gpus", lambda: ("535.104.05", (_4090, _4090)))
+    gpu_job = WorkerSettings(distributed_type="MULTI_GPU")
+    assert worker_environment(gpu_job)["NCCL_P2P_DISABLE"] == "1"
+    assert "NCCL_P2P_DISABLE" not in worker_environment(WorkerSettings(distributed_type="MULTI_CPU", use_cpu=True))
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "0")
+    assert "NCCL_P2P_DISABLE" not in worker_environment(gpu_job)
