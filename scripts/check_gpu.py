@@ -511,12 +511,16 @@ def _interrupt(gpus: int) -> str:
                 time.sleep(0.1)
             os.kill(os.getpid(), signal.SIGINT)
 
+        # A background job starts with SIGINT ignored; Jupyter's Interrupt button needs Python's handler.
+        saved = signal.signal(signal.SIGINT, signal.default_int_handler)
         threading.Thread(target=interrupt_when_ready, daemon=True).start()
         try:
             launch(_hold_memory_then, folder, None, n=gpus)
             raise AssertionError("the interrupt was not raised")
         except KeyboardInterrupt:
             pass
+        finally:
+            signal.signal(signal.SIGINT, saved)
     return "KeyboardInterrupt raised here, every worker stopped; " + _memory_back(before)
 
 
