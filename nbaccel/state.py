@@ -59,6 +59,7 @@ class DistributedType(str, enum.Enum):
     def __format__(self, format_spec: str) -> str:
         return format(self.value, format_spec)
 
+
 CUDA_WITH_CPU_BACKEND = "cuda:nccl,cpu:gloo"
 
 
