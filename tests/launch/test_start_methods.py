@@ -115,3 +115,24 @@ def test_spawned_workers_return_results_and_fail_like_forked_ones():
 
 def _divide_by_zero():
     return 1 / 0
+
+
+def test_cuda_tensors_in_a_spawn_payload_land_on_the_workers_own_gpu(monkeypatch):
+    """A tensor saved on the notebook's cuda:3 is placed on this worker's GPU (LOCAL_RANK 1 of 2), never on cuda:3."""
+    import io
+
+    import cloudpickle
+    import torch
+
+    from nbaccel.launch import trampoline
+
+    placed: list[int] = []
+    monkeypatch.setattr(torch.serialization, "location_tag", lambda storage: "cuda:3")  # as saved on a GPU
+    data = cloudpickle.dumps((len, (torch.arange(3.0),), {}))
+    monkeypatch.undo()
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr("nbaccel.environment.cuda_device_count", lambda: 2)
+    monkeypatch.setattr(torch.UntypedStorage, "cuda", lambda self, index=None: placed.append(index) or self,
+                        raising=False)
+    function, args, kwargs = trampoline.PayloadUnpickler(io.BytesIO(data)).load()
+    assert placed == [1] and args[0].tolist() == [0.0, 1.0, 2.0] and function is len
