@@ -95,3 +95,10 @@ def test_the_launched_training_code_runs_on_cpu_processes(script):
 def test_a_failing_rank_is_seen_by_its_check(script):
     with tempfile.TemporaryDirectory() as folder, pytest.raises(ValueError, match="rank 1 fails on purpose"):
         script.launch(script._hold_memory_then, folder, 1, n=2)
+
+
+def test_an_unknown_check_name_is_refused_with_the_valid_ones():
+    done = _run("--only", "nccl-all-reduce,warp-drive", "--dry-run")
+    assert done.returncode == 2 and "unknown check(s) ['warp-drive']" in done.stderr and "'fp8'" in done.stderr
+    assert _run("--only", "fp8,gpu-ids", "--dry-run", "--gpus", "2").stdout.splitlines()[:2] == [
+        "SKIP gpu-ids dry run (would run on 2 GPU(s))", "SKIP fp8 dry run (would run on 2 GPU(s))"]
