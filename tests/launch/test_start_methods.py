@@ -136,3 +136,15 @@ def test_cuda_tensors_in_a_spawn_payload_land_on_the_workers_own_gpu(monkeypatch
                         raising=False)
     function, args, kwargs = trampoline.PayloadUnpickler(io.BytesIO(data)).load()
     assert placed == [1] and args[0].tolist() == [0.0, 1.0, 2.0] and function is len
+
+
+def _touch_cuda_in_a_bad_fork() -> None:
+    raise RuntimeError("Cannot re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, "
+                       "you must use the 'spawn' start method")  # torch's own words in a poisoned child
+
+
+def test_a_worker_that_meets_a_poisoned_fork_says_what_to_do():
+    with pytest.raises(RuntimeError) as info:
+        notebook_launcher(_touch_cuda_in_a_bad_fork, num_processes=2, start_method="fork", use_cpu=True)
+    notes = [n for n in getattr(info.value, "__notes__", []) if n.startswith("nbaccel: this worker was forked")]
+    assert len(notes) == 1 and "start_method='spawn'" in notes[0] and "restart the kernel" in notes[0]
