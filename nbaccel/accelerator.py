@@ -55,7 +55,8 @@ class Accelerator(ProcessHelpers, CheckpointHelpers):
     Args:
         device_placement: move prepared models and batches to :attr:`device`.
         split_batches: shorthand for ``DataLoaderConfiguration(split_batches=...)``.
-        mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"``; default: the launch's setting.
+        mixed_precision: ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"`` (torchao's Float8Linear on GPUs of
+            compute capability 8.9+, as in Accelerate); default: the launch's setting.
         gradient_accumulation_steps: micro-batches per optimizer step.
         cpu: run on CPU even where accelerators exist.
         dataloader_config: how dataloaders are split, padded and seeded.
@@ -97,9 +98,14 @@ class Accelerator(ProcessHelpers, CheckpointHelpers):
                  even_batches: bool | None = None, dispatch_batches: bool | None = None) -> None:
         handlers = collect_handlers(kwargs_handlers)
         init_kwargs = handlers.get(InitProcessGroupKwargs, InitProcessGroupKwargs())
-        self.state = AcceleratorState(cpu=cpu, backend=init_kwargs.backend, timeout=init_kwargs.timeout)
+        self.state = AcceleratorState(cpu=cpu, backend=init_kwargs.backend, timeout=init_kwargs.timeout,
+                                      cpu_collectives=bool(fsdp_plugin is not None and fsdp_plugin.cpu_offload))
         settings = self.state.settings
         self._mixed_precision = validate_mixed_precision(mixed_precision or self.state.mixed_precision)
+        if self._mixed_precision == "fp8":
+            from nbaccel.fp8 import check_fp8_device
+
+            check_fp8_device(self.state.device)
         self.device_placement = device_placement
         self.dataloader_config = resolve_dataloader_config(dataloader_config, split_batches, even_batches,
                                                            dispatch_batches)
@@ -112,6 +118,11 @@ class Accelerator(ProcessHelpers, CheckpointHelpers):
         self.autocast_handler = handlers.get(AutocastKwargs, AutocastKwargs())
         self.scaler_handler = handlers.get(GradScalerKwargs, GradScalerKwargs())
         self.deepspeed_plugin = resolve_deepspeed_plugin(deepspeed_plugin, settings)
+        if self.deepspeed_plugin is not None and self._mixed_precision == "fp8":
+            raise ConfigError("mixed_precision='fp8' is not supported with DeepSpeed in nbaccel (its config has no fp8 "
+                              "section, so training would silently run in fp32). Fix: use mixed_precision='bf16' with "
+                              "DeepSpeed, or fp8 without it", key="mixed_precision", value="fp8",
+                              valid=("no", "fp16", "bf16"))
         self.deepspeed_engine: Any = None
         self.deepspeed_config: dict[str, Any] | None = None
         ds_steps = (self.deepspeed_plugin.deepspeed_config.get("gradient_accumulation_steps")
@@ -123,8 +134,8 @@ class Accelerator(ProcessHelpers, CheckpointHelpers):
         if self.fsdp_plugin is not None and self.state.num_processes == 1:
             warnings.warn("FSDP was asked for in a single process; the model is trained unsharded", stacklevel=2)
             self.fsdp_plugin = None
-        if self.fsdp_plugin is not None and self._mixed_precision != "no":
-            self.fsdp_plugin.set_mixed_precision(self._mixed_precision)
+        if self.fsdp_plugin is not None and self._mixed_precision != "no":  # fp8: the non-fp8 parts run in bf16
+            self.fsdp_plugin.set_mixed_precision("bf16" if self._mixed_precision == "fp8" else self._mixed_precision)
         self.scaler = make_grad_scaler(self._mixed_precision, self.device, self.scaler_handler)
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.rng_types = rng_types
@@ -289,6 +300,10 @@ class Accelerator(ProcessHelpers, CheckpointHelpers):
             if before:  # XLA: .to() makes new Parameter objects; the optimizers must follow them
                 _switch_parameters(before, list(model.parameters()),
                                    list(_optimizers or []) + [o.optimizer for o in self._optimizers])
+        if self._mixed_precision == "fp8" and not evaluation_mode:
+            from nbaccel.fp8 import convert_model_to_fp8
+
+            convert_model_to_fp8(model)
         if self._mixed_precision != "no":
             wrap_forward(model, self._mixed_precision, self.device, self.autocast_handler)
         trainable = any(p.requires_grad for p in model.parameters())
@@ -493,7 +508,7 @@ class Accelerator(ProcessHelpers, CheckpointHelpers):
         import gc
 
         gc.collect()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if torch.cuda.is_initialized():
             torch.cuda.empty_cache()
         return [None for _ in objects]
 

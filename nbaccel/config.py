@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import tempfile
 import types
 import typing
@@ -52,7 +53,9 @@ class LaunchConfig:
             ``None`` uses the devices found.
         mixed_precision: ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"``.
         use_cpu: run on CPU even where GPUs exist.
-        gpu_ids: ``"all"`` or a comma-separated list such as ``"0,1"``.
+        gpu_ids: ``"all"`` or a comma-separated list such as ``"0,1"``: numbers count the GPUs this
+            process sees (with ``CUDA_VISIBLE_DEVICES=2,3``, ``"1"`` is physical GPU 3); UUIDs
+            (``GPU-...``, ``MIG-...``) name a GPU directly.
         num_machines: machines taking part.
         machine_rank: this machine's index, ``0 <= machine_rank < num_machines``.
         main_process_ip: address of machine 0 (needed when ``num_machines > 1``).
@@ -257,9 +260,9 @@ def _check_combinations(cfg: LaunchConfig) -> None:
                   "Fix: drop use_cpu, or set distributed_type to 'MULTI_CPU'.", ("NO", "MULTI_CPU", "FSDP"))
     if cfg.gpu_ids != "all":
         parts = [p.strip() for p in cfg.gpu_ids.split(",")]
-        if not all(p.isdigit() for p in parts):
-            raise bad("gpu_ids", f"'gpu_ids' must be 'all' or comma-separated ints like '0,1' (got {cfg.gpu_ids!r})",
-                      "'all' or '0,1,...'")
+        if not all(p.isdigit() or re.fullmatch(r"(GPU|MIG)-[\w\-/]+", p) for p in parts):
+            raise bad("gpu_ids", f"'gpu_ids' must be 'all' or comma-separated GPU numbers or UUIDs like '0,1' or "
+                      f"'GPU-8f3c...' (got {cfg.gpu_ids!r})", "'all', '0,1,...' or 'GPU-...,...'")
 
 
 def load_config(path: str | os.PathLike[str] | None = None, *, missing_ok: bool = True) -> LaunchConfig:

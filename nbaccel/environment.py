@@ -152,6 +152,10 @@ def worker_environment(settings: WorkerSettings, dist: DistributedEnv | None = N
         env["OMP_NUM_THREADS"] = str(threads)
     if visible_gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible_gpus
+    if not settings.use_cpu and settings.distributed_type in ("MULTI_GPU", "FSDP", "DEEPSPEED"):
+        from nbaccel.cuda_probe import nccl_p2p_workaround  # RTX 40xx on old drivers: NCCL hangs on P2P
+
+        env.update({k: v for k, v in nccl_p2p_workaround().items() if k not in os.environ})
     return env
 
 
@@ -304,18 +308,10 @@ def cpu_count() -> int:
 
 
 def cuda_device_count() -> int:
-    """Visible CUDA devices, counted through NVML so CUDA is not initialized here."""
-    import torch
+    """Visible CUDA devices, counted without initializing CUDA or poisoning fork here (see :mod:`nbaccel.cuda_probe`)."""
+    from nbaccel.cuda_probe import cuda_device_count as count
 
-    saved = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
-    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
-    try:
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    finally:
-        if saved is None:
-            os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
-        else:
-            os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = saved
+    return count()
 
 
 def cuda_initialized() -> bool:
@@ -402,13 +398,23 @@ def tpu_detected(env: Mapping[str, str] | None = None, *, root: str = "/") -> bo
 
 
 def fork_unsafe_reason() -> str | None:
-    """Why forking this process would break workers, or ``None`` when fork is safe."""
+    """Why forking this process would break workers, or ``None`` when fork is safe.
+
+    Besides an initialized CUDA, it sees a parent that only *queried* CUDA (which leaves
+    ``torch.cuda.is_initialized()`` False but breaks CUDA in every forked child), through one
+    throwaway probe fork when torch has CUDA.
+    """
     if os.environ.get(_FORCE_UNSAFE_FORK, "") == "1":
         return f"{_FORCE_UNSAFE_FORK}=1 is set"
     if not sys.platform.startswith("linux"):
         return f"fork is only used on Linux (this is {sys.platform})"
     if cuda_initialized():
         return "CUDA is already initialized in this process"
+    from nbaccel.cuda_probe import cuda_fork_poisoned
+
+    if cuda_fork_poisoned():
+        return ("CUDA was queried in this process (torch.cuda.is_available() or a device count without NVML, "
+                "perhaps by a library), so forked workers could not use it")
     if xla_runtime_initialized():
         return "the XLA runtime is already initialized in this process"
     return None

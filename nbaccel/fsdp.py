@@ -126,6 +126,8 @@ def shard_model(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin, 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+    if plugin.cpu_offload and device.type == "cuda":
+        _check_group_carries_cpu()
     if upcast:
         _upcast_trainable(model)
     before = dict(model.named_parameters())
@@ -144,6 +146,23 @@ def shard_model(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin, 
         for group in optimizer.param_groups:
             group["params"] = [mapping.get(id(p), p) for p in group["params"]]
     return model
+
+
+def _check_group_carries_cpu() -> None:
+    """CPU-offloaded shards are reduced on CPU (``clip_grad_norm_``): plain NCCL cannot carry them (torch issue 148532)."""
+    import torch.distributed as dist
+
+    from nbaccel.ops import _group_device_types
+    from nbaccel.state import CUDA_WITH_CPU_BACKEND
+
+    if "cpu" in _group_device_types():
+        return
+    backend = dist.get_backend_config()
+    raise ConfigError(f"FSDP cpu_offload=True needs a process group that also carries CPU tensors, but this one is "
+                      f"{backend!r}: clip_grad_norm_ would all-reduce CPU shards on NCCL and fail. Fix: make the "
+                      "Accelerator (with its fsdp_plugin) before any other ProcessState/PartialState, or pass "
+                      f"kwargs_handlers=[InitProcessGroupKwargs(backend={CUDA_WITH_CPU_BACKEND!r})]",
+                      key="backend", value=backend, valid=CUDA_WITH_CPU_BACKEND)
 
 
 def _options(full: bool = True) -> Any:

@@ -33,7 +33,7 @@ def is_out_of_memory(exception: BaseException) -> bool:
 
 def _free_cached_memory() -> None:
     gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():
         torch.cuda.empty_cache()
 
 

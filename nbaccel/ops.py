@@ -5,6 +5,11 @@ leaves other values alone where that makes sense), like Accelerate's ``accelerat
 operations. Collectives go through ``torch.distributed`` (gloo, nccl), or through
 ``torch_xla``'s ``xm`` functions when the tensors live on an XLA device. In a single process they
 return their input (gathers return it unchanged, reductions a copy).
+
+A tensor on a device the process group cannot carry (a CPU tensor under NCCL, which carries
+CUDA tensors only: "No backend type associated with device type cpu") travels through this
+process's device and comes back on its own device, so nbaccel's own CPU seeds and RNG states,
+and a user's CPU metrics, can be broadcast, reduced and gathered under any backend.
 """
 
 from __future__ import annotations
@@ -100,6 +105,29 @@ def _world() -> int:
     return 1
 
 
+def _group_device_types() -> frozenset[str]:
+    """The device types the default process group has a backend for (``{"cuda"}`` under plain NCCL)."""
+    group = dist.distributed_c10d._get_default_group()
+    return frozenset(d.type for d in getattr(group, "_device_types", ()))
+
+
+def _carried(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself when the default group can carry its device, else a copy on this process's device."""
+    types = _group_device_types()
+    if not types or tensor.device.type in types:
+        return tensor
+    from nbaccel.state import ProcessState
+
+    return tensor.to(ProcessState().device)
+
+
+def _backend_for(device_type: str) -> str:
+    """The default group's backend name for ``device_type`` (``"gloo"``, ``"nccl"``, ...)."""
+    config = dist.get_backend_config()
+    pairs = dict(item.split(":", 1) for item in config.split(",") if ":" in item)
+    return pairs.get(device_type, config)
+
+
 def _is_xla(tensor: torch.Tensor) -> bool:
     """Whether this collective goes through torch_xla: XLA tensors, or any tensor among XLA replicas."""
     if tensor.device.type == "xla":
@@ -159,16 +187,18 @@ def _gather_one(tensor: torch.Tensor) -> torch.Tensor:
         import torch_xla.core.xla_model as xm
 
         return xm.all_gather(_on_xla(tensor if tensor.ndim else tensor[None]), dim=0).to(tensor.device)
+    home = tensor.device
     if tensor.ndim == 0:
         tensor = tensor.clone()[None]
+    tensor = _carried(tensor)
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
-    out = torch.empty((_world() * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    if dist.get_backend() == "gloo":  # gloo has no all_gather_into_tensor
+    out = tensor.new_empty((_world() * tensor.shape[0], *tensor.shape[1:]))
+    if _backend_for(tensor.device.type) == "gloo":  # gloo has no all_gather_into_tensor
         dist.all_gather(list(out.chunk(_world())), tensor)
     else:
         dist.all_gather_into_tensor(out, tensor)
-    return out
+    return out.to(home)
 
 
 def gather_object(obj: Any) -> Any:
@@ -278,7 +308,9 @@ def reduce(tensor: Any, reduction: Reduction = "mean", scale: float = 1.0) -> An
             return out / xr.world_size() if reduction == "mean" else out
         if world == 1:
             return out
-        dist.all_reduce(out, op=dist.ReduceOp.MAX if reduction == "max" else dist.ReduceOp.SUM)
+        moved = _carried(out)
+        dist.all_reduce(moved, op=dist.ReduceOp.MAX if reduction == "max" else dist.ReduceOp.SUM)
+        out = moved.to(t.device)
         return out / world if reduction == "mean" else out
 
     return recursively_apply(_reduce, tensor, error_on_other_type=True)
@@ -300,7 +332,10 @@ def broadcast(tensor: Any, from_process: int = 0) -> Any:
             if moved is not t:
                 t.copy_(moved.cpu())
             return t
-        dist.broadcast(t, src=from_process)
+        moved = _carried(t)
+        dist.broadcast(moved, src=from_process)
+        if moved is not t:
+            t.copy_(moved)
         return t
 
     if _world() == 1 and not _xla_multi(tensor):

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from nbaccel.errors import EnvironmentStateError
 from nbaccel.gradient_state import GradientState
 from nbaccel.ops import send_to_device
 
@@ -47,7 +48,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self._unscaled = False
         self._on_xla = device is not None and device.type == "xla"
         if device_placement and device is not None and optimizer.state:
-            optimizer.load_state_dict(send_to_device(optimizer.state_dict(), device))
+            optimizer.load_state_dict(_placed(optimizer.state_dict(), device))
 
     # The wrapped optimizer's own attributes, seen through the wrapper.
     @property
@@ -82,7 +83,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.device_placement and self.device is not None:
-            state_dict = send_to_device(state_dict, self.device)
+            state_dict = _placed(state_dict, self.device)
         self.optimizer.load_state_dict(state_dict)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -91,10 +92,24 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def unscale_(self) -> None:
-        """Divide gradients by the fp16 loss scale (once per step; a no-op without a scaler)."""
-        if self.scaler is not None and not self._unscaled:
-            self.scaler.unscale_(self.optimizer)
-            self._unscaled = True
+        """Divide gradients by the fp16 loss scale (once per step; a no-op without a scaler).
+
+        Raises:
+            EnvironmentStateError: with a scaler, on a micro-step that does not sync gradients:
+                the next backward would add scaled gradients to these unscaled ones (torch's
+                ``GradScaler`` refuses a second ``unscale_`` before ``update``, as in Accelerate).
+        """
+        if self.scaler is None or self._unscaled:
+            return
+        if not self.gradient_state.sync_gradients:
+            raise EnvironmentStateError(
+                "clip_grad_norm_/clip_grad_value_/unscale_gradients was called with mixed_precision='fp16' on a "
+                "gradient accumulation step that does not sync gradients (sync_gradients=False): fp16 gradients "
+                "can be unscaled once per optimizer step, and the next backward would add scaled gradients to the "
+                "unscaled ones. Fix: clip only when gradients sync: `if accelerator.sync_gradients: "
+                "accelerator.clip_grad_norm_(model.parameters(), max_norm)`")
+        self.scaler.unscale_(self.optimizer)
+        self._unscaled = True
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
         """Update the parameters, unless gradients are still accumulating."""
@@ -147,6 +162,24 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"AcceleratedOptimizer({self.optimizer!r})"
+
+
+def _placed(state_dict: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """``state_dict`` with its state on ``device``, except step counters that torch keeps on CPU.
+
+    Adam-style optimizers keep ``step`` as a CPU tensor unless ``capturable`` or ``fused``: on the
+    GPU, reading it each step would cost a device sync per parameter (torch's ``load_state_dict``
+    leaves ``step`` where it finds it, so it must not arrive on the GPU).
+    """
+    on_device: set[Any] = set()
+    for group in state_dict.get("param_groups", []):
+        if group.get("capturable") or group.get("fused"):
+            on_device.update(group.get("params", []))
+    state = {pid: {key: (value.cpu() if key == "step" and torch.is_tensor(value) and pid not in on_device
+                         else send_to_device(value, device))
+                   for key, value in entries.items()}
+             for pid, entries in state_dict.get("state", {}).items()}
+    return {**state_dict, "state": state}
 
 
 def _xla_sync() -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
@@ -22,20 +22,20 @@ from nbaccel.plugins import AutocastKwargs, GradScalerKwargs
 
 __all__ = ["autocast_context", "convert_outputs_to_fp32", "make_grad_scaler", "validate_mixed_precision"]
 
-_DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
-_VALID: tuple[MixedPrecision, ...] = ("no", "fp16", "bf16")
+# fp8: torchao's Float8Linear layers do the fp8 matmuls; the rest runs under bf16 autocast, as in Accelerate.
+_DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
+_VALID: tuple[MixedPrecision, ...] = get_args(MixedPrecision)
 
 
 def validate_mixed_precision(value: object) -> MixedPrecision:
-    """Check a ``mixed_precision`` value (``"fp8"`` needs Transformer Engine / MS-AMP, not supported here).
+    """Check a ``mixed_precision`` value (whether fp8 can run here is :mod:`nbaccel.fp8`'s check).
 
     Raises:
-        ConfigError: the value is not one of ``"no"``, ``"fp16"``, ``"bf16"``.
+        ConfigError: the value is not one of ``"no"``, ``"fp16"``, ``"bf16"``, ``"fp8"``.
     """
     if value not in _VALID:
-        hint = " (fp8 training is not supported by nbaccel; use 'bf16')" if value == "fp8" else ""
-        raise ConfigError(f"`mixed_precision` must be one of {list(_VALID)} (got {value!r}){hint}",
-                          key="mixed_precision", value=value, valid=_VALID)
+        raise ConfigError(f"`mixed_precision` must be one of {list(_VALID)} (got {value!r}). Fix: pass "
+                          "mixed_precision='bf16' (or 'no')", key="mixed_precision", value=value, valid=_VALID)
     return value  # type: ignore[return-value]
 
 
@@ -72,7 +72,7 @@ def make_grad_scaler(mixed_precision: MixedPrecision, device: torch.device,
     if mixed_precision != "fp16":
         return None
     if device.type == "xla":
-        valid = tuple(p for p in _VALID if p != "fp16")
+        valid = tuple(p for p in _VALID if p not in ("fp16", "fp8"))
         raise ConfigError(f"mixed_precision='fp16' is not supported on XLA devices (got device {device}): they have "
                           f"no GradScaler, so fp16 gradients would underflow unnoticed; valid there: {list(valid)}. "
                           "Fix: pass mixed_precision='bf16'", key="mixed_precision", value=mixed_precision,

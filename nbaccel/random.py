@@ -40,14 +40,18 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
         seed += ProcessState().process_index
     _py_random.seed(seed)
     np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.manual_seed_all(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device, lazily: nothing here initializes CUDA or poisons fork
     xm = _xla_model()
     if xm is not None:
         xm.set_rng_state(seed)
     if deterministic:
         torch.use_deterministic_algorithms(True)
+
+
+def _cuda_device_count() -> int:
+    from nbaccel.environment import cuda_device_count
+
+    return cuda_device_count()
 
 
 def _xla_model() -> Any:
@@ -74,7 +78,7 @@ def capture_rng_state(generators: dict[str, torch.Generator] | None = None) -> d
         "numpy_random_seed": np.random.get_state(),
         "torch_manual_seed": torch.get_rng_state(),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # `is_available()` would poison fork in a notebook
         state["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
     xm = _xla_model()
     if xm is not None:
@@ -89,7 +93,7 @@ def restore_rng_state(state: dict[str, Any], generators: dict[str, torch.Generat
     _py_random.setstate(state["random_state"])
     np.random.set_state(state["numpy_random_seed"])
     torch.set_rng_state(state["torch_manual_seed"])
-    if "torch_cuda_manual_seed" in state and torch.cuda.is_available():
+    if "torch_cuda_manual_seed" in state and _cuda_device_count() > 0:  # set lazily: CUDA stays uninitialized
         torch.cuda.set_rng_state_all(state["torch_cuda_manual_seed"])
     xm = _xla_model()
     if "xm_seed" in state and xm is not None:
@@ -147,8 +151,8 @@ def _synchronize(rng_type: str, generator: torch.Generator | None) -> None:
         rng = torch.tensor(xm.get_rng_state())
     else:
         rng = generator.get_state()  # type: ignore[union-attr]
-    # nccl broadcasts device tensors only; gloo and XLA take CPU ones.
-    rng = broadcast(rng.to(state.device) if state.device.type == "cuda" else rng, from_process=0).cpu()
+    # `broadcast` carries a CPU state through the device when the group needs it (NCCL) and returns it on CPU.
+    rng = broadcast(rng, from_process=0).cpu()
     if rng_type == "torch":
         torch.set_rng_state(rng)
     elif rng_type == "cuda":

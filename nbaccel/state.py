@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from nbaccel.environment import MixedPrecision, read_worker_settings, tpu_detected
+from nbaccel.environment import MixedPrecision, cuda_device_count, read_worker_settings, tpu_detected
 from nbaccel.errors import ConfigError
 from nbaccel.identity import WorkerIdentity, current_identity
 
@@ -52,6 +52,19 @@ class DistributedType(str, enum.Enum):
     def __format__(self, format_spec: str) -> str:
         return format(self.value, format_spec)
 
+
+CUDA_WITH_CPU_BACKEND = "cuda:nccl,cpu:gloo"
+
+
+def _fsdp_needs_cpu_collectives(settings: Any) -> bool:
+    """Accelerate's rule: an FSDP launch that offloads parameters or gathers full state dicts reduces CPU tensors."""
+    if settings.distributed_type != "FSDP":
+        return False
+    config = settings.fsdp_config
+    offload = str(config.get("fsdp_offload_params", False)).lower() in ("true", "1")
+    return offload or config.get("fsdp_state_dict_type", "FULL_STATE_DICT") == "FULL_STATE_DICT"
+
+
 _lock = threading.Lock()
 _shared: dict[str, Any] = {}
 # XLA replicas that run as threads of one process (TPU v2/v3, the CPU runtime) each get their own state.
@@ -75,8 +88,12 @@ class ProcessState:
 
     Args:
         cpu: run on CPU even where accelerators exist.
-        backend: the ``torch.distributed`` backend; default ``nccl`` on CUDA, ``gloo`` on CPU.
+        backend: the ``torch.distributed`` backend; default ``nccl`` on CUDA (``cuda:nccl,cpu:gloo``
+            when the job needs CPU collectives too), ``gloo`` on CPU.
         timeout: collective timeout for the process group.
+        cpu_collectives: the job all-reduces CPU tensors on CUDA machines (FSDP2 with CPU offload:
+            ``clip_grad_norm_`` reduces CPU DTensors); also implied by a launch's FSDP settings, as in
+            Accelerate.
 
     Raises:
         ConfigError: ``cpu=True`` after this process's state was set up on another device.
@@ -88,7 +105,7 @@ class ProcessState:
     """
 
     def __init__(self, cpu: bool = False, backend: str | None = None,
-                 timeout: timedelta | None = None) -> None:
+                 timeout: timedelta | None = None, cpu_collectives: bool = False) -> None:
         identity = current_identity()  # the one answer to "which rank am I" (nbaccel.identity)
         self.__dict__ = _state_dict(identity)
         if self.__dict__.get("_initialized"):
@@ -112,7 +129,7 @@ class ProcessState:
             self.node_rank = dist.node_rank if dist else 0
             self.mixed_precision: MixedPrecision = settings.mixed_precision
             self.device = self._pick_device(settings.distributed_type)
-            self.backend = backend or self._pick_backend()
+            self.backend = backend or self._pick_backend(cpu_collectives or _fsdp_needs_cpu_collectives(settings))
             self.distributed_type: DistributedType = self._pick_type(settings.distributed_type)
             self._timeout = timeout
             self._initialized = True
@@ -125,15 +142,18 @@ class ProcessState:
             import torch_xla
 
             return torch_xla.device()
-        if not self.use_cpu and torch.cuda.is_available():
-            index = self.local_process_index % max(torch.cuda.device_count(), 1)
-            return torch.device("cuda", index)
+        gpus = 0 if self.use_cpu else cuda_device_count()  # NVML: an Accelerator() in a notebook keeps fork safe
+        if gpus:
+            return torch.device("cuda", self.local_process_index % gpus)
         return torch.device("cpu")
 
-    def _pick_backend(self) -> str:
+    def _pick_backend(self, cpu_collectives: bool = False) -> str:
         if self.device.type == "xla":
             return "xla"
-        return "nccl" if self.device.type == "cuda" else "gloo"
+        if self.device.type != "cuda":
+            return "gloo"
+        # Plain NCCL carries CUDA tensors only; CPU-offloaded FSDP2 reduces CPU DTensors (torch issue 148532).
+        return CUDA_WITH_CPU_BACKEND if cpu_collectives else "nccl"
 
     def _pick_type(self, requested: str) -> DistributedType:
         if self.device.type == "xla":

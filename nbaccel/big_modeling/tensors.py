@@ -195,5 +195,5 @@ def clear_device_cache(garbage_collection: bool = False) -> None:
     """
     if garbage_collection:
         gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():
         torch.cuda.empty_cache()

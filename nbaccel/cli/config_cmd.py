@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -124,8 +125,9 @@ def _timeout(text: str) -> float | None:
 
 
 def _gpu_ids(text: str) -> str:
-    if text != "all" and not all(p.strip().isdigit() for p in text.split(",")):
-        raise ValueError(f"{text!r} is not 'all' or a list like '0,1'")
+    # the same ids a config accepts: positions among the visible GPUs, or UUIDs from `nvidia-smi -L`
+    if text != "all" and not all(re.fullmatch(r"\d+|(GPU|MIG)-[\w\-/]+", p.strip()) for p in text.split(",")):
+        raise ValueError(f"{text!r} is not 'all' or a list like '0,1' (or GPU UUIDs)")
     return text.replace(" ", "")
 
 

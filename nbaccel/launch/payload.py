@@ -20,11 +20,17 @@ __all__ = ["dumps_payload", "dumps_result", "find_unpicklable", "loads", "to_cpu
 
 
 def to_cpu(value: Any) -> Any:
-    """``value`` with every tensor inside (dicts, lists, tuples, sets) detached and moved to CPU."""
+    """``value`` with every tensor inside (dicts, lists, tuples, sets) detached and moved to CPU.
+
+    A returned ``nn.Module`` is moved to CPU in place (the worker is about to exit): unpickled on
+    its GPU it would initialize CUDA in the notebook, and later launches could no longer fork.
+    """
     import torch
 
     if isinstance(value, torch.Tensor):
         return value.detach().cpu() if value.device.type != "cpu" or value.requires_grad else value
+    if isinstance(value, torch.nn.Module):
+        return value.cpu()
     if isinstance(value, dict):
         items = [(k, to_cpu(v)) for k, v in value.items()]
         try:

@@ -65,16 +65,11 @@ def _device_kind(config: LaunchConfig) -> tuple[DeviceKind, int]:
     return ("cuda", gpus) if gpus else ("cpu", 0)
 
 
-def _gpu_ids(config: LaunchConfig, gpus: int) -> tuple[str | None, int]:
-    if config.gpu_ids == "all":
-        return None, gpus
-    ids = [int(i) for i in config.gpu_ids.split(",")]
-    missing = [i for i in ids if i >= gpus]
-    if missing:
-        raise ConfigError(f"gpu_ids={config.gpu_ids!r} names GPU {missing[0]}, but only {gpus} are visible "
-                          f"(valid ids: 0..{gpus - 1}). Fix: set gpu_ids='all' or list existing ids.",
-                          key="gpu_ids", value=config.gpu_ids, valid=list(range(gpus)))
-    return ",".join(map(str, ids)), len(ids)
+def _gpu_ids(config: LaunchConfig, gpus: int) -> tuple[str | None, int, tuple[int, ...] | None]:
+    from nbaccel.cuda_probe import select_gpus  # numbers count the GPUs this process sees; UUIDs name one
+
+    chosen = select_gpus(config.gpu_ids, gpus)
+    return chosen.visible_devices, chosen.count, chosen.physical_ids
 
 
 def _start_method(requested: StartMethod | None) -> tuple[StartMethod, str | None]:
@@ -96,11 +91,16 @@ def plan_launch(config: LaunchConfig) -> LaunchPlan:
     """Decide how to run ``config`` on this machine.
 
     Raises:
-        ConfigError: the config asks for hardware that is not here.
+        ConfigError: the config asks for hardware that is not here (GPUs, or fp8-capable ones).
+        MissingDependencyError: ``mixed_precision="fp8"`` without torchao.
         EnvironmentStateError: fork was requested but is unsafe in this process.
     """
     kind, gpus = _device_kind(config)
-    visible, usable = _gpu_ids(config, gpus) if kind == "cuda" else (None, 0)
+    visible, usable, physical = _gpu_ids(config, gpus) if kind == "cuda" else (None, 0, None)
+    if config.mixed_precision == "fp8":  # refused here, not by each worker's Accelerator() after N started
+        from nbaccel.fp8 import check_fp8_launch
+
+        check_fp8_launch(kind, physical)
     notes: list[str] = []
     n = config.num_processes
     if n is None:

@@ -2,14 +2,46 @@
 
 The spec (rank, environment, descriptors) and the cloudpickled ``(function, args, kwargs)`` come
 from private files the supervisor wrote; the worker's fd 1 and 2 are already the supervisor's
-pipes.
+pipes. CUDA tensors in the payload (spawn is chosen when the notebook uses CUDA) arrive on this
+worker's own GPU: unpickled as saved they would land on the notebook's ``cuda:N`` in every rank,
+each creating a context there before the worker picks its device.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import sys
+from typing import Any
+
+
+def _own_cuda_index() -> int:
+    """The GPU this worker will use (as ``ProcessState`` picks it: local rank modulo the visible GPUs)."""
+    from nbaccel.environment import cuda_device_count
+
+    return int(os.environ.get("LOCAL_RANK", "0")) % max(cuda_device_count(), 1)
+
+
+def _to_own_device(storage: Any, location: str) -> Any:
+    """``torch.load``'s ``map_location``: CUDA storages go to this worker's GPU, others stay as saved."""
+    return storage.cuda(_own_cuda_index()) if location.startswith("cuda") else storage
+
+
+def _load_storage(data: bytes) -> Any:
+    """``torch.storage._load_from_bytes`` with CUDA storages mapped to this worker's GPU."""
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=False, map_location=_to_own_device)
+
+
+class PayloadUnpickler(pickle.Unpickler):
+    """Unpickles a payload, placing CUDA tensors on this worker's own GPU."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch.storage", "_load_from_bytes"):
+            return _load_storage
+        return super().find_class(module, name)
 
 
 def main(argv: list[str]) -> None:
@@ -22,7 +54,7 @@ def main(argv: list[str]) -> None:
     die_with_parent(spec.parent_pid)
     try:
         with open(payload_path, "rb") as handle:
-            function, args, kwargs = pickle.load(handle)
+            function, args, kwargs = PayloadUnpickler(handle).load()
     except BaseException as exc:  # noqa: BLE001 - report it like any worker failure
         def function(*_: object, _exc: BaseException = exc) -> None:
             raise _exc

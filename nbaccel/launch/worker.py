@@ -104,8 +104,16 @@ def _setup_process(spec: WorkerSpec) -> None:
     clear_identity()  # the parent's (a notebook's, or a launcher's own worker's) is not this worker's
 
 
+_BAD_FORK = "Cannot re-initialize CUDA in forked subprocess"
+_BAD_FORK_NOTE = ("nbaccel: this worker was forked from a process where CUDA was already in use in a way the "
+                  "fork check could not see (a library calling the CUDA driver directly, for example). Fix: "
+                  "pass start_method='spawn', or restart the kernel and launch before anything touches CUDA.")
+
+
 def describe_error(exc: BaseException) -> dict[str, Any]:
     """What a worker reports about ``exc``: time, type, message, traceback, and ``exc`` pickled when it can travel."""
+    if _BAD_FORK in str(exc) and _BAD_FORK_NOTE not in getattr(exc, "__notes__", ()):
+        exc.add_note(_BAD_FORK_NOTE)  # the last resort when the preflight's probe fork saw nothing
     try:
         pickled: bytes | None = cloudpickle.dumps(exc)
         cloudpickle.loads(pickled)

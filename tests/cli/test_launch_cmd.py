@@ -232,7 +232,7 @@ def test_two_launchers_form_one_job_from_slurm_variables(tmp_path):
     (["launch", "{dir}"], "is a directory, not a script"),
     (["launch", "-m", "no_such_module_xyz"], "module 'no_such_module_xyz' cannot be found"),
     (["launch", "--config_file", "{dir}/none.yaml", "{script}"], "none.yaml' does not exist"),
-    (["launch", "--gpu_ids", "zero", "{script}"], "'gpu_ids' must be 'all' or comma-separated ints"),
+    (["launch", "--gpu_ids", "zero", "{script}"], "'gpu_ids' must be 'all' or comma-separated GPU numbers or UUIDs"),
     (["launch", "--config_file", "{bad_yaml}", "{script}"], "is not valid YAML"),
     (["launch", "--config_file", "{unknown_key}", "{script}"], "unknown key 'num_gpus'"),
     (["launch", "--config_file", "{bad_value}", "{script}"], "'mixed_precision' must be one of"),

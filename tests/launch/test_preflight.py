@@ -63,3 +63,72 @@ def test_multi_gpu_without_a_gpu_is_refused(gpus):
     with pytest.raises(ConfigError) as info:
         plan_launch(LaunchConfig(distributed_type="MULTI_GPU"))
     assert info.value.key == "distributed_type"
+
+
+# --------------------------------------------------------------------------- fp8, refused at launch
+
+
+def test_fp8_without_a_gpu_is_refused_before_any_worker_starts(tmp_path):
+    from nbaccel import notebook_launcher
+
+    marker = tmp_path / "started"
+    with pytest.raises(ConfigError) as info:
+        notebook_launcher(marker.touch, num_processes=2, mixed_precision="fp8", use_cpu=True)
+    assert (info.value.key, info.value.value, info.value.valid) == ("mixed_precision", "fp8", ("no", "fp16", "bf16"))
+    assert "runs on CPU" in str(info.value) and "Fix: use mixed_precision='bf16'" in str(info.value)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(("capability", "ok"), [((7, 5), False), ((8, 0), False), ((8, 9), True), ((9, 0), True)])
+def test_fp8_needs_gpus_of_compute_capability_8_9(gpus, monkeypatch, capability, ok):
+    from nbaccel import fp8
+
+    gpus(2)
+    asked = []
+    monkeypatch.setattr(fp8, "gpu_capabilities", lambda ids: asked.append(ids) or [capability, (9, 0)])
+    monkeypatch.setattr(fp8.importlib.util, "find_spec", lambda name: object() if name == "torchao" else None)
+    if ok:
+        assert plan_launch(LaunchConfig(mixed_precision="fp8")).settings.mixed_precision == "fp8"
+    else:
+        with pytest.raises(ConfigError, match=f"has compute capability {capability[0]}.{capability[1]}"):
+            plan_launch(LaunchConfig(mixed_precision="fp8"))
+    assert asked == [(0, 1)]
+
+
+def test_fp8_without_torchao_names_the_install(gpus, monkeypatch):
+    from nbaccel import fp8
+    from nbaccel.errors import MissingDependencyError
+
+    gpus(1)
+    monkeypatch.setattr(fp8, "gpu_capabilities", lambda ids: [(9, 0)])
+    monkeypatch.setattr(fp8.importlib.util, "find_spec", lambda name: object() if name == "transformer_engine" else None)
+    with pytest.raises(MissingDependencyError) as info:
+        plan_launch(LaunchConfig(mixed_precision="fp8"))
+    assert (info.value.package, info.value.install) == ("torchao", "pip install torchao")
+    assert "transformer_engine is installed" in str(info.value)
+
+
+def test_fp8_where_nvml_cannot_tell_is_left_to_the_workers(gpus, monkeypatch):
+    from nbaccel import fp8
+
+    gpus(1)
+    monkeypatch.setattr(fp8, "gpu_capabilities", lambda ids: None)
+    monkeypatch.setattr(fp8.importlib.util, "find_spec", lambda name: object())
+    assert plan_launch(LaunchConfig(mixed_precision="fp8")).num_processes == 1
+
+
+# --------------------------------------------------------------------------- gpu_ids against CUDA_VISIBLE_DEVICES
+
+
+def test_gpu_ids_count_the_gpus_the_notebook_sees(gpus, monkeypatch):
+    gpus(2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    plan = plan_launch(LaunchConfig(gpu_ids="1"))
+    assert (plan.num_processes, plan.visible_gpus) == (1, "3")
+
+
+def test_gpu_ids_as_uuids_reach_the_workers(gpus, monkeypatch):
+    gpus(2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aaaa1111,GPU-bbbb2222")
+    plan = plan_launch(LaunchConfig(gpu_ids="GPU-bbbb,0"))
+    assert (plan.num_processes, plan.visible_gpus) == (2, "GPU-bbbb2222,GPU-aaaa1111")

@@ -195,3 +195,19 @@ def test_state_made_before_launch_does_not_leak_into_workers():
     assert parent.num_processes == 1
     assert notebook_launcher(_accelerator_leak_check, num_processes=2) == 2
     assert ProcessState().num_processes == 1
+
+
+def test_a_returned_module_is_moved_to_cpu_before_it_travels(monkeypatch):
+    """A module returned from a GPU would initialize CUDA in the notebook when unpickled there."""
+    from nbaccel.launch.payload import dumps_result, loads
+
+    moved = []
+
+    class OnGpu(torch.nn.Linear):
+        def cpu(self):
+            moved.append(True)
+            return super().cpu()
+
+    module = OnGpu(2, 2)
+    back = loads(dumps_result({"model": module}))
+    assert moved == [True] and isinstance(back["model"], torch.nn.Linear)

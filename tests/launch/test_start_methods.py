@@ -115,3 +115,36 @@ def test_spawned_workers_return_results_and_fail_like_forked_ones():
 
 def _divide_by_zero():
     return 1 / 0
+
+
+def test_cuda_tensors_in_a_spawn_payload_land_on_the_workers_own_gpu(monkeypatch):
+    """A tensor saved on the notebook's cuda:3 is placed on this worker's GPU (LOCAL_RANK 1 of 2), never on cuda:3."""
+    import io
+
+    import cloudpickle
+    import torch
+
+    from nbaccel.launch import trampoline
+
+    placed: list[int] = []
+    monkeypatch.setattr(torch.serialization, "location_tag", lambda storage: "cuda:3")  # as saved on a GPU
+    data = cloudpickle.dumps((len, (torch.arange(3.0),), {}))
+    monkeypatch.undo()
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr("nbaccel.environment.cuda_device_count", lambda: 2)
+    monkeypatch.setattr(torch.UntypedStorage, "cuda", lambda self, index=None: placed.append(index) or self,
+                        raising=False)
+    function, args, kwargs = trampoline.PayloadUnpickler(io.BytesIO(data)).load()
+    assert placed == [1] and args[0].tolist() == [0.0, 1.0, 2.0] and function is len
+
+
+def _touch_cuda_in_a_bad_fork() -> None:
+    raise RuntimeError("Cannot re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, "
+                       "you must use the 'spawn' start method")  # torch's own words in a poisoned child
+
+
+def test_a_worker_that_meets_a_poisoned_fork_says_what_to_do():
+    with pytest.raises(RuntimeError) as info:
+        notebook_launcher(_touch_cuda_in_a_bad_fork, num_processes=2, start_method="fork", use_cpu=True)
+    notes = [n for n in getattr(info.value, "__notes__", []) if n.startswith("nbaccel: this worker was forked")]
+    assert len(notes) == 1 and "start_method='spawn'" in notes[0] and "restart the kernel" in notes[0]
