@@ -3,7 +3,9 @@
 With no arguments it reads the job from the environment (:class:`~nbaccel.partial_state.AcceleratorState`):
 inside a 4-process CPU launch it trains as one 4-process gloo job. ``prepare`` places models
 (DDP across processes, FSDP2 when configured, autocast for mixed precision), wraps optimizers,
-schedulers and dataloaders, and returns them in the order given. Collectives and
+schedulers and dataloaders, and returns them in the order given; what it prepared is kept in
+one registry (:class:`~nbaccel.prepared.PreparedObjects`, ``accelerator.prepared``), and an
+object prepared already comes back unchanged. Collectives and
 per-process helpers come from :class:`~nbaccel.process_helpers.ProcessHelpers`; saving and
 loading from :class:`~nbaccel.checkpoint_helpers.CheckpointHelpers`.
 """
@@ -12,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from nbaccel.checkpoint_helpers import CheckpointHelpers
-from nbaccel.data_loader import DataLoaderShard, XlaDeviceLoader, prepare_data_loader, skip_first_batches
+from nbaccel.data_loader import XlaDeviceLoader, prepare_data_loader, skip_first_batches
 from nbaccel.environment import MixedPrecision
 from nbaccel.errors import ConfigError
 from nbaccel.gradient_state import GradientState
@@ -42,10 +43,12 @@ from nbaccel.plugins import (
     resolve_dataloader_config,
     resolve_deepspeed_plugin,
 )
-from nbaccel.precision import autocast_context, make_grad_scaler, unwrap_forward, validate_mixed_precision, wrap_forward
+from nbaccel.precision import autocast_context, make_grad_scaler, validate_mixed_precision, wrap_forward
+from nbaccel.prepared import PreparedObjects, RegistryView, is_prepared, kind_of
 from nbaccel.process_helpers import ProcessHelpers
 from nbaccel.scheduler import AcceleratedScheduler
 from nbaccel.state import DistributedType
+from nbaccel.unwrap import unwrap_model
 
 __all__ = ["Accelerator"]
 
@@ -71,6 +74,11 @@ class Accelerator(ProcessHelpers, CheckpointHelpers):
             ``AutocastKwargs``, ``InitProcessGroupKwargs`` instances.
         even_batches: shorthand for ``DataLoaderConfiguration(even_batches=...)``.
         dispatch_batches: shorthand for ``DataLoaderConfiguration(dispatch_batches=...)``.
+
+    Attributes:
+        prepared: what this Accelerator prepared and registered; ``_models``, ``_optimizers``,
+            ``_schedulers``, ``_dataloaders`` and ``_custom_objects`` (Accelerate's names) are
+            views of its lists.
 
     Raises:
         ConfigError: an argument has an invalid value or conflicts with another.
@@ -133,14 +141,17 @@ class Accelerator(ProcessHelpers, CheckpointHelpers):
                           "log with the tracker's own API on the main process", stacklevel=2)
         self.log_with = log_with
         self.step = 0
-        self._models: list[torch.nn.Module] = []
-        self._optimizers: list[AcceleratedOptimizer] = []
-        self._schedulers: list[AcceleratedScheduler] = []
-        self._dataloaders: list[Any] = []
-        self._custom_objects: list[Any] = []
-        self._save_state_pre_hooks = OrderedDict()
-        self._load_state_pre_hooks = OrderedDict()
+        self.prepared = PreparedObjects()
         self._trigger = False
+
+    # Accelerate's private names for what was prepared, read by user code and libraries.
+    _models = RegistryView("models")
+    _optimizers = RegistryView("optimizers")
+    _schedulers = RegistryView("schedulers")
+    _dataloaders = RegistryView("dataloaders")
+    _custom_objects = RegistryView("custom_objects")
+    _save_model_state_pre_hook = RegistryView("save_state_pre_hooks")
+    _load_model_state_pre_hook = RegistryView("load_state_pre_hooks")
 
     # ------------------------------------------------------------------ state
     @property
@@ -216,7 +227,7 @@ class Accelerator(ProcessHelpers, CheckpointHelpers):
     @property
     def optimizer_step_was_skipped(self) -> bool:
         """Whether any prepared optimizer skipped its last step (fp16 overflow)."""
-        return any(opt.step_was_skipped for opt in self._optimizers)
+        return any(opt.step_was_skipped for opt in self.prepared.optimizers)
 
     @property
     def project_dir(self) -> str | None:
@@ -230,6 +241,9 @@ class Accelerator(ProcessHelpers, CheckpointHelpers):
     def prepare(self, *args: Any, device_placement: list[bool | None] | None = None) -> Any:
         """Prepare models, optimizers, dataloaders and schedulers; returns them in the order given.
 
+        An object this or another Accelerator prepared already comes back unchanged (no DDP
+        inside DDP); it is recorded here once. Other objects pass through untouched.
+
         Raises:
             ConfigError: ``device_placement`` does not have one entry per argument.
 
@@ -242,19 +256,31 @@ class Accelerator(ProcessHelpers, CheckpointHelpers):
             raise ConfigError(f"`device_placement` needs one entry per object passed to prepare ({len(args)}), got "
                               f"{len(device_placement)}", key="device_placement", value=device_placement,
                               valid=f"a list of {len(args)} bools or None")
+        for obj in args:
+            kind = kind_of(obj)
+            if kind is not None and is_prepared(obj):
+                self.prepared.add(kind, obj)
         if self.deepspeed_plugin is not None:
-            from nbaccel.deepspeed_engine import prepare_deepspeed
-
-            result = prepare_deepspeed(self, args)
+            result = self._prepare_deepspeed(args)
             return result[0] if len(result) == 1 else tuple(result)
         result = list(args)
-        optimizers = [o for o in args if isinstance(o, torch.optim.Optimizer) and not isinstance(o, AcceleratedOptimizer)]
-        order = (torch.nn.Module, torch.optim.Optimizer, DataLoader, torch.optim.lr_scheduler.LRScheduler)
-        for kind in order:
+        optimizers = [o for o in args if isinstance(o, torch.optim.Optimizer) and not is_prepared(o)]
+        for kind in ("model", "optimizer", "dataloader", "scheduler"):  # schedulers need their optimizers first
             for i, obj in enumerate(args):
-                if isinstance(obj, kind) and not _is_prepared(obj):
+                if kind_of(obj) == kind and not is_prepared(obj):
                     result[i] = self._prepare_one(obj, device_placement[i], optimizers)
         return result[0] if len(result) == 1 else tuple(result)
+
+    def _prepare_deepspeed(self, args: tuple[Any, ...]) -> list[Any]:
+        from nbaccel.deepspeed_engine import prepare_deepspeed
+
+        made = prepare_deepspeed(args, self.prepared, base_config=self.deepspeed_plugin.deepspeed_config,
+                                 process=self.state, gradient_state=self.gradient_state,
+                                 mixed_precision=self.mixed_precision, split_batches=self.split_batches,
+                                 prepare_data_loader=self.prepare_data_loader)
+        if made.engine is not None:
+            self.deepspeed_engine, self.deepspeed_config = made.engine, made.config
+        return made.objects
 
     def _prepare_one(self, obj: Any, placement: bool | None, optimizers: list[torch.optim.Optimizer]) -> Any:
         if isinstance(obj, torch.nn.Module):
@@ -278,24 +304,24 @@ class Accelerator(ProcessHelpers, CheckpointHelpers):
         Example:
             >>> model = accelerator.prepare_model(torch.nn.Linear(4, 2))   # doctest: +SKIP
         """
+        if is_prepared(model):
+            return self.prepared.add("model", model)
         if self.deepspeed_plugin is not None:
-            from nbaccel.deepspeed_engine import prepare_deepspeed
-
-            return prepare_deepspeed(self, (model,))[0]
+            return self._prepare_deepspeed((model,))[0]
         place = self.device_placement if device_placement is None else device_placement
         if place and not (self.fsdp_plugin is not None and self.fsdp_plugin.cpu_offload):
             before = list(model.parameters()) if self.device.type == "xla" else []
             model = model.to(self.device)
             if before:  # XLA: .to() makes new Parameter objects; the optimizers must follow them
                 _switch_parameters(before, list(model.parameters()),
-                                   list(_optimizers or []) + [o.optimizer for o in self._optimizers])
+                                   list(_optimizers or []) + [o.optimizer for o in self.prepared.optimizers])
         if self._mixed_precision != "no":
             wrap_forward(model, self._mixed_precision, self.device, self.autocast_handler)
         trainable = any(p.requires_grad for p in model.parameters())
         if self.fsdp_plugin is not None and not evaluation_mode:
             from nbaccel.fsdp import shard_model
 
-            optimizers = list(_optimizers or []) + [o.optimizer for o in self._optimizers]
+            optimizers = list(_optimizers or []) + [o.optimizer for o in self.prepared.optimizers]
             model = shard_model(model, self.fsdp_plugin, self.device, self.num_processes, optimizers,
                                 upcast=self._mixed_precision != "no")
         elif self.num_processes > 1 and trainable and not evaluation_mode and self.device.type != "xla":
@@ -303,36 +329,39 @@ class Accelerator(ProcessHelpers, CheckpointHelpers):
             if self.device.type == "cuda":
                 kwargs.update(device_ids=[self.device.index], output_device=self.device.index)
             model = torch.nn.parallel.DistributedDataParallel(model, **kwargs)
-        self._models.append(model)
-        return model
+        return self.prepared.add("model", model)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None
                           ) -> AcceleratedOptimizer:
         """Wrap ``optimizer`` so it steps only when gradients are synchronized (through the scaler for fp16)."""
+        if is_prepared(optimizer):
+            return self.prepared.add("optimizer", optimizer)
         place = self.device_placement if device_placement is None else device_placement
         wrapped = AcceleratedOptimizer(optimizer, device_placement=place, scaler=self.scaler,
                                        gradient_state=self.gradient_state, device=self.device)
-        self._optimizers.append(wrapped)
-        return wrapped
+        return self.prepared.add("optimizer", wrapped)
 
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
         """Wrap ``scheduler`` so it steps with its optimizer, Accelerate's way."""
-        optimizer = next((o for o in self._optimizers if o.optimizer is scheduler.optimizer), scheduler.optimizer)
+        if is_prepared(scheduler):
+            return self.prepared.add("scheduler", scheduler)
+        optimizer = next((o for o in self.prepared.optimizers if o.optimizer is scheduler.optimizer),
+                         scheduler.optimizer)
         wrapped = AcceleratedScheduler(scheduler, optimizer, step_with_optimizer=self.step_scheduler_with_optimizer,
                                        split_batches=self.split_batches, num_processes=self.num_processes,
                                        gradient_state=self.gradient_state)
-        self._schedulers.append(wrapped)
-        return wrapped
+        return self.prepared.add("scheduler", wrapped)
 
     def prepare_data_loader(self, data_loader: DataLoader, device_placement: bool | None = None) -> Any:
         """Shard ``data_loader`` across processes and move its batches to the device."""
+        if is_prepared(data_loader):
+            return self.prepared.add("dataloader", data_loader)
         place = self.device_placement if device_placement is None else device_placement
         loader: Any = prepare_data_loader(data_loader, self.device if place else None, self.num_processes,
                                           self.process_index, self.dataloader_config, self.gradient_state)
         if place and self.device.type == "xla":
             loader = XlaDeviceLoader(loader, self.device)
-        self._dataloaders.append(loader)
-        return loader
+        return self.prepared.add("dataloader", loader)
 
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
         """A prepared loader that starts after its first ``num_batches`` batches (to resume mid-epoch).
@@ -412,7 +441,7 @@ class Accelerator(ProcessHelpers, CheckpointHelpers):
 
     def unscale_gradients(self, optimizer: Any = None) -> None:
         """Divide gradients by the fp16 loss scale (done for you by the ``clip_grad_*`` methods)."""
-        targets = self._optimizers if optimizer is None else (optimizer if isinstance(optimizer, list) else [optimizer])
+        targets = self.prepared.optimizers if optimizer is None else (optimizer if isinstance(optimizer, list) else [optimizer])
         for opt in targets:
             if isinstance(opt, AcceleratedOptimizer):
                 opt.unscale_()
@@ -466,29 +495,12 @@ class Accelerator(ProcessHelpers, CheckpointHelpers):
         Example:
             >>> accelerator.unwrap_model(model).state_dict()   # doctest: +SKIP
         """
-        from nbaccel.deepspeed_engine import is_deepspeed_engine
-
-        compiled: torch.nn.Module | None = None
-        while True:
-            if isinstance(model, torch.nn.parallel.DistributedDataParallel) or is_deepspeed_engine(model):
-                compiled = None  # a compile wrapper around DDP cannot be kept without the DDP inside it
-                model = model.module
-            elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):
-                compiled = model if compiled is None else compiled
-                model = model._orig_mod
-            else:
-                break
-        if not keep_fp32_wrapper:
-            unwrap_forward(model)
-        return compiled if keep_torch_compile and compiled is not None else model
+        return unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper, keep_torch_compile=keep_torch_compile)
 
     # ------------------------------------------------------------------ housekeeping
     def free_memory(self, *objects: Any) -> list[None]:
         """Drop references to everything prepared (and return ``None`` for each of ``objects``)."""
-        self._models.clear()
-        self._optimizers.clear()
-        self._schedulers.clear()
-        self._dataloaders.clear()
+        self.prepared.clear()
         self.step = 0
         import gc
 
@@ -525,7 +537,3 @@ def _switch_parameters(old: list[torch.nn.Parameter], new: list[torch.nn.Paramet
             group["params"] = [moved.get(id(p), p) for p in group["params"]]
         for param in [p for p in optimizer.state if id(p) in moved]:
             optimizer.state[moved[id(param)]] = optimizer.state.pop(param)
-
-
-def _is_prepared(obj: Any) -> bool:
-    return isinstance(obj, (AcceleratedOptimizer, AcceleratedScheduler, DataLoaderShard))

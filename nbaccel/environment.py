@@ -16,6 +16,7 @@ import glob
 import importlib.util
 import json
 import os
+import socket
 import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -43,6 +44,7 @@ __all__ = [
     "read_distributed_env",
     "read_worker_settings",
     "settings_from_fields",
+    "single_process_environment",
     "temporary_environment",
     "tpu_detected",
     "worker_environment",
@@ -134,12 +136,7 @@ def worker_environment(settings: WorkerSettings, dist: DistributedEnv | None = N
         f"{_PREFIX}DEBUG": "1" if settings.debug else "0",
     }
     if dist is not None:
-        env.update({
-            "RANK": str(dist.rank), "LOCAL_RANK": str(dist.local_rank),
-            "WORLD_SIZE": str(dist.world_size), "LOCAL_WORLD_SIZE": str(dist.local_world_size),
-            "NODE_RANK": str(dist.node_rank), "GROUP_RANK": str(dist.node_rank),
-            "MASTER_ADDR": dist.master_addr, "MASTER_PORT": str(dist.master_port),
-        })
+        env.update(_torchrun_variables(dist))
         if agent_store:
             env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
             env["TORCHELASTIC_RESTART_COUNT"] = "0"
@@ -234,6 +231,31 @@ def read_distributed_env(env: Mapping[str, str] | None = None) -> DistributedEnv
         local_world_size=_int(env, "LOCAL_WORLD_SIZE", world), node_rank=_int(env, "NODE_RANK", 0),
         master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=_int(env, "MASTER_PORT", 29500),
     )
+
+
+def _torchrun_variables(dist: DistributedEnv) -> dict[str, str]:
+    return {"RANK": str(dist.rank), "LOCAL_RANK": str(dist.local_rank),
+            "WORLD_SIZE": str(dist.world_size), "LOCAL_WORLD_SIZE": str(dist.local_world_size),
+            "NODE_RANK": str(dist.node_rank), "GROUP_RANK": str(dist.node_rank),
+            "MASTER_ADDR": dist.master_addr, "MASTER_PORT": str(dist.master_port)}
+
+
+def single_process_environment() -> dict[str, str]:
+    """torchrun's variables for a world of one on a free loopback port (nothing is set here).
+
+    For code that needs a process group outside a launch: a script run by ``nbaccel launch``
+    without workers, DeepSpeed in a notebook. :func:`read_distributed_env` reads them back.
+
+    Example:
+        >>> env = single_process_environment()
+        >>> read_distributed_env(env).world_size, env["MASTER_ADDR"]
+        (1, '127.0.0.1')
+    """
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return _torchrun_variables(DistributedEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0,
+                                              master_addr="127.0.0.1", master_port=port))
 
 
 def apply_environment(values: Mapping[str, str]) -> None:

@@ -15,7 +15,6 @@ import os
 import re
 import runpy
 import signal
-import socket
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -25,7 +24,7 @@ from typing import Any, get_args
 from nbaccel.cli.main import UsageError
 from nbaccel.cli.slurm import read_slurm
 from nbaccel.config import LaunchConfig, load_config
-from nbaccel.environment import MixedPrecision
+from nbaccel.environment import MixedPrecision, single_process_environment
 from nbaccel.errors import ConfigError, NbaccelError, WorkerFailedError
 
 __all__ = ["Terminated", "add_launch_flags", "launch_function", "register", "report_failure",
@@ -52,15 +51,6 @@ class Terminated(BaseException):
 # ----------------------------------------------------------------------------- the worker side
 
 
-def _single_worker_variables() -> dict[str, str]:
-    """torchrun's variables for a world of one, so a script's ``init_process_group()`` works there too."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "NODE_RANK": "0",
-            "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-
-
 def run_script(target: str, script_args: Sequence[str], as_module: bool = False) -> None:
     """Run ``target`` as ``__main__`` in this worker, as ``python target *script_args`` would.
 
@@ -70,7 +60,7 @@ def run_script(target: str, script_args: Sequence[str], as_module: bool = False)
         as_module: run ``python -m target`` instead of a file.
     """
     if "WORLD_SIZE" not in os.environ:
-        os.environ.update(_single_worker_variables())
+        os.environ.update(single_process_environment())  # so a script's init_process_group() works
     sys.argv = [target, *script_args]
     if as_module:
         sys.path[0:1] = [os.getcwd()]
