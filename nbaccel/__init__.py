@@ -31,7 +31,7 @@ _EXPORTS: dict[str, str] = {
     "notebook_launcher": "nbaccel.launch.launcher",
     # process state
     "AcceleratorState": "nbaccel.partial_state",
-    "DistributedType": "nbaccel.state",
+    "DistributedType": "nbaccel.distributed_type",
     "PartialState": "nbaccel.partial_state",
     "ProcessState": "nbaccel.state",
     # training (Accelerator)

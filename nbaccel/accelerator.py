@@ -47,7 +47,7 @@ from nbaccel.precision import autocast_context, make_grad_scaler, validate_mixed
 from nbaccel.prepared import PreparedObjects, RegistryView, is_prepared, kind_of
 from nbaccel.process_helpers import ProcessHelpers
 from nbaccel.scheduler import AcceleratedScheduler
-from nbaccel.state import DistributedType
+from nbaccel.distributed_type import DistributedType
 from nbaccel.unwrap import unwrap_model
 
 __all__ = ["Accelerator"]

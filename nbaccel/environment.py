@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
 
+from nbaccel.distributed_type import DistributedType, as_distributed_type
 from nbaccel.errors import ConfigError
 
 __all__ = [
     "DistributedEnv",
-    "DistributedType",
     "MixedPrecision",
     "WorkerSettings",
     "apply_environment",
@@ -53,7 +53,6 @@ __all__ = [
 ]
 
 MixedPrecision = Literal["no", "fp16", "bf16", "fp8"]
-DistributedType = Literal["NO", "MULTI_CPU", "MULTI_GPU", "XLA", "FSDP", "DEEPSPEED"]
 
 _PREFIX = "NBACCEL_"
 _LAUNCHED = "NBACCEL_LAUNCHED"
@@ -77,16 +76,22 @@ class WorkerSettings:
         deepspeed_config: Accelerate-style ``deepspeed_config`` mapping (empty when unused).
         debug: extra checks of collective shapes.
         launched: ``True`` inside workers started by nbaccel.
+
+    Raises:
+        ConfigError: ``distributed_type`` names no kind of job.
     """
 
     mixed_precision: MixedPrecision = "no"
     use_cpu: bool = False
-    distributed_type: DistributedType = "NO"
+    distributed_type: DistributedType = DistributedType.NO
     num_machines: int = 1
     fsdp_config: Mapping[str, object] = field(default_factory=dict)
     deepspeed_config: Mapping[str, object] = field(default_factory=dict)
     debug: bool = False
     launched: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "distributed_type", as_distributed_type(self.distributed_type))
 
 
 @dataclass(frozen=True)
@@ -129,7 +134,7 @@ def worker_environment(settings: WorkerSettings, dist: DistributedEnv | None = N
         _LAUNCHED: "1" if settings.launched else "0",
         f"{_PREFIX}MIXED_PRECISION": settings.mixed_precision,
         f"{_PREFIX}USE_CPU": "1" if settings.use_cpu else "0",
-        f"{_PREFIX}DISTRIBUTED_TYPE": settings.distributed_type,
+        f"{_PREFIX}DISTRIBUTED_TYPE": str(settings.distributed_type),
         f"{_PREFIX}NUM_MACHINES": str(settings.num_machines),
         f"{_PREFIX}FSDP_CONFIG": json.dumps(dict(settings.fsdp_config)),
         f"{_PREFIX}DEEPSPEED_CONFIG": json.dumps(dict(settings.deepspeed_config)),
@@ -211,7 +216,7 @@ def read_worker_settings(env: Mapping[str, str] | None = None) -> WorkerSettings
                                 get_args(MixedPrecision)),
         use_cpu=_flag(env, cpu_name),
         distributed_type=_choice(env, f"{_PREFIX}DISTRIBUTED_TYPE", "NO",  # type: ignore[arg-type]
-                                 get_args(DistributedType)),
+                                 tuple(t.value for t in DistributedType)),
         num_machines=_int(env, f"{_PREFIX}NUM_MACHINES", 1),
         fsdp_config=_json(env, f"{_PREFIX}FSDP_CONFIG"),
         deepspeed_config=_json(env, f"{_PREFIX}DEEPSPEED_CONFIG"),
