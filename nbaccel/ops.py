@@ -97,8 +97,8 @@ def send_to_device(tensor: Any, device: torch.device | str | int, non_blocking: 
         items = [send_to_device(o, device, non_blocking, skip_keys) for o in tensor]
         return type(tensor)(*items) if hasattr(tensor, "_fields") else type(tensor)(items)
     if isinstance(tensor, Mapping):
-        return type(tensor)({k: v if skip_keys and k in skip_keys else send_to_device(v, device, non_blocking, skip_keys)
-                             for k, v in tensor.items()})
+        return type(tensor)({k: v if skip_keys and k in skip_keys
+                             else send_to_device(v, device, non_blocking, skip_keys) for k, v in tensor.items()})
     return tensor
 
 

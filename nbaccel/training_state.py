@@ -95,6 +95,12 @@ def model_state_dict(model: torch.nn.Module, unwrap: bool = True) -> dict[str, t
     return {k: v.cpu() if v.device.type == "xla" else v for k, v in state.items()}
 
 
+def _automatic_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """``root``'s ``checkpoint_<n>`` folders, oldest (lowest ``n``) first."""
+    numbered = ((p.name.split("_")[-1], p) for p in root.glob("checkpoint_*"))
+    return sorted((int(n), p) for n, p in numbered if n.isdigit())
+
+
 def _checkpoint_folder(project: ProjectConfiguration, output_dir: str | Path | None, *, for_load: bool) -> Path:
     """The folder to save into / load from, following ``ProjectConfiguration``'s automatic naming."""
     if output_dir is not None:
@@ -112,7 +118,7 @@ def _checkpoint_folder(project: ProjectConfiguration, output_dir: str | Path | N
                 "with accelerator.load_state() first, or set accelerator.project_configuration.iteration to an "
                 "unused number", path=str(folder))
         return folder
-    found = sorted((int(p.name.split("_")[-1]), p) for p in root.glob("checkpoint_*") if p.name.split("_")[-1].isdigit())
+    found = _automatic_checkpoints(root)
     if not found:
         raise CheckpointError(f"no automatic checkpoint under {str(root)!r}; save one with save_state() first",
                               path=str(root))
@@ -125,7 +131,7 @@ def _prune(context: CheckpointContext) -> None:
     if not project.automatic_checkpoint_naming or project.total_limit is None or not context.is_writer:
         return
     root = Path(project.project_dir) / "checkpoints"
-    found = sorted((int(p.name.split("_")[-1]), p) for p in root.glob("checkpoint_*") if p.name.split("_")[-1].isdigit())
+    found = _automatic_checkpoints(root)
     for _, old in found[: max(len(found) + 1 - project.total_limit, 0)]:
         shutil.rmtree(old, ignore_errors=True)
 
