@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import re
 import runpy
 import signal
 import sys
@@ -26,13 +25,12 @@ from nbaccel.cli.slurm import read_slurm
 from nbaccel.config import LaunchConfig, load_config
 from nbaccel.environment import MixedPrecision, single_process_environment
 from nbaccel.errors import ConfigError, NbaccelError, WorkerFailedError
+from nbaccel.tracebacks import clean_traceback
 
 __all__ = ["Terminated", "add_launch_flags", "launch_function", "register", "report_failure",
            "resolve_config", "run_script"]
 
 _DEFAULT_MULTI_NODE_PORT = 29500
-_INTERNAL_FRAMES = re.compile(r"(^<frozen runpy>|[/\\](nbaccel[/\\](launch|cli)[/\\][^/\\]+\.py|runpy\.py|"
-                              r"torch[/\\]distributed[/\\]elastic[/\\].+\.py))$")
 _FLAG_OF_KEY = {"use_cpu": "cpu"}
 
 
@@ -162,21 +160,6 @@ def launch_function(function: Callable[..., Any], args: Sequence[Any], cfg: Laun
         return notebook_launcher(function, args, config=cfg, hang_timeout=hang_timeout, return_all=return_all)
 
 
-def _trim(traceback_text: str) -> str:
-    """Drop the launcher's own frames (runpy, nbaccel.launch, the CLI) from a worker's traceback."""
-    out: list[str] = []
-    skipping = False
-    for line in traceback_text.splitlines(keepends=True):
-        match = re.match(r'  File "(.+)", line \d+', line)
-        if match:
-            skipping = bool(_INTERNAL_FRAMES.search(match.group(1)))
-        elif not line.startswith("    "):
-            skipping = False
-        if not skipping:
-            out.append(line)
-    return "".join(out)
-
-
 def report_failure(exc: BaseException, prog: str, *, trim: bool = True) -> int | None:
     """Print a worker failure (root-cause traceback, then the report); its exit code, or ``None``.
 
@@ -190,7 +173,7 @@ def report_failure(exc: BaseException, prog: str, *, trim: bool = True) -> int |
         return None
     root = failures[0]
     if root.traceback and root.exc_type != "SystemExit":
-        sys.stderr.write(f"{prog}: traceback of rank {root.rank} (the root cause):\n{(_trim(root.traceback) if trim else root.traceback).rstrip()}\n")
+        sys.stderr.write(f"{prog}: traceback of rank {root.rank} (the root cause):\n{(clean_traceback(root.traceback) if trim else root.traceback).rstrip()}\n")
     sys.stderr.write(f"{prog}: error: {format_report(failures)}\n")
     sys.stderr.flush()
     if isinstance(exc, SystemExit):
