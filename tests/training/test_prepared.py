@@ -94,3 +94,45 @@ def test_the_registry_records_each_object_once_and_marks_it():
     assert registry.list_of("scheduler") is registry.schedulers
     with pytest.raises(KeyError):
         registry.list_of("tokenizer")  # type: ignore[arg-type]
+
+
+def _deepspeed_with_a_stand_in_engine() -> dict:
+    # A stand-in for the deepspeed package (not installed here): what prepare_deepspeed calls, no more.
+    import importlib.machinery
+    import sys
+    import types
+
+    class StandInEngine(torch.nn.Module):
+        def __init__(self, module: torch.nn.Module) -> None:
+            super().__init__()
+            self.module = module
+
+    calls = []
+
+    def initialize(model, optimizer, lr_scheduler, config, dist_init_required):
+        calls.append(config)
+        return StandInEngine(model), optimizer, None, lr_scheduler
+
+    stand_in = types.ModuleType("deepspeed")
+    stand_in.__spec__ = importlib.machinery.ModuleSpec("deepspeed", None)
+    stand_in.DeepSpeedEngine, stand_in.initialize = StandInEngine, initialize
+    sys.modules["deepspeed"] = stand_in
+    accelerator = nbaccel.Accelerator(deepspeed_plugin=nbaccel.DeepSpeedPlugin(zero_stage=0))
+    model, optimizer = model_and_optimizer()
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    loader = DataLoader(regression_data(16), batch_size=4)
+    once = accelerator.prepare(model, optimizer, loader, scheduler)
+    twice = accelerator.prepare(*once)
+    return {"same": [a is b for a, b in zip(once, twice)], "engine_returned": accelerator.deepspeed_engine is once[0],
+            "kinds": [type(o).__name__ for o in once], "initialize_calls": len(calls),
+            "micro_batch": accelerator.deepspeed_config["train_micro_batch_size_per_gpu"],
+            "registry": [accelerator._models == [once[0]], accelerator._optimizers == [once[1]],
+                         accelerator._dataloaders == [once[2]], accelerator._schedulers == [once[3]]]}
+
+
+def test_deepspeed_prepare_records_the_engine_in_the_registry_and_twice_is_a_no_op():
+    result = launch(_deepspeed_with_a_stand_in_engine, 1)[0]
+    assert result["kinds"] == ["StandInEngine", "DeepSpeedOptimizerWrapper", "DataLoaderShard",
+                               "DeepSpeedSchedulerWrapper"]
+    assert result["same"] == [True] * 4 and result["engine_returned"] and result["initialize_calls"] == 1
+    assert result["registry"] == [True] * 4 and result["micro_batch"] == 4
