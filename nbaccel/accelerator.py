@@ -5,9 +5,9 @@ inside a 4-process CPU launch it trains as one 4-process gloo job. ``prepare`` p
 (DDP across processes, FSDP2 when configured, autocast for mixed precision), wraps optimizers,
 schedulers and dataloaders, and returns them in the order given; what it prepared is kept in
 one registry (:class:`~nbaccel.prepared.PreparedObjects`, ``accelerator.prepared``), and an
-object prepared already comes back unchanged. Collectives and
-per-process helpers come from :class:`~nbaccel.process_helpers.ProcessHelpers`; saving and
-loading from :class:`~nbaccel.checkpoint_helpers.CheckpointHelpers`.
+object prepared already comes back unchanged (:class:`~nbaccel.preparation.PrepareHelpers`).
+Collectives and per-process helpers come from :class:`~nbaccel.process_helpers.ProcessHelpers`;
+saving and loading from :class:`~nbaccel.checkpoint_helpers.CheckpointHelpers`.
 """
 
 from __future__ import annotations
@@ -18,12 +18,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
 
 from nbaccel.checkpoint_helpers import CheckpointHelpers
-from nbaccel.data_loader import XlaDeviceLoader, prepare_data_loader, skip_first_batches
+from nbaccel.distributed_type import DistributedType
 from nbaccel.environment import MixedPrecision
-from nbaccel.errors import ConfigError
 from nbaccel.gradient_state import GradientState
 from nbaccel.optimizer import AcceleratedOptimizer
 from nbaccel.partial_state import AcceleratorState
@@ -43,16 +41,15 @@ from nbaccel.plugins import (
     resolve_dataloader_config,
     resolve_deepspeed_plugin,
 )
-from nbaccel.precision import autocast_context, make_grad_scaler, validate_mixed_precision, wrap_forward
-from nbaccel.prepared import PreparedObjects, RegistryView, is_prepared, kind_of
+from nbaccel.precision import autocast_context, make_grad_scaler, validate_mixed_precision
+from nbaccel.preparation import PrepareHelpers
+from nbaccel.prepared import PreparedObjects, RegistryView
 from nbaccel.process_helpers import ProcessHelpers
-from nbaccel.scheduler import AcceleratedScheduler
-from nbaccel.distributed_type import DistributedType
 from nbaccel.unwrap import unwrap_model
 
 __all__ = ["Accelerator"]
 
-class Accelerator(ProcessHelpers, CheckpointHelpers):
+class Accelerator(PrepareHelpers, ProcessHelpers, CheckpointHelpers):
     """Accelerate's ``Accelerator``: one object that makes a training loop distributed.
 
     Args:
@@ -236,143 +233,6 @@ class Accelerator(ProcessHelpers, CheckpointHelpers):
     @property
     def save_iteration(self) -> int:
         return self.project_configuration.iteration
-
-    # ------------------------------------------------------------------ prepare
-    def prepare(self, *args: Any, device_placement: list[bool | None] | None = None) -> Any:
-        """Prepare models, optimizers, dataloaders and schedulers; returns them in the order given.
-
-        An object this or another Accelerator prepared already comes back unchanged (no DDP
-        inside DDP); it is recorded here once. Other objects pass through untouched.
-
-        Raises:
-            ConfigError: ``device_placement`` does not have one entry per argument.
-
-        Example:
-            >>> model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)   # doctest: +SKIP
-        """
-        if device_placement is None:
-            device_placement = [None] * len(args)
-        elif len(device_placement) != len(args):
-            raise ConfigError(f"`device_placement` needs one entry per object passed to prepare ({len(args)}), got "
-                              f"{len(device_placement)}", key="device_placement", value=device_placement,
-                              valid=f"a list of {len(args)} bools or None")
-        for obj in args:
-            kind = kind_of(obj)
-            if kind is not None and is_prepared(obj):
-                self.prepared.add(kind, obj)
-        if self.deepspeed_plugin is not None:
-            result = self._prepare_deepspeed(args)
-            return result[0] if len(result) == 1 else tuple(result)
-        result = list(args)
-        optimizers = [o for o in args if isinstance(o, torch.optim.Optimizer) and not is_prepared(o)]
-        for kind in ("model", "optimizer", "dataloader", "scheduler"):  # schedulers need their optimizers first
-            for i, obj in enumerate(args):
-                if kind_of(obj) == kind and not is_prepared(obj):
-                    result[i] = self._prepare_one(obj, device_placement[i], optimizers)
-        return result[0] if len(result) == 1 else tuple(result)
-
-    def _prepare_deepspeed(self, args: tuple[Any, ...]) -> list[Any]:
-        from nbaccel.deepspeed_engine import prepare_deepspeed
-
-        made = prepare_deepspeed(args, self.prepared, base_config=self.deepspeed_plugin.deepspeed_config,
-                                 process=self.state, gradient_state=self.gradient_state,
-                                 mixed_precision=self.mixed_precision, split_batches=self.split_batches,
-                                 prepare_data_loader=self.prepare_data_loader)
-        if made.engine is not None:
-            self.deepspeed_engine, self.deepspeed_config = made.engine, made.config
-        return made.objects
-
-    def _prepare_one(self, obj: Any, placement: bool | None, optimizers: list[torch.optim.Optimizer]) -> Any:
-        if isinstance(obj, torch.nn.Module):
-            return self.prepare_model(obj, device_placement=placement, _optimizers=optimizers)
-        if isinstance(obj, torch.optim.Optimizer):
-            return self.prepare_optimizer(obj, device_placement=placement)
-        if isinstance(obj, DataLoader):
-            return self.prepare_data_loader(obj, device_placement=placement)
-        return self.prepare_scheduler(obj)
-
-    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
-                      evaluation_mode: bool = False, _optimizers: list[torch.optim.Optimizer] | None = None
-                      ) -> torch.nn.Module:
-        """Place ``model`` on the device, wrap it for the job (DDP / FSDP2) and for mixed precision.
-
-        Args:
-            model: the model.
-            device_placement: override the accelerator's ``device_placement``.
-            evaluation_mode: no DDP wrapper (inference only).
-
-        Example:
-            >>> model = accelerator.prepare_model(torch.nn.Linear(4, 2))   # doctest: +SKIP
-        """
-        if is_prepared(model):
-            return self.prepared.add("model", model)
-        if self.deepspeed_plugin is not None:
-            return self._prepare_deepspeed((model,))[0]
-        place = self.device_placement if device_placement is None else device_placement
-        if place and not (self.fsdp_plugin is not None and self.fsdp_plugin.cpu_offload):
-            before = list(model.parameters()) if self.device.type == "xla" else []
-            model = model.to(self.device)
-            if before:  # XLA: .to() makes new Parameter objects; the optimizers must follow them
-                _switch_parameters(before, list(model.parameters()),
-                                   list(_optimizers or []) + [o.optimizer for o in self.prepared.optimizers])
-        if self._mixed_precision != "no":
-            wrap_forward(model, self._mixed_precision, self.device, self.autocast_handler)
-        trainable = any(p.requires_grad for p in model.parameters())
-        if self.fsdp_plugin is not None and not evaluation_mode:
-            from nbaccel.fsdp import shard_model
-
-            optimizers = list(_optimizers or []) + [o.optimizer for o in self.prepared.optimizers]
-            model = shard_model(model, self.fsdp_plugin, self.device, self.num_processes, optimizers,
-                                upcast=self._mixed_precision != "no")
-        elif self.num_processes > 1 and trainable and not evaluation_mode and self.device.type != "xla":
-            kwargs = self.ddp_handler.to_kwargs()
-            if self.device.type == "cuda":
-                kwargs.update(device_ids=[self.device.index], output_device=self.device.index)
-            model = torch.nn.parallel.DistributedDataParallel(model, **kwargs)
-        return self.prepared.add("model", model)
-
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None
-                          ) -> AcceleratedOptimizer:
-        """Wrap ``optimizer`` so it steps only when gradients are synchronized (through the scaler for fp16)."""
-        if is_prepared(optimizer):
-            return self.prepared.add("optimizer", optimizer)
-        place = self.device_placement if device_placement is None else device_placement
-        wrapped = AcceleratedOptimizer(optimizer, device_placement=place, scaler=self.scaler,
-                                       gradient_state=self.gradient_state, device=self.device)
-        return self.prepared.add("optimizer", wrapped)
-
-    def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
-        """Wrap ``scheduler`` so it steps with its optimizer, Accelerate's way."""
-        if is_prepared(scheduler):
-            return self.prepared.add("scheduler", scheduler)
-        optimizer = next((o for o in self.prepared.optimizers if o.optimizer is scheduler.optimizer),
-                         scheduler.optimizer)
-        wrapped = AcceleratedScheduler(scheduler, optimizer, step_with_optimizer=self.step_scheduler_with_optimizer,
-                                       split_batches=self.split_batches, num_processes=self.num_processes,
-                                       gradient_state=self.gradient_state)
-        return self.prepared.add("scheduler", wrapped)
-
-    def prepare_data_loader(self, data_loader: DataLoader, device_placement: bool | None = None) -> Any:
-        """Shard ``data_loader`` across processes and move its batches to the device."""
-        if is_prepared(data_loader):
-            return self.prepared.add("dataloader", data_loader)
-        place = self.device_placement if device_placement is None else device_placement
-        loader: Any = prepare_data_loader(data_loader, self.device if place else None, self.num_processes,
-                                          self.process_index, self.dataloader_config, self.gradient_state)
-        if place and self.device.type == "xla":
-            loader = XlaDeviceLoader(loader, self.device)
-        return self.prepared.add("dataloader", loader)
-
-    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
-        """A prepared loader that starts after its first ``num_batches`` batches (to resume mid-epoch).
-
-        Example:
-            >>> accelerator.load_state("ckpt")                                # doctest: +SKIP
-            >>> loader = accelerator.skip_first_batches(train_loader, 30)     # doctest: +SKIP
-        """
-        inner = dataloader._loader if isinstance(dataloader, XlaDeviceLoader) else dataloader
-        skipped = skip_first_batches(inner, num_batches)
-        return XlaDeviceLoader(skipped, self.device) if isinstance(dataloader, XlaDeviceLoader) else skipped
 
     # ------------------------------------------------------------------ training step
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
