@@ -10,11 +10,12 @@ the Accelerator for it. Accelerate's private lists (``accelerator._models``, ...
 code and libraries read, are views of the registry's lists.
 
 What always holds: an object appears at most once in each list; every object in a list is
-marked.
+marked, with the id of the process that prepared it.
 """
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,13 +44,17 @@ def is_prepared(obj: Any) -> bool:
     """Whether ``obj`` was returned by an Accelerator's ``prepare`` (nbaccel's or Accelerate's).
 
     The wrappers ``prepare`` makes count too when built by hand (``prepare_data_loader(...)``).
+    An object prepared in another process (the notebook, before a launch) does not.
 
     Example:
         >>> is_prepared(torch.nn.Linear(1, 1)), is_prepared(PreparedObjects().add("model", torch.nn.Linear(1, 1)))
         (False, True)
     """
-    return bool(getattr(obj, _MARK, False)) or isinstance(
-        obj, (AcceleratedOptimizer, AcceleratedScheduler, DataLoaderShard, XlaDeviceLoader))
+    mark = getattr(obj, _MARK, False)
+    # nbaccel marks with this process's id: a model prepared in the notebook and inherited by a
+    # forked (or pickled to a spawned) worker is not prepared there, so the worker still wraps it in DDP.
+    marked = mark is True or (type(mark) is int and mark == os.getpid())
+    return marked or isinstance(obj, (AcceleratedOptimizer, AcceleratedScheduler, DataLoaderShard, XlaDeviceLoader))
 
 
 def kind_of(obj: Any) -> PreparedKind | None:
@@ -108,7 +113,7 @@ class PreparedObjects:
         items = self.list_of(kind)
         if not any(item is obj for item in items):
             items.append(obj)
-        setattr(obj, _MARK, True)
+        setattr(obj, _MARK, os.getpid())  # truthy, as Accelerate's `True`; see is_prepared
         return obj
 
     def optimizer_for(self, model_index: int) -> Any:

@@ -90,7 +90,7 @@ def test_the_registry_records_each_object_once_and_marks_it():
     registry = PreparedObjects()
     model = TinyMLP()
     assert registry.add("model", model) is model and registry.add("model", model) is model
-    assert registry.models == [model] and model._is_accelerate_prepared is True
+    assert registry.models == [model] and model._is_accelerate_prepared and is_prepared(model)
     assert registry.list_of("scheduler") is registry.schedulers
     with pytest.raises(KeyError):
         registry.list_of("tokenizer")  # type: ignore[arg-type]
@@ -136,3 +136,16 @@ def test_deepspeed_prepare_records_the_engine_in_the_registry_and_twice_is_a_no_
                                "DeepSpeedSchedulerWrapper"]
     assert result["same"] == [True] * 4 and result["engine_returned"] and result["initialize_calls"] == 1
     assert result["registry"] == [True] * 4 and result["micro_batch"] == 4
+
+
+def _prepare_the_inherited_model(model: torch.nn.Module) -> dict:
+    prepared = nbaccel.Accelerator().prepare(model)
+    return {"ddp": isinstance(prepared, DistributedDataParallel), "inherited_counts_as_prepared": is_prepared(model)}
+
+
+def test_a_model_prepared_in_the_notebook_is_still_wrapped_in_the_workers():
+    model = TinyMLP()
+    assert nbaccel.Accelerator().prepare(model) is model and is_prepared(model)  # one process: no wrapper
+    assert nbaccel.Accelerator().prepare(model) is model
+    results = launch(_prepare_the_inherited_model, 2, model)
+    assert results[0] == results[1] == {"ddp": True, "inherited_counts_as_prepared": False}
