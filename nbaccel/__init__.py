@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+from nbaccel.version import __version__  # noqa: F401 - re-exported (in __all__)
 
 # name -> module that defines it. Each section belongs to one part of the package.
 _EXPORTS: dict[str, str] = {

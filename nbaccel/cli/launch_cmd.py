@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, get_args
 
-from nbaccel.cli.main import UsageError
+from nbaccel.cli.usage import UsageError
 from nbaccel.cli.slurm import read_slurm
 from nbaccel.config import LaunchConfig, load_config
 from nbaccel.environment import MixedPrecision, single_process_environment
