@@ -386,14 +386,3 @@ class Accelerator(PrepareHelpers, ProcessHelpers, CheckpointHelpers):
         return (f"Accelerator(distributed_type={str(self.distributed_type)!r}, num_processes={self.num_processes}, "
                 f"process_index={self.process_index}, device={self.device}, mixed_precision={self.mixed_precision!r}, "
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps})")
-
-
-def _switch_parameters(old: list[torch.nn.Parameter], new: list[torch.nn.Parameter],
-                       optimizers: list[torch.optim.Optimizer]) -> None:
-    """Point ``optimizers`` (param groups and state) at ``new`` where they held ``old`` (same order)."""
-    moved = {id(o): n for o, n in zip(old, new) if o is not n}
-    for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            group["params"] = [moved.get(id(p), p) for p in group["params"]]
-        for param in [p for p in optimizer.state if id(p) in moved]:
-            optimizer.state[moved[id(param)]] = optimizer.state.pop(param)
