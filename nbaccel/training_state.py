@@ -169,9 +169,9 @@ def _write_models(prepared: PreparedObjects, context: CheckpointContext, tmp: Pa
     for hook in list(prepared.save_state_pre_hooks.values()):  # may drop entries of `weights` to save them itself
         hook(list(prepared.models), weights, str(tmp))
     if context.is_writer:
+        stem, ext = ("model", "safetensors") if safe_serialization else ("pytorch_model", "bin")
         for i, state in enumerate(weights):  # numbered in order, as Accelerate does after its hooks
-            write_weights(state, tmp / numbered_name("model" if safe_serialization else "pytorch_model", i,
-                                                     "safetensors" if safe_serialization else "bin"), safe_serialization)
+            write_weights(state, tmp / numbered_name(stem, i, ext), safe_serialization)
 
 
 def _write_state(prepared: PreparedObjects, context: CheckpointContext, tmp: Path, safe_serialization: bool) -> None:

@@ -20,8 +20,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, get_args
 
-from nbaccel.cli.usage import UsageError
 from nbaccel.cli.slurm import read_slurm
+from nbaccel.cli.usage import UsageError
 from nbaccel.config import LaunchConfig, load_config
 from nbaccel.environment import MixedPrecision, single_process_environment
 from nbaccel.errors import ConfigError, NbaccelError, WorkerFailedError
@@ -173,7 +173,8 @@ def report_failure(exc: BaseException, prog: str, *, trim: bool = True) -> int |
         return None
     root = failures[0]
     if root.traceback and root.exc_type != "SystemExit":
-        sys.stderr.write(f"{prog}: traceback of rank {root.rank} (the root cause):\n{(clean_traceback(root.traceback) if trim else root.traceback).rstrip()}\n")
+        shown = clean_traceback(root.traceback) if trim else root.traceback
+        sys.stderr.write(f"{prog}: traceback of rank {root.rank} (the root cause):\n{shown.rstrip()}\n")
     sys.stderr.write(f"{prog}: error: {format_report(failures)}\n")
     sys.stderr.flush()
     if isinstance(exc, SystemExit):

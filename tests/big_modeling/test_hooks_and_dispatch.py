@@ -28,8 +28,8 @@ from nbaccel.big_modeling import (
     set_module_tensor_to_device,
 )
 from nbaccel.big_modeling.tensors import find_device
-from nbaccel.ops import send_to_device
 from nbaccel.errors import CheckpointError, CheckpointMismatchError, DeviceMapError
+from nbaccel.ops import send_to_device
 from tests.big_modeling.helpers import TinyLM, empty_model, make_model, sample_ids, save_checkpoint
 
 
