@@ -47,12 +47,12 @@ def numbered_name(stem: str, index: int, ext: str) -> str:
 
 def _dedupe(state_dict: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """Drop later names of tensors that share storage (tied weights); safetensors refuses them."""
-    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    seen: set[tuple[Any, ...]] = set()
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state_dict.items():
         if not torch.is_tensor(tensor):
             continue
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        key = (*_alias_key(tensor), tuple(tensor.shape))
         if tensor.numel() and key in seen:
             continue
         seen.add(key)
