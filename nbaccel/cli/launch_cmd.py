@@ -12,28 +12,25 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import re
 import runpy
 import signal
-import socket
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, get_args
 
-from nbaccel.cli.main import UsageError
 from nbaccel.cli.slurm import read_slurm
+from nbaccel.cli.usage import UsageError
 from nbaccel.config import LaunchConfig, load_config
-from nbaccel.environment import MixedPrecision
+from nbaccel.environment import MixedPrecision, single_process_environment
 from nbaccel.errors import ConfigError, NbaccelError, WorkerFailedError
+from nbaccel.tracebacks import clean_traceback
 
 __all__ = ["Terminated", "add_launch_flags", "launch_function", "register", "report_failure",
            "resolve_config", "run_script"]
 
 _DEFAULT_MULTI_NODE_PORT = 29500
-_INTERNAL_FRAMES = re.compile(r"(^<frozen runpy>|[/\\](nbaccel[/\\](launch|cli)[/\\][^/\\]+\.py|runpy\.py|"
-                              r"torch[/\\]distributed[/\\]elastic[/\\].+\.py))$")
 _FLAG_OF_KEY = {"use_cpu": "cpu"}
 
 
@@ -52,15 +49,6 @@ class Terminated(BaseException):
 # ----------------------------------------------------------------------------- the worker side
 
 
-def _single_worker_variables() -> dict[str, str]:
-    """torchrun's variables for a world of one, so a script's ``init_process_group()`` works there too."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "NODE_RANK": "0",
-            "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-
-
 def run_script(target: str, script_args: Sequence[str], as_module: bool = False) -> None:
     """Run ``target`` as ``__main__`` in this worker, as ``python target *script_args`` would.
 
@@ -70,7 +58,7 @@ def run_script(target: str, script_args: Sequence[str], as_module: bool = False)
         as_module: run ``python -m target`` instead of a file.
     """
     if "WORLD_SIZE" not in os.environ:
-        os.environ.update(_single_worker_variables())
+        os.environ.update(single_process_environment())  # so a script's init_process_group() works
     sys.argv = [target, *script_args]
     if as_module:
         sys.path[0:1] = [os.getcwd()]
@@ -172,21 +160,6 @@ def launch_function(function: Callable[..., Any], args: Sequence[Any], cfg: Laun
         return notebook_launcher(function, args, config=cfg, hang_timeout=hang_timeout, return_all=return_all)
 
 
-def _trim(traceback_text: str) -> str:
-    """Drop the launcher's own frames (runpy, nbaccel.launch, the CLI) from a worker's traceback."""
-    out: list[str] = []
-    skipping = False
-    for line in traceback_text.splitlines(keepends=True):
-        match = re.match(r'  File "(.+)", line \d+', line)
-        if match:
-            skipping = bool(_INTERNAL_FRAMES.search(match.group(1)))
-        elif not line.startswith("    "):
-            skipping = False
-        if not skipping:
-            out.append(line)
-    return "".join(out)
-
-
 def report_failure(exc: BaseException, prog: str, *, trim: bool = True) -> int | None:
     """Print a worker failure (root-cause traceback, then the report); its exit code, or ``None``.
 
@@ -200,7 +173,8 @@ def report_failure(exc: BaseException, prog: str, *, trim: bool = True) -> int |
         return None
     root = failures[0]
     if root.traceback and root.exc_type != "SystemExit":
-        sys.stderr.write(f"{prog}: traceback of rank {root.rank} (the root cause):\n{(_trim(root.traceback) if trim else root.traceback).rstrip()}\n")
+        shown = clean_traceback(root.traceback) if trim else root.traceback
+        sys.stderr.write(f"{prog}: traceback of rank {root.rank} (the root cause):\n{shown.rstrip()}\n")
     sys.stderr.write(f"{prog}: error: {format_report(failures)}\n")
     sys.stderr.flush()
     if isinstance(exc, SystemExit):

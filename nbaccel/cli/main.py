@@ -14,24 +14,14 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from nbaccel.cli.usage import UsageError
 from nbaccel.errors import ConfigError, NbaccelError
+from nbaccel.version import __version__
 
 __all__ = ["UsageError", "build_parser", "main"]
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
-
-
-class UsageError(Exception):
-    """A command-line mistake: printed as one line, exit code 2.
-
-    Attributes:
-        prog: the command it belongs to (``"nbaccel launch"``).
-    """
-
-    def __init__(self, msg: str, *, prog: str = "nbaccel") -> None:
-        super().__init__(msg)
-        self.prog = prog
 
 
 class _Parser(argparse.ArgumentParser):
@@ -88,9 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except SystemExit as stop:  # --help, or argparse's own exit
             return stop.code if isinstance(stop.code, int) else 0
         if args.version:
-            import nbaccel
-
-            print(f"nbaccel {nbaccel.__version__}")
+            print(f"nbaccel {__version__}")
             return 0
         if args.command is None:
             parser.print_help(sys.stderr)

@@ -8,61 +8,12 @@ of the other ranks; the exception keeps its own type and its ``launch_failures``
 
 from __future__ import annotations
 
-import os
-import re
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["attach_renderer", "clean_traceback", "render_interrupt"]
+from nbaccel.tracebacks import clean_traceback
 
-_FRAME = re.compile(r'^  File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _internal(filename: str) -> bool:
-    return os.path.abspath(filename).startswith(_PACKAGE_DIR + os.sep)
-
-
-def clean_traceback(text: str, cell_numbers: Mapping[str, int]) -> str:
-    """``text`` without nbaccel's own frames before the user's code, with cells named ``Cell In[N]``.
-
-    Args:
-        text: a traceback as ``traceback.format_exception`` writes it.
-        cell_numbers: ``{filename: execution count}`` of the notebook's cells.
-
-    Example:
-        >>> print(clean_traceback('Traceback (most recent call last):\\n  File "c1", line 2, in <module>\\n'
-        ...                       '    1/0\\nZeroDivisionError: division by zero', {"c1": 3}))
-        Traceback (most recent call last):
-          Cell In[3], line 2
-            1/0
-        ZeroDivisionError: division by zero
-    """
-    out: list[str] = []
-    skipping = False
-    for line in text.rstrip("\n").split("\n"):
-        if line.startswith("Traceback (most recent call last):"):
-            skipping = True
-            out.append(line)
-            continue
-        match = _FRAME.match(line)
-        if match:
-            filename = match["file"]
-            skipping = skipping and _internal(filename)
-            if skipping:
-                continue
-            if filename in cell_numbers:
-                where = f"  Cell In[{cell_numbers[filename]}], line {match['line']}"
-                func = match["func"]
-                out.append(where if func == "<module>" else f"{where}, in {func}")
-            else:
-                out.append(line)
-            continue
-        if skipping and line.startswith("    "):
-            continue  # the source (and ^^^ marker) lines of a skipped frame
-        skipping = False
-        out.append(line)
-    return "\n".join(out)
+__all__ = ["attach_renderer", "render_interrupt"]
 
 
 def _render_failure(exc: BaseException, failures: tuple, cell_numbers: Mapping[str, int]) -> list[str]:
