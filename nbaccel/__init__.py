@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+from nbaccel.version import __version__  # noqa: F401 - re-exported (in __all__)
 
 # name -> module that defines it. Each section belongs to one part of the package.
 _EXPORTS: dict[str, str] = {
@@ -31,7 +31,7 @@ _EXPORTS: dict[str, str] = {
     "notebook_launcher": "nbaccel.launch.launcher",
     # process state
     "AcceleratorState": "nbaccel.partial_state",
-    "DistributedType": "nbaccel.state",
+    "DistributedType": "nbaccel.distributed_type",
     "PartialState": "nbaccel.partial_state",
     "ProcessState": "nbaccel.state",
     # training (Accelerator)

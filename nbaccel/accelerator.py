@@ -3,24 +3,24 @@
 With no arguments it reads the job from the environment (:class:`~nbaccel.partial_state.AcceleratorState`):
 inside a 4-process CPU launch it trains as one 4-process gloo job. ``prepare`` places models
 (DDP across processes, FSDP2 when configured, autocast for mixed precision), wraps optimizers,
-schedulers and dataloaders, and returns them in the order given. Collectives and
-per-process helpers come from :class:`~nbaccel.process_helpers.ProcessHelpers`; saving and
-loading from :class:`~nbaccel.checkpoint_helpers.CheckpointHelpers`.
+schedulers and dataloaders, and returns them in the order given; what it prepared is kept in
+one registry (:class:`~nbaccel.prepared.PreparedObjects`, ``accelerator.prepared``), and an
+object prepared already comes back unchanged (:class:`~nbaccel.preparation.PrepareHelpers`).
+Collectives and per-process helpers come from :class:`~nbaccel.process_helpers.ProcessHelpers`;
+saving and loading from :class:`~nbaccel.checkpoint_helpers.CheckpointHelpers`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
 
 from nbaccel.checkpoint_helpers import CheckpointHelpers
-from nbaccel.data_loader import DataLoaderShard, XlaDeviceLoader, prepare_data_loader, skip_first_batches
+from nbaccel.distributed_type import DistributedType
 from nbaccel.environment import MixedPrecision
 from nbaccel.errors import ConfigError
 from nbaccel.gradient_state import GradientState
@@ -42,14 +42,15 @@ from nbaccel.plugins import (
     resolve_dataloader_config,
     resolve_deepspeed_plugin,
 )
-from nbaccel.precision import autocast_context, make_grad_scaler, unwrap_forward, validate_mixed_precision, wrap_forward
+from nbaccel.precision import autocast_context, make_grad_scaler, validate_mixed_precision
+from nbaccel.preparation import PrepareHelpers
+from nbaccel.prepared import PreparedObjects, RegistryView
 from nbaccel.process_helpers import ProcessHelpers
-from nbaccel.scheduler import AcceleratedScheduler
-from nbaccel.state import DistributedType
+from nbaccel.unwrap import unwrap_model
 
 __all__ = ["Accelerator"]
 
-class Accelerator(ProcessHelpers, CheckpointHelpers):
+class Accelerator(PrepareHelpers, ProcessHelpers, CheckpointHelpers):
     """Accelerate's ``Accelerator``: one object that makes a training loop distributed.
 
     Args:
@@ -72,6 +73,11 @@ class Accelerator(ProcessHelpers, CheckpointHelpers):
             ``AutocastKwargs``, ``InitProcessGroupKwargs`` instances.
         even_batches: shorthand for ``DataLoaderConfiguration(even_batches=...)``.
         dispatch_batches: shorthand for ``DataLoaderConfiguration(dispatch_batches=...)``.
+
+    Attributes:
+        prepared: what this Accelerator prepared and registered; ``_models``, ``_optimizers``,
+            ``_schedulers``, ``_dataloaders`` and ``_custom_objects`` (Accelerate's names) are
+            views of its lists.
 
     Raises:
         ConfigError: an argument has an invalid value or conflicts with another.
@@ -144,14 +150,17 @@ class Accelerator(ProcessHelpers, CheckpointHelpers):
                           "log with the tracker's own API on the main process", stacklevel=2)
         self.log_with = log_with
         self.step = 0
-        self._models: list[torch.nn.Module] = []
-        self._optimizers: list[AcceleratedOptimizer] = []
-        self._schedulers: list[AcceleratedScheduler] = []
-        self._dataloaders: list[Any] = []
-        self._custom_objects: list[Any] = []
-        self._save_state_pre_hooks = OrderedDict()
-        self._load_state_pre_hooks = OrderedDict()
+        self.prepared = PreparedObjects()
         self._trigger = False
+
+    # Accelerate's private names for what was prepared, read by user code and libraries.
+    _models = RegistryView("models")
+    _optimizers = RegistryView("optimizers")
+    _schedulers = RegistryView("schedulers")
+    _dataloaders = RegistryView("dataloaders")
+    _custom_objects = RegistryView("custom_objects")
+    _save_model_state_pre_hook = RegistryView("save_state_pre_hooks")
+    _load_model_state_pre_hook = RegistryView("load_state_pre_hooks")
 
     # ------------------------------------------------------------------ state
     @property
@@ -227,7 +236,7 @@ class Accelerator(ProcessHelpers, CheckpointHelpers):
     @property
     def optimizer_step_was_skipped(self) -> bool:
         """Whether any prepared optimizer skipped its last step (fp16 overflow)."""
-        return any(opt.step_was_skipped for opt in self._optimizers)
+        return any(opt.step_was_skipped for opt in self.prepared.optimizers)
 
     @property
     def project_dir(self) -> str | None:
@@ -236,129 +245,6 @@ class Accelerator(ProcessHelpers, CheckpointHelpers):
     @property
     def save_iteration(self) -> int:
         return self.project_configuration.iteration
-
-    # ------------------------------------------------------------------ prepare
-    def prepare(self, *args: Any, device_placement: list[bool | None] | None = None) -> Any:
-        """Prepare models, optimizers, dataloaders and schedulers; returns them in the order given.
-
-        Raises:
-            ConfigError: ``device_placement`` does not have one entry per argument.
-
-        Example:
-            >>> model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)   # doctest: +SKIP
-        """
-        if device_placement is None:
-            device_placement = [None] * len(args)
-        elif len(device_placement) != len(args):
-            raise ConfigError(f"`device_placement` needs one entry per object passed to prepare ({len(args)}), got "
-                              f"{len(device_placement)}", key="device_placement", value=device_placement,
-                              valid=f"a list of {len(args)} bools or None")
-        if self.deepspeed_plugin is not None:
-            from nbaccel.deepspeed_engine import prepare_deepspeed
-
-            result = prepare_deepspeed(self, args)
-            return result[0] if len(result) == 1 else tuple(result)
-        result = list(args)
-        optimizers = [o for o in args if isinstance(o, torch.optim.Optimizer) and not isinstance(o, AcceleratedOptimizer)]
-        order = (torch.nn.Module, torch.optim.Optimizer, DataLoader, torch.optim.lr_scheduler.LRScheduler)
-        for kind in order:
-            for i, obj in enumerate(args):
-                if isinstance(obj, kind) and not _is_prepared(obj):
-                    result[i] = self._prepare_one(obj, device_placement[i], optimizers)
-        return result[0] if len(result) == 1 else tuple(result)
-
-    def _prepare_one(self, obj: Any, placement: bool | None, optimizers: list[torch.optim.Optimizer]) -> Any:
-        if isinstance(obj, torch.nn.Module):
-            return self.prepare_model(obj, device_placement=placement, _optimizers=optimizers)
-        if isinstance(obj, torch.optim.Optimizer):
-            return self.prepare_optimizer(obj, device_placement=placement)
-        if isinstance(obj, DataLoader):
-            return self.prepare_data_loader(obj, device_placement=placement)
-        return self.prepare_scheduler(obj)
-
-    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
-                      evaluation_mode: bool = False, _optimizers: list[torch.optim.Optimizer] | None = None
-                      ) -> torch.nn.Module:
-        """Place ``model`` on the device, wrap it for the job (DDP / FSDP2) and for mixed precision.
-
-        Args:
-            model: the model.
-            device_placement: override the accelerator's ``device_placement``.
-            evaluation_mode: no DDP wrapper (inference only).
-
-        Example:
-            >>> model = accelerator.prepare_model(torch.nn.Linear(4, 2))   # doctest: +SKIP
-        """
-        if self.deepspeed_plugin is not None:
-            from nbaccel.deepspeed_engine import prepare_deepspeed
-
-            return prepare_deepspeed(self, (model,))[0]
-        place = self.device_placement if device_placement is None else device_placement
-        if place and not (self.fsdp_plugin is not None and self.fsdp_plugin.cpu_offload):
-            before = list(model.parameters()) if self.device.type == "xla" else []
-            model = model.to(self.device)
-            if before:  # XLA: .to() makes new Parameter objects; the optimizers must follow them
-                _switch_parameters(before, list(model.parameters()),
-                                   list(_optimizers or []) + [o.optimizer for o in self._optimizers])
-        if self._mixed_precision == "fp8" and not evaluation_mode:
-            from nbaccel.fp8 import convert_model_to_fp8
-
-            convert_model_to_fp8(model)
-        if self._mixed_precision != "no":
-            wrap_forward(model, self._mixed_precision, self.device, self.autocast_handler)
-        trainable = any(p.requires_grad for p in model.parameters())
-        if self.fsdp_plugin is not None and not evaluation_mode:
-            from nbaccel.fsdp import shard_model
-
-            optimizers = list(_optimizers or []) + [o.optimizer for o in self._optimizers]
-            model = shard_model(model, self.fsdp_plugin, self.device, self.num_processes, optimizers,
-                                upcast=self._mixed_precision != "no")
-        elif self.num_processes > 1 and trainable and not evaluation_mode and self.device.type != "xla":
-            kwargs = self.ddp_handler.to_kwargs()
-            if self.device.type == "cuda":
-                kwargs.update(device_ids=[self.device.index], output_device=self.device.index)
-            model = torch.nn.parallel.DistributedDataParallel(model, **kwargs)
-        self._models.append(model)
-        return model
-
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None
-                          ) -> AcceleratedOptimizer:
-        """Wrap ``optimizer`` so it steps only when gradients are synchronized (through the scaler for fp16)."""
-        place = self.device_placement if device_placement is None else device_placement
-        wrapped = AcceleratedOptimizer(optimizer, device_placement=place, scaler=self.scaler,
-                                       gradient_state=self.gradient_state, device=self.device)
-        self._optimizers.append(wrapped)
-        return wrapped
-
-    def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
-        """Wrap ``scheduler`` so it steps with its optimizer, Accelerate's way."""
-        optimizer = next((o for o in self._optimizers if o.optimizer is scheduler.optimizer), scheduler.optimizer)
-        wrapped = AcceleratedScheduler(scheduler, optimizer, step_with_optimizer=self.step_scheduler_with_optimizer,
-                                       split_batches=self.split_batches, num_processes=self.num_processes,
-                                       gradient_state=self.gradient_state)
-        self._schedulers.append(wrapped)
-        return wrapped
-
-    def prepare_data_loader(self, data_loader: DataLoader, device_placement: bool | None = None) -> Any:
-        """Shard ``data_loader`` across processes and move its batches to the device."""
-        place = self.device_placement if device_placement is None else device_placement
-        loader: Any = prepare_data_loader(data_loader, self.device if place else None, self.num_processes,
-                                          self.process_index, self.dataloader_config, self.gradient_state)
-        if place and self.device.type == "xla":
-            loader = XlaDeviceLoader(loader, self.device)
-        self._dataloaders.append(loader)
-        return loader
-
-    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
-        """A prepared loader that starts after its first ``num_batches`` batches (to resume mid-epoch).
-
-        Example:
-            >>> accelerator.load_state("ckpt")                                # doctest: +SKIP
-            >>> loader = accelerator.skip_first_batches(train_loader, 30)     # doctest: +SKIP
-        """
-        inner = dataloader._loader if isinstance(dataloader, XlaDeviceLoader) else dataloader
-        skipped = skip_first_batches(inner, num_batches)
-        return XlaDeviceLoader(skipped, self.device) if isinstance(dataloader, XlaDeviceLoader) else skipped
 
     # ------------------------------------------------------------------ training step
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -427,7 +313,7 @@ class Accelerator(ProcessHelpers, CheckpointHelpers):
 
     def unscale_gradients(self, optimizer: Any = None) -> None:
         """Divide gradients by the fp16 loss scale (done for you by the ``clip_grad_*`` methods)."""
-        targets = self._optimizers if optimizer is None else (optimizer if isinstance(optimizer, list) else [optimizer])
+        targets = self.prepared.optimizers if optimizer is None else (optimizer if isinstance(optimizer, list) else [optimizer])
         for opt in targets:
             if isinstance(opt, AcceleratedOptimizer):
                 opt.unscale_()
@@ -481,29 +367,12 @@ class Accelerator(ProcessHelpers, CheckpointHelpers):
         Example:
             >>> accelerator.unwrap_model(model).state_dict()   # doctest: +SKIP
         """
-        from nbaccel.deepspeed_engine import is_deepspeed_engine
-
-        compiled: torch.nn.Module | None = None
-        while True:
-            if isinstance(model, torch.nn.parallel.DistributedDataParallel) or is_deepspeed_engine(model):
-                compiled = None  # a compile wrapper around DDP cannot be kept without the DDP inside it
-                model = model.module
-            elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):
-                compiled = model if compiled is None else compiled
-                model = model._orig_mod
-            else:
-                break
-        if not keep_fp32_wrapper:
-            unwrap_forward(model)
-        return compiled if keep_torch_compile and compiled is not None else model
+        return unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper, keep_torch_compile=keep_torch_compile)
 
     # ------------------------------------------------------------------ housekeeping
     def free_memory(self, *objects: Any) -> list[None]:
         """Drop references to everything prepared (and return ``None`` for each of ``objects``)."""
-        self._models.clear()
-        self._optimizers.clear()
-        self._schedulers.clear()
-        self._dataloaders.clear()
+        self.prepared.clear()
         self.step = 0
         import gc
 
@@ -529,18 +398,3 @@ class Accelerator(ProcessHelpers, CheckpointHelpers):
         return (f"Accelerator(distributed_type={str(self.distributed_type)!r}, num_processes={self.num_processes}, "
                 f"process_index={self.process_index}, device={self.device}, mixed_precision={self.mixed_precision!r}, "
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps})")
-
-
-def _switch_parameters(old: list[torch.nn.Parameter], new: list[torch.nn.Parameter],
-                       optimizers: list[torch.optim.Optimizer]) -> None:
-    """Point ``optimizers`` (param groups and state) at ``new`` where they held ``old`` (same order)."""
-    moved = {id(o): n for o, n in zip(old, new) if o is not n}
-    for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            group["params"] = [moved.get(id(p), p) for p in group["params"]]
-        for param in [p for p in optimizer.state if id(p) in moved]:
-            optimizer.state[moved[id(param)]] = optimizer.state.pop(param)
-
-
-def _is_prepared(obj: Any) -> bool:
-    return isinstance(obj, (AcceleratedOptimizer, AcceleratedScheduler, DataLoaderShard))

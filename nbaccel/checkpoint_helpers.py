@@ -1,46 +1,49 @@
 """The Accelerator's saving and loading: state dicts, `save_model`, `save`, `save_state` / `load_state`.
 
 Kept apart from :mod:`nbaccel.accelerator` so that module stays about training. A mixin: it
-needs the Accelerator's ``state``, ``project_configuration``, prepared objects and
-``unwrap_model``; the file formats live in :mod:`nbaccel.checkpointing`.
+needs the Accelerator's ``state``, ``project_configuration`` and ``prepared`` registry; the
+training state is written by :mod:`nbaccel.training_state`, the file formats are
+:mod:`nbaccel.checkpointing`'s.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from nbaccel import checkpointing
+from nbaccel import checkpointing, training_state
 from nbaccel.errors import ConfigError
+from nbaccel.file_size import convert_file_size_to_int
+from nbaccel.plugins import FullyShardedDataParallelPlugin, ProjectConfiguration
+from nbaccel.prepared import LoadStatePreHook, PreparedObjects, SaveStatePreHook
+from nbaccel.state import ProcessState
 
-__all__ = ["CheckpointHelpers", "LoadStatePreHook", "SaveStatePreHook"]
-
-SaveStatePreHook = Callable[[list[torch.nn.Module], list[dict[str, torch.Tensor]], str], None]
-LoadStatePreHook = Callable[[list[torch.nn.Module], str], None]
+__all__ = ["CheckpointHelpers"]
 
 
 class CheckpointHelpers:
     """Mixin: saving and loading what an Accelerator prepared (see the module docstring)."""
 
-    _save_state_pre_hooks: OrderedDict[int, SaveStatePreHook]
-    _load_state_pre_hooks: OrderedDict[int, LoadStatePreHook]
+    state: ProcessState
+    project_configuration: ProjectConfiguration
+    prepared: PreparedObjects
+    step: int
+    scaler: Any
+    fsdp_plugin: FullyShardedDataParallelPlugin | None
+
+    def _checkpoint_context(self) -> training_state.CheckpointContext:
+        """What ``save_state``/``load_state`` need besides the prepared objects, read from this Accelerator."""
+        plugin = self.fsdp_plugin
+        return training_state.CheckpointContext(
+            process=self.state, project=self.project_configuration, scaler=self.scaler, step=self.step,
+            sharded_fsdp=plugin is not None and plugin.state_dict_type == "SHARDED_STATE_DICT")
 
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """The model's full state dict on CPU (gathered from the shards under FSDP: call on every rank)."""
-        from nbaccel.deepspeed_engine import is_deepspeed_engine, state_dict
-        from nbaccel.fsdp import full_model_state_dict, is_fsdp_model
-
-        if is_fsdp_model(model):
-            return full_model_state_dict(model)
-        if is_deepspeed_engine(model):
-            return state_dict(model)
-        state = (self.unwrap_model(model, keep_torch_compile=False) if unwrap else model).state_dict()
-        return {k: v.cpu() if v.device.type == "xla" else v for k, v in state.items()}
+        return training_state.model_state_dict(model, unwrap=unwrap)
 
     def save_model(self, model: torch.nn.Module, save_directory: str | Path, max_shard_size: int | str = "10GB",
                    safe_serialization: bool = True) -> None:
@@ -58,7 +61,7 @@ class CheckpointHelpers:
         if folder.is_file():
             raise ConfigError(f"`save_directory` must be a folder, but {str(folder)!r} is a file; pass a folder path",
                               key="save_directory", value=str(folder), valid="a folder path")
-        checkpointing.parse_size(max_shard_size)
+        convert_file_size_to_int(max_shard_size, key="max_shard_size")
         state_dict = self.get_state_dict(model)
         if self._is_writer():
             checkpointing.save_model_shards(state_dict, folder, max_shard_size, safe_serialization)
@@ -79,9 +82,7 @@ class CheckpointHelpers:
             torch.save(obj, f)
 
     def _is_writer(self) -> bool:
-        if self.project_configuration.save_on_each_node:
-            return self.is_local_main_process
-        return self.is_main_process
+        return self._checkpoint_context().is_writer
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Include ``objects`` (anything with ``state_dict`` and ``load_state_dict``) in ``save_state``.
@@ -95,7 +96,7 @@ class CheckpointHelpers:
             raise ConfigError(f"register_for_checkpointing needs objects with `state_dict` and `load_state_dict`; "
                               f"these have not: {', '.join(bad)}", key="objects", value=bad,
                               valid="objects with state_dict() and load_state_dict()")
-        self._custom_objects.extend(objects)
+        self.prepared.custom_objects.extend(objects)
 
     def register_save_state_pre_hook(self, hook: SaveStatePreHook) -> RemovableHandle:
         """Call ``hook(models, weights, output_dir)`` in :meth:`save_state`, before the weights are written.
@@ -114,8 +115,9 @@ class CheckpointHelpers:
             ...     Path(output_dir, "config.json").write_text("{}")
             >>> handle = accelerator.register_save_state_pre_hook(save_config)   # doctest: +SKIP
         """
-        handle = RemovableHandle(self._save_state_pre_hooks)
-        self._save_state_pre_hooks[handle.id] = hook
+        hooks = self.prepared.save_state_pre_hooks
+        handle = RemovableHandle(hooks)
+        hooks[handle.id] = hook
         return handle
 
     def register_load_state_pre_hook(self, hook: LoadStatePreHook) -> RemovableHandle:
@@ -132,8 +134,9 @@ class CheckpointHelpers:
             >>> handle = accelerator.register_load_state_pre_hook(lambda models, input_dir: None)   # doctest: +SKIP
             >>> handle.remove()                                                                     # doctest: +SKIP
         """
-        handle = RemovableHandle(self._load_state_pre_hooks)
-        self._load_state_pre_hooks[handle.id] = hook
+        hooks = self.prepared.load_state_pre_hooks
+        handle = RemovableHandle(hooks)
+        hooks[handle.id] = hook
         return handle
 
     def save_state(self, output_dir: str | Path | None = None, safe_serialization: bool = True) -> str:
@@ -149,7 +152,8 @@ class CheckpointHelpers:
         Example:
             >>> accelerator.save_state("ckpt/step_100")   # doctest: +SKIP
         """
-        return str(checkpointing.save_accelerator_state(self, output_dir, safe_serialization))
+        return str(training_state.save_accelerator_state(self.prepared, self._checkpoint_context(), output_dir,
+                                                         safe_serialization))
 
     def load_state(self, input_dir: str | Path | None = None, load_kwargs: dict[str, Any] | None = None,
                    strict: bool = True) -> str:
@@ -164,5 +168,9 @@ class CheckpointHelpers:
         Example:
             >>> accelerator.load_state("ckpt/step_100")   # doctest: +SKIP
         """
-        return str(checkpointing.load_accelerator_state(self, input_dir, strict, load_kwargs))
+        loaded = training_state.load_accelerator_state(self.prepared, self._checkpoint_context(), input_dir, strict,
+                                                       load_kwargs)
+        if loaded.step is not None:
+            self.step = loaded.step
+        return str(loaded.path)
 

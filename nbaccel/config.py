@@ -9,6 +9,7 @@ explicit arguments; :meth:`LaunchConfig.with_overrides` applies one layer.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import os
 import re
@@ -22,7 +23,8 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
-from nbaccel.environment import DistributedType, MixedPrecision, config_file_path
+from nbaccel.distributed_type import DistributedType, as_distributed_type
+from nbaccel.environment import MixedPrecision, config_file_path
 from nbaccel.errors import ConfigError
 
 __all__ = ["LaunchConfig", "StartMethod", "load_config", "save_config"]
@@ -99,6 +101,8 @@ class LaunchConfig:
         hints = typing.get_type_hints(LaunchConfig)
         for f in dataclasses.fields(self):
             _check_type(f.name, getattr(self, f.name), hints[f.name])
+        if self.distributed_type is not None:
+            object.__setattr__(self, "distributed_type", as_distributed_type(self.distributed_type))
         _check_combinations(self)
 
     # ----------------------------------------------------------------- layering
@@ -150,8 +154,8 @@ class LaunchConfig:
         elif dtype in _UNSUPPORTED_TYPES:
             raise ConfigError(
                 f"{source}: distributed_type {dtype!r} has no engine in nbaccel; valid values: "
-                f"{list(get_args(DistributedType))}. Fix: set distributed_type to one of those.",
-                key="distributed_type", value=dtype, valid=get_args(DistributedType))
+                f"{[t.value for t in DistributedType]}. Fix: set distributed_type to one of those.",
+                key="distributed_type", value=dtype, valid=tuple(t.value for t in DistributedType))
         gpu_ids = values.get("gpu_ids")
         if isinstance(gpu_ids, int):
             values["gpu_ids"] = str(gpu_ids)
@@ -175,6 +179,8 @@ class LaunchConfig:
                 continue
             if isinstance(value, Mapping):
                 value = dict(value)
+            elif isinstance(value, enum.Enum):  # plain strings in files
+                value = value.value
             out[f.name] = value
         if self.num_processes is not None:
             out["num_processes"] = self.num_processes * self.num_machines
@@ -203,8 +209,8 @@ def _check_type(name: str, value: Any, tp: Any) -> None:
                 continue
         raise ConfigError(f"{name!r} must be one of {[_type_name(o) for o in options]} (got {value!r})",
                           key=name, value=value, valid=options)
-    if origin is Literal:
-        choices = get_args(tp)
+    if origin is Literal or isinstance(tp, type) and issubclass(tp, enum.Enum):
+        choices = get_args(tp) if origin is Literal else tuple(m.value for m in tp)
         if value not in choices:
             raise ConfigError(f"{name!r} must be one of {list(choices)} (got {value!r}). "
                               f"Fix: set {name} to one of those.", key=name, value=value, valid=choices)
@@ -256,7 +262,7 @@ def _check_combinations(cfg: LaunchConfig) -> None:
         raise bad("main_process_ip", f"'main_process_ip' is required when num_machines={cfg.num_machines}. "
                   "Fix: set main_process_ip to machine 0's address.", "an address")
     if cfg.use_cpu and cfg.distributed_type in ("MULTI_GPU", "XLA", "DEEPSPEED"):
-        raise bad("distributed_type", f"use_cpu=True conflicts with distributed_type={cfg.distributed_type!r}. "
+        raise bad("distributed_type", f"use_cpu=True conflicts with distributed_type='{cfg.distributed_type}'. "
                   "Fix: drop use_cpu, or set distributed_type to 'MULTI_CPU'.", ("NO", "MULTI_CPU", "FSDP"))
     if cfg.gpu_ids != "all":
         parts = [p.strip() for p in cfg.gpu_ids.split(",")]

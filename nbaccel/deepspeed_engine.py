@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,12 +21,15 @@ from torch.utils.data import DataLoader
 
 from nbaccel.environment import apply_environment, single_process_environment
 from nbaccel.errors import ConfigError
+from nbaccel.gradient_state import GradientState
 from nbaccel.identity import current_identity
 from nbaccel.optimizer import AcceleratedOptimizer
+from nbaccel.prepared import PreparedObjects, is_prepared
 from nbaccel.scheduler import AcceleratedScheduler
+from nbaccel.state import ProcessState
 
-__all__ = ["DeepSpeedOptimizerWrapper", "DeepSpeedSchedulerWrapper", "build_config", "is_deepspeed_engine",
-           "prepare_deepspeed"]
+__all__ = ["CHECKPOINT_TAG", "DeepSpeedOptimizerWrapper", "DeepSpeedPrepared", "DeepSpeedSchedulerWrapper",
+           "backward", "build_config", "is_deepspeed_engine", "prepare_deepspeed", "state_dict"]
 
 CHECKPOINT_TAG = "pytorch_model"
 
@@ -93,68 +98,88 @@ def build_config(base: dict[str, Any], *, micro_batch_size: int | None, accumula
     return config
 
 
-def prepare_deepspeed(accelerator: Any, args: tuple[Any, ...]) -> list[Any]:
+@dataclass(frozen=True)
+class DeepSpeedPrepared:
+    """What :func:`prepare_deepspeed` made.
+
+    Args:
+        objects: the arguments of ``prepare``, each replaced by its prepared form, in order.
+        engine: the ``DeepSpeedEngine`` (``None`` when no model was passed).
+        config: the DeepSpeed config the engine was built with, ``"auto"`` values filled.
+    """
+
+    objects: list[Any]
+    engine: Any = None
+    config: dict[str, Any] | None = None
+
+
+def prepare_deepspeed(args: tuple[Any, ...], prepared: PreparedObjects, *, base_config: Mapping[str, Any],
+                      process: ProcessState, gradient_state: GradientState, mixed_precision: str,
+                      split_batches: bool, prepare_data_loader: Callable[[DataLoader], Any]) -> DeepSpeedPrepared:
     """``prepare`` under DeepSpeed: dataloaders as usual, the model, optimizer and scheduler as one engine.
+
+    Objects prepared already pass through unchanged; what is made is recorded in ``prepared``.
+
+    Args:
+        args: the objects given to ``prepare``.
+        prepared: the Accelerator's registry.
+        base_config: the plugin's DeepSpeed config (``"auto"`` values allowed).
+        process: this process's place in the job (a process group is joined if none is).
+        gradient_state: the Accelerator's accumulation state (its steps fill the config).
+        mixed_precision: the Accelerator's mixed precision (fills ``fp16``/``bf16``).
+        split_batches: the dataloader's batch is split across processes (micro batch = batch / processes).
+        prepare_data_loader: the Accelerator's own dataloader preparation.
 
     Raises:
         ConfigError: more than one model, or more than one optimizer, is passed.
     """
     result = list(args)
-    models = [i for i, o in enumerate(args) if isinstance(o, torch.nn.Module)]
-    optimizers = [i for i, o in enumerate(args) if isinstance(o, torch.optim.Optimizer)]
-    schedulers = [i for i, o in enumerate(args) if isinstance(o, torch.optim.lr_scheduler.LRScheduler)]
+    fresh = [(i, o) for i, o in enumerate(args) if not is_prepared(o)]
+    models = [i for i, o in fresh if isinstance(o, torch.nn.Module)]
+    optimizers = [i for i, o in fresh if isinstance(o, torch.optim.Optimizer)]
+    schedulers = [i for i, o in fresh if isinstance(o, torch.optim.lr_scheduler.LRScheduler)]
     if len(models) > 1 or len(optimizers) > 1:
         raise ConfigError(f"DeepSpeed trains one model with one optimizer per prepare (got {len(models)} models, "
                           f"{len(optimizers)} optimizers); prepare them in separate Accelerators",
                           key="prepare", value=(len(models), len(optimizers)), valid="at most 1 of each")
-    loaders = [o for o in args if isinstance(o, DataLoader)]
-    for i, obj in enumerate(args):
+    loaders = [o for _, o in fresh if isinstance(o, DataLoader)]
+    for i, obj in fresh:
         if isinstance(obj, DataLoader):
-            result[i] = accelerator.prepare_data_loader(obj)
+            result[i] = prepare_data_loader(obj)
     if not models:
-        return result
+        return DeepSpeedPrepared(result)
     import deepspeed  # after the argument checks, which need no deepspeed
 
     micro = loaders[0].batch_size if loaders else None
-    if micro and accelerator.split_batches:
-        micro //= accelerator.num_processes
+    if micro and split_batches:
+        micro //= process.num_processes
     optimizer = args[optimizers[0]] if optimizers else None
     scheduler = args[schedulers[0]] if schedulers else None
-    config = build_config(accelerator.deepspeed_plugin.deepspeed_config, micro_batch_size=micro,
-                          accumulation_steps=accelerator.gradient_accumulation_steps,
-                          num_processes=accelerator.num_processes, mixed_precision=accelerator.mixed_precision,
+    config = build_config(dict(base_config), micro_batch_size=micro, accumulation_steps=gradient_state.num_steps,
+                          num_processes=process.num_processes, mixed_precision=mixed_precision,
                           zero_optimizer=optimizer is not None)
-    accelerator.deepspeed_config = config
-    _ensure_process_group(accelerator)
+    _ensure_process_group(process)
     engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
         model=args[models[0]], optimizer=optimizer, lr_scheduler=scheduler, config=config, dist_init_required=False)
-    accelerator.deepspeed_engine = engine
-    accelerator._models.append(engine)
-    result[models[0]] = engine
+    result[models[0]] = prepared.add("model", engine)
     if optimizers:
-        wrapped = DeepSpeedOptimizerWrapper(ds_optimizer, device_placement=False,
-                                            gradient_state=accelerator.gradient_state)
-        accelerator._optimizers.append(wrapped)
-        result[optimizers[0]] = wrapped
+        wrapped = DeepSpeedOptimizerWrapper(ds_optimizer, device_placement=False, gradient_state=gradient_state)
+        result[optimizers[0]] = prepared.add("optimizer", wrapped)
         if schedulers:
-            sched = DeepSpeedSchedulerWrapper(ds_scheduler or scheduler, wrapped,
-                                              gradient_state=accelerator.gradient_state)
-            accelerator._schedulers.append(sched)
-            result[schedulers[0]] = sched
-    return result
+            sched = DeepSpeedSchedulerWrapper(ds_scheduler or scheduler, wrapped, gradient_state=gradient_state)
+            result[schedulers[0]] = prepared.add("scheduler", sched)
+    return DeepSpeedPrepared(result, engine, config)
 
 
-def _ensure_process_group(accelerator: Any) -> None:
+def _ensure_process_group(process: ProcessState) -> None:
     """DeepSpeed needs a process group even in one process: join one of size 1 on loopback."""
     dist = torch.distributed
     if dist.is_initialized():
         return
-    if current_identity() is not None:
-        accelerator.state.init_process_group()
-        return
-    # DeepSpeed reads torchrun's variables itself (LOCAL_RANK above all): give this process a world of one.
-    apply_environment(single_process_environment())
-    accelerator.state.init_process_group()
+    if current_identity() is None:
+        # DeepSpeed reads torchrun's variables itself (LOCAL_RANK above all): give this process a world of one.
+        apply_environment(single_process_environment())
+    process.init_process_group()
 
 
 def backward(engine: Any, loss: torch.Tensor, sync_gradients: bool, **kwargs: Any) -> None:

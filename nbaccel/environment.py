@@ -16,6 +16,7 @@ import glob
 import importlib.util
 import json
 import os
+import socket
 import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -23,11 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
 
+from nbaccel.distributed_type import DistributedType, as_distributed_type
 from nbaccel.errors import ConfigError
 
 __all__ = [
     "DistributedEnv",
-    "DistributedType",
     "MixedPrecision",
     "WorkerSettings",
     "apply_environment",
@@ -52,7 +53,6 @@ __all__ = [
 ]
 
 MixedPrecision = Literal["no", "fp16", "bf16", "fp8"]
-DistributedType = Literal["NO", "MULTI_CPU", "MULTI_GPU", "XLA", "FSDP", "DEEPSPEED"]
 
 _PREFIX = "NBACCEL_"
 _LAUNCHED = "NBACCEL_LAUNCHED"
@@ -76,16 +76,22 @@ class WorkerSettings:
         deepspeed_config: Accelerate-style ``deepspeed_config`` mapping (empty when unused).
         debug: extra checks of collective shapes.
         launched: ``True`` inside workers started by nbaccel.
+
+    Raises:
+        ConfigError: ``distributed_type`` names no kind of job.
     """
 
     mixed_precision: MixedPrecision = "no"
     use_cpu: bool = False
-    distributed_type: DistributedType = "NO"
+    distributed_type: DistributedType = DistributedType.NO
     num_machines: int = 1
     fsdp_config: Mapping[str, object] = field(default_factory=dict)
     deepspeed_config: Mapping[str, object] = field(default_factory=dict)
     debug: bool = False
     launched: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "distributed_type", as_distributed_type(self.distributed_type))
 
 
 @dataclass(frozen=True)
@@ -128,19 +134,14 @@ def worker_environment(settings: WorkerSettings, dist: DistributedEnv | None = N
         _LAUNCHED: "1" if settings.launched else "0",
         f"{_PREFIX}MIXED_PRECISION": settings.mixed_precision,
         f"{_PREFIX}USE_CPU": "1" if settings.use_cpu else "0",
-        f"{_PREFIX}DISTRIBUTED_TYPE": settings.distributed_type,
+        f"{_PREFIX}DISTRIBUTED_TYPE": str(settings.distributed_type),
         f"{_PREFIX}NUM_MACHINES": str(settings.num_machines),
         f"{_PREFIX}FSDP_CONFIG": json.dumps(dict(settings.fsdp_config)),
         f"{_PREFIX}DEEPSPEED_CONFIG": json.dumps(dict(settings.deepspeed_config)),
         f"{_PREFIX}DEBUG": "1" if settings.debug else "0",
     }
     if dist is not None:
-        env.update({
-            "RANK": str(dist.rank), "LOCAL_RANK": str(dist.local_rank),
-            "WORLD_SIZE": str(dist.world_size), "LOCAL_WORLD_SIZE": str(dist.local_world_size),
-            "NODE_RANK": str(dist.node_rank), "GROUP_RANK": str(dist.node_rank),
-            "MASTER_ADDR": dist.master_addr, "MASTER_PORT": str(dist.master_port),
-        })
+        env.update(_torchrun_variables(dist))
         if agent_store:
             env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
             env["TORCHELASTIC_RESTART_COUNT"] = "0"
@@ -219,7 +220,7 @@ def read_worker_settings(env: Mapping[str, str] | None = None) -> WorkerSettings
                                 get_args(MixedPrecision)),
         use_cpu=_flag(env, cpu_name),
         distributed_type=_choice(env, f"{_PREFIX}DISTRIBUTED_TYPE", "NO",  # type: ignore[arg-type]
-                                 get_args(DistributedType)),
+                                 tuple(t.value for t in DistributedType)),
         num_machines=_int(env, f"{_PREFIX}NUM_MACHINES", 1),
         fsdp_config=_json(env, f"{_PREFIX}FSDP_CONFIG"),
         deepspeed_config=_json(env, f"{_PREFIX}DEEPSPEED_CONFIG"),
@@ -239,6 +240,31 @@ def read_distributed_env(env: Mapping[str, str] | None = None) -> DistributedEnv
         local_world_size=_int(env, "LOCAL_WORLD_SIZE", world), node_rank=_int(env, "NODE_RANK", 0),
         master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=_int(env, "MASTER_PORT", 29500),
     )
+
+
+def _torchrun_variables(dist: DistributedEnv) -> dict[str, str]:
+    return {"RANK": str(dist.rank), "LOCAL_RANK": str(dist.local_rank),
+            "WORLD_SIZE": str(dist.world_size), "LOCAL_WORLD_SIZE": str(dist.local_world_size),
+            "NODE_RANK": str(dist.node_rank), "GROUP_RANK": str(dist.node_rank),
+            "MASTER_ADDR": dist.master_addr, "MASTER_PORT": str(dist.master_port)}
+
+
+def single_process_environment() -> dict[str, str]:
+    """torchrun's variables for a world of one on a free loopback port (nothing is set here).
+
+    For code that needs a process group outside a launch: a script run by ``nbaccel launch``
+    without workers, DeepSpeed in a notebook. :func:`read_distributed_env` reads them back.
+
+    Example:
+        >>> env = single_process_environment()
+        >>> read_distributed_env(env).world_size, env["MASTER_ADDR"]
+        (1, '127.0.0.1')
+    """
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return _torchrun_variables(DistributedEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0,
+                                              master_addr="127.0.0.1", master_port=port))
 
 
 def apply_environment(values: Mapping[str, str]) -> None:
@@ -424,23 +450,3 @@ def settings_from_fields(**fields: object) -> WorkerSettings:
     """Build :class:`WorkerSettings` from the fields it knows, ignoring the rest."""
     names = {f.name for f in dataclasses.fields(WorkerSettings)}
     return WorkerSettings(**{k: v for k, v in fields.items() if k in names})  # type: ignore[arg-type]
-
-
-def single_process_environment(port: int | None = None) -> dict[str, str]:
-    """torchrun's variables for a world of one on loopback (``port=None``: a free port).
-
-    Used where a lone process still needs them: DeepSpeed outside a launch, and a script run by
-    ``nbaccel launch`` on one worker, so that its own ``init_process_group()`` works.
-
-    Example:
-        >>> single_process_environment(29500)["WORLD_SIZE"], single_process_environment(29500)["MASTER_PORT"]
-        ('1', '29500')
-    """
-    if port is None:
-        import socket
-
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-    return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "NODE_RANK": "0",
-            "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}

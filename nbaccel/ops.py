@@ -70,30 +70,42 @@ def recursively_apply(func: Callable[..., Any], data: Any, *args: Any, test_type
     return data
 
 
-def send_to_device(data: Any, device: torch.device | str, non_blocking: bool = False,
+def send_to_device(tensor: Any, device: torch.device | str | int, non_blocking: bool = False,
                    skip_keys: list[str] | str | None = None) -> Any:
-    """Move every tensor (or object with ``.to``) in ``data`` to ``device``.
+    """Move every tensor (or object with ``.to``) in a nested list/tuple/dict to ``device``.
+
+    Accelerate's ``send_to_device``: the one used by prepared dataloaders, optimizers and the
+    big-model hooks alike.
+
+    Args:
+        tensor: a tensor, an object with ``.to`` (a model input such as ``BatchEncoding``), or
+            nested lists, tuples (named too) and mappings of them; anything else is left as is.
+        device: where to move them (an int is a CUDA device index).
+        non_blocking: copy asynchronously where the device allows.
+        skip_keys: mapping keys whose values stay where they are (at every level).
+
+    Returns:
+        The same structure, moved.
 
     Example:
-        >>> send_to_device({"x": torch.ones(1)}, "cpu")["x"].device.type
-        'cpu'
+        >>> moved = send_to_device({"x": torch.ones(1), "mask": torch.ones(1)}, "meta", skip_keys="mask")
+        >>> moved["x"].device.type, moved["mask"].device.type
+        ('meta', 'cpu')
     """
-    if torch.is_tensor(data):
-        return data.to(device, non_blocking=non_blocking)
+    if hasattr(tensor, "to") and not isinstance(tensor, type):  # first, as Accelerate: a BatchEncoding moves whole
+        try:
+            return tensor.to(device, non_blocking=non_blocking)
+        except TypeError:  # objects whose .to takes no non_blocking
+            return tensor.to(device)
     if isinstance(skip_keys, str):
         skip_keys = [skip_keys]
-    if isinstance(data, Mapping):
-        return type(data)({k: v if skip_keys and k in skip_keys else send_to_device(v, device, non_blocking, skip_keys)
-                           for k, v in data.items()})
-    if isinstance(data, (tuple, list)):
-        items = [send_to_device(o, device, non_blocking, skip_keys) for o in data]
-        return type(data)(*items) if hasattr(data, "_fields") else type(data)(items)
-    if hasattr(data, "to") and (torch.is_tensor(data) or not isinstance(data, type)):
-        try:
-            return data.to(device, non_blocking=non_blocking)
-        except TypeError:  # objects whose .to takes no non_blocking
-            return data.to(device)
-    return data
+    if isinstance(tensor, (tuple, list)):
+        items = [send_to_device(o, device, non_blocking, skip_keys) for o in tensor]
+        return type(tensor)(*items) if hasattr(tensor, "_fields") else type(tensor)(items)
+    if isinstance(tensor, Mapping):
+        return type(tensor)({k: v if skip_keys and k in skip_keys
+                             else send_to_device(v, device, non_blocking, skip_keys) for k, v in tensor.items()})
+    return tensor
 
 
 def _world() -> int:

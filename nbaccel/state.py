@@ -12,7 +12,6 @@ A process keeps one shared state (as Accelerate's ``PartialState`` does) so that
 
 from __future__ import annotations
 
-import enum
 import gc
 import threading
 from datetime import timedelta
@@ -20,37 +19,12 @@ from typing import Any
 
 import torch
 
+from nbaccel.distributed_type import DistributedType
 from nbaccel.environment import MixedPrecision, cuda_device_count, read_worker_settings, tpu_detected
 from nbaccel.errors import ConfigError
 from nbaccel.identity import WorkerIdentity, current_identity
 
-__all__ = ["DistributedType", "ProcessState", "reset_process_state"]
-
-
-class DistributedType(str, enum.Enum):
-    """How the job is distributed: Accelerate's ``DistributedType``, as a ``str`` enum.
-
-    Members equal their names as plain strings (``DistributedType.MULTI_CPU == "MULTI_CPU"``),
-    and ``str()`` / f-strings give that string, so code comparing with strings keeps working.
-    The values are the ones a launch config's ``distributed_type`` accepts.
-
-    Example:
-        >>> DistributedType.MULTI_CPU == "MULTI_CPU", f"{DistributedType.NO}"
-        (True, 'NO')
-    """
-
-    NO = "NO"
-    MULTI_CPU = "MULTI_CPU"
-    MULTI_GPU = "MULTI_GPU"
-    XLA = "XLA"
-    FSDP = "FSDP"
-    DEEPSPEED = "DEEPSPEED"
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, format_spec: str) -> str:
-        return format(self.value, format_spec)
+__all__ = ["ProcessState", "reset_process_state"]
 
 
 CUDA_WITH_CPU_BACKEND = "cuda:nccl,cpu:gloo"

@@ -41,3 +41,37 @@ def test_import_does_not_pull_ipython_or_widgets():
 
 def test_py_typed_ships():
     assert (Path(nbaccel.__file__).parent / "py.typed").exists()
+
+
+def _nbaccel_imports() -> dict[str, set[str]]:
+    """Every module's nbaccel imports, module-level and inside functions alike (``from a import b`` counts a.b or a)."""
+    import ast
+
+    root = Path(nbaccel.__file__).parent
+    modules = {".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in root.rglob("*.py")}
+    edges: dict[str, set[str]] = {m: set() for m in modules}
+    for module, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("nbaccel"):
+                edges[module] |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                                  for a in node.names}
+            elif isinstance(node, ast.Import):
+                edges[module] |= {a.name for a in node.names if a.name in modules}
+    return {m: {t for t in targets if t in modules and t != m} for m, targets in edges.items()}
+
+
+def test_no_import_cycle_even_through_imports_inside_functions():
+    edges = _nbaccel_imports()
+    in_cycle = set()
+    for start in edges:  # a module is in a cycle when it can reach itself
+        seen, todo = set(), list(edges[start])
+        while todo:
+            module = todo.pop()
+            if module == start:
+                in_cycle.add(start)
+                break
+            if module not in seen:
+                seen.add(module)
+                todo.extend(edges[module])
+    assert sorted(in_cycle) == []

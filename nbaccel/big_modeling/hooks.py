@@ -21,9 +21,9 @@ from nbaccel.big_modeling.tensors import (
     clear_device_cache,
     find_device,
     named_module_tensors,
-    send_to_device,
     set_module_tensor_to_device,
 )
+from nbaccel.ops import send_to_device
 
 __all__ = [
     "AlignDevicesHook",

@@ -1,7 +1,8 @@
 """Sizes: of modules, of devices (``max_memory``), balanced budgets, and tied parameters.
 
 Memory budgets are ``{device: bytes}`` with GPU indices first, then ``"mps"``, ``"cpu"`` and
-``"disk"``. Sizes may be given as strings (``"512MiB"``, ``"10GB"``, ``"1.5GiB"``). Counting
+``"disk"``. Sizes may be given as strings (``"512MiB"``, ``"10GB"``, ``"1.5GiB"``), read by
+:func:`~nbaccel.file_size.convert_file_size_to_int`. Counting
 GPUs never initializes CUDA (it goes through NVML), so a budget given by the caller can be
 checked in a process that will fork later.
 """
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from nbaccel.errors import ConfigError
+from nbaccel.file_size import convert_file_size_to_int
 
 __all__ = [
     "MaxMemory",
@@ -32,46 +34,7 @@ __all__ = [
 
 MaxMemory = Mapping[int | str, int | str]
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
 _NAMED_DEVICES = ("mps", "cpu", "disk")
-
-
-def convert_file_size_to_int(size: int | str) -> int:
-    """Bytes in a size given as an int or a string such as ``"512MiB"``, ``"10GB"``, ``"1.5GiB"``.
-
-    ``KB``/``MB``/``GB`` are powers of 1000, ``KiB``/``MiB``/``GiB`` powers of 1024; a lower-case
-    trailing ``b`` means bits (``"8Mb"`` is 1 MB), as in Accelerate.
-
-    Raises:
-        ConfigError: the size is negative, not a number, or has an unknown unit.
-
-    Example:
-        >>> convert_file_size_to_int("512MiB"), convert_file_size_to_int("1GB")
-        (536870912, 1000000000)
-    """
-    if isinstance(size, bool) or not isinstance(size, (int, str)):
-        raise ConfigError(
-            f"a memory size must be an int (bytes) or a string such as '512MiB' "
-            f"(got {size!r} of type {type(size).__name__}). Write it as max_memory={{'cpu': "
-            "'512MiB'}.", key="max_memory", value=size, valid="int bytes or '<number><unit>'")
-    if isinstance(size, int):
-        if size < 0:
-            raise ConfigError(f"a memory size must be >= 0 bytes (got {size}).",
-                              key="max_memory", value=size, valid="int >= 0")
-        return size
-    match = _SIZE.match(size)
-    unit = match.group(2).upper() if match else None
-    if match is None or unit not in _UNITS:
-        raise ConfigError(
-            f"cannot read the memory size {size!r}: expected a number and a unit, one of "
-            f"{sorted(u for u in _UNITS if u)} (case-insensitive), e.g. '512MiB' or '10GB'.",
-            key="max_memory", value=size, valid=sorted(u for u in _UNITS if u))
-    value = float(match.group(1)) * _UNITS[unit]
-    if match.group(2).endswith("b") and unit != "":  # bits, as Accelerate reads "Mb"
-        value /= 8
-    return int(value)
 
 
 def dtype_byte_size(dtype: torch.dtype) -> float:
@@ -231,7 +194,7 @@ def get_max_memory(max_memory: MaxMemory | None = None) -> dict[int | str, int]:
             "'30GiB'}.", key="max_memory", value=max_memory, valid="dict[int | str, int | str]")
     budget = {}
     for key, size in max_memory.items():
-        budget[_device_key(key, gpus)] = convert_file_size_to_int(size)
+        budget[_device_key(key, gpus)] = convert_file_size_to_int(size, key="max_memory")
     return _sorted_budget(budget)
 
 

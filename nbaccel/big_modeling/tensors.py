@@ -8,7 +8,7 @@ nested structure of tensors somewhere, and find where a nested structure lives.
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -21,7 +21,6 @@ __all__ = [
     "clear_device_cache",
     "find_device",
     "named_module_tensors",
-    "send_to_device",
     "set_module_tensor_to_device",
 ]
 
@@ -129,44 +128,6 @@ def named_module_tensors(module: nn.Module, include_buffers: bool = True,
     yield from module.named_parameters(recurse=recurse, remove_duplicate=False)
     if include_buffers:
         yield from module.named_buffers(recurse=recurse, remove_duplicate=False)
-
-
-def send_to_device(data: Any, device: Device, skip_keys: Sequence[str] | str | None = None,
-                   non_blocking: bool = False) -> Any:
-    """Send every tensor in a nested list/tuple/dict (or object with ``.to``) to ``device``.
-
-    Args:
-        data: a tensor, or nested lists, tuples (named too) and mappings of them.
-        device: where to send the tensors.
-        skip_keys: mapping keys whose values are left where they are.
-        non_blocking: copy asynchronously where the device allows.
-
-    Returns:
-        The same structure, with tensors on ``device``.
-
-    Example:
-        >>> send_to_device({"x": torch.ones(1)}, "cpu")["x"].device.type
-        'cpu'
-    """
-    if isinstance(skip_keys, str):
-        skip_keys = [skip_keys]
-    if isinstance(data, torch.Tensor) or hasattr(data, "to") and not isinstance(data, nn.Module):
-        if isinstance(data, torch.Tensor) and data.device == _as_torch_device(device):
-            return data
-        try:
-            return data.to(_as_torch_device(device), non_blocking=non_blocking)
-        except TypeError:
-            return data.to(_as_torch_device(device))
-    if isinstance(data, tuple) and hasattr(data, "_fields"):
-        return type(data)(*(send_to_device(v, device, skip_keys, non_blocking) for v in data))
-    if isinstance(data, (list, tuple)):
-        return type(data)(send_to_device(v, device, skip_keys, non_blocking) for v in data)
-    if isinstance(data, Mapping):
-        skip = set(skip_keys or ())
-        return type(data)({k: v if k in skip else send_to_device(v, device, skip_keys,
-                                                                  non_blocking)
-                           for k, v in data.items()})
-    return data
 
 
 def find_device(data: Any) -> torch.device | None:

@@ -30,6 +30,7 @@ from nbaccel.environment import (
     tpu_detected,
 )
 from nbaccel.errors import ConfigError
+from nbaccel.version import __version__
 
 __all__ = ["env_report", "register"]
 
@@ -147,10 +148,8 @@ def env_report(config_file: str | os.PathLike[str] | None = None) -> str:
         Copy-and-paste the text below in your GitHub issue.
         ...
     """
-    import nbaccel
-
     lines = ["Copy-and-paste the text below in your GitHub issue.", "",
-             f"- nbaccel version: {nbaccel.__version__}",
+             f"- nbaccel version: {__version__}",
              f"- Python version: {platform.python_version()} ({platform.python_implementation()}, "
              f"{sys.executable})",
              f"- Platform: {platform.platform()}"]

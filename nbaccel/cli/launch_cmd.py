@@ -20,12 +20,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, get_args
 
-from nbaccel.cli.usage import UsageError
 from nbaccel.cli.slurm import read_slurm
+from nbaccel.cli.usage import UsageError
 from nbaccel.config import LaunchConfig, load_config
 from nbaccel.environment import MixedPrecision, single_process_environment
 from nbaccel.errors import ConfigError, NbaccelError, WorkerFailedError
-from nbaccel.launch.tracebacks import trim_traceback
+from nbaccel.tracebacks import clean_traceback
 
 __all__ = ["Terminated", "add_launch_flags", "launch_function", "register", "report_failure",
            "resolve_config", "run_script"]
@@ -58,7 +58,7 @@ def run_script(target: str, script_args: Sequence[str], as_module: bool = False)
         as_module: run ``python -m target`` instead of a file.
     """
     if "WORLD_SIZE" not in os.environ:
-        os.environ.update(single_process_environment())
+        os.environ.update(single_process_environment())  # so a script's init_process_group() works
     sys.argv = [target, *script_args]
     if as_module:
         sys.path[0:1] = [os.getcwd()]
@@ -172,7 +172,8 @@ def report_failure(exc: BaseException, prog: str, *, trim: bool = True) -> int |
         return None
     root = failures[0]
     if root.traceback and root.exc_type != "SystemExit":
-        sys.stderr.write(f"{prog}: traceback of rank {root.rank} (the root cause):\n{(trim_traceback(root.traceback) if trim else root.traceback).rstrip()}\n")
+        shown = clean_traceback(root.traceback) if trim else root.traceback
+        sys.stderr.write(f"{prog}: traceback of rank {root.rank} (the root cause):\n{shown.rstrip()}\n")
     sys.stderr.write(f"{prog}: error: {format_report(failures)}\n")
     sys.stderr.flush()
     if isinstance(exc, SystemExit):

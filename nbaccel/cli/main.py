@@ -16,6 +16,7 @@ from typing import NoReturn
 
 from nbaccel.cli.usage import UsageError
 from nbaccel.errors import ConfigError, NbaccelError
+from nbaccel.version import __version__
 
 __all__ = ["UsageError", "build_parser", "main"]
 
@@ -77,9 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except SystemExit as stop:  # --help, or argparse's own exit
             return stop.code if isinstance(stop.code, int) else 0
         if args.version:
-            import nbaccel
-
-            print(f"nbaccel {nbaccel.__version__}")
+            print(f"nbaccel {__version__}")
             return 0
         if args.command is None:
             parser.print_help(sys.stderr)

@@ -50,7 +50,10 @@ def sanity_check() -> dict[str, Any]:
     """What one worker runs: process group, settings, all_reduce, a DDP step. Raises on a wrong result.
 
     Example:
-        >>> sanity_check()["world_size"]  # in a plain process: a world of one
+        In a plain process, a world of one (the device and backend are the machine's):
+
+        >>> sanity_check()["world_size"]  # doctest: +ELLIPSIS
+        rank 0/1 on ... process group, all_reduce and a DDP step work
         1
     """
     import torch

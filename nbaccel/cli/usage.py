@@ -1,4 +1,4 @@
-"""`UsageError`: a command-line mistake, shared by every ``nbaccel`` subcommand."""
+"""`UsageError`: a command-line mistake; its own module, so subcommands raise it without importing ``main``."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from nbaccel.launch.tracebacks import trim_traceback
+from nbaccel.tracebacks import clean_traceback
 
 __all__ = ["attach_renderer", "render_interrupt"]
 
@@ -21,7 +21,7 @@ def _render_failure(exc: BaseException, failures: tuple, cell_numbers: Mapping[s
     lines = [f"{type(exc).__name__} on rank {root.rank} (the root cause of the failed launch); "
              "its traceback in the worker:"]
     if root.traceback:
-        lines.append(trim_traceback(root.traceback, cell_numbers))
+        lines.append(clean_traceback(root.traceback, cell_numbers))
     else:
         lines.append(f"{type(exc).__name__}: {exc}")
     notes = [n for n in getattr(exc, "__notes__", ()) if n.startswith("[nbaccel]")]

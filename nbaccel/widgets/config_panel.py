@@ -1,7 +1,7 @@
 """The ``%accel_config`` panel: every `LaunchConfig` field, validated as you type, saved as YAML.
 
 The fields come from :class:`~nbaccel.config.LaunchConfig` itself (a choice list for ``Literal``
-fields, a checkbox for booleans, a text box for numbers and strings, YAML for mappings), so the
+and enum fields, a checkbox for booleans, a text box for numbers and strings, YAML for mappings), so the
 panel never drifts from the config. "Save" writes the same file ``nbaccel config`` writes (via
 :func:`~nbaccel.config.save_config`); "Use for this session" hands the values to the session
 defaults of the following ``%%accel_launch`` cells. The plain-text form is :meth:`ConfigPanel.text`.
@@ -10,6 +10,7 @@ defaults of the following ``%%accel_launch`` cells. The plain-text form is :meth
 from __future__ import annotations
 
 import dataclasses
+import enum
 import html
 import re
 import types
@@ -122,6 +123,8 @@ def field_specs() -> list[FieldSpec]:
             optional, tp = True, args[0]
         if get_origin(tp) is Literal:
             spec = FieldSpec(f.name, "choice", optional, get_args(tp), helps.get(f.name, ""))
+        elif isinstance(tp, type) and issubclass(tp, enum.Enum):
+            spec = FieldSpec(f.name, "choice", optional, tuple(m.value for m in tp), helps.get(f.name, ""))
         elif tp is bool:
             spec = FieldSpec(f.name, "bool", optional, (), helps.get(f.name, ""))
         elif tp in (int, float, str):

@@ -27,8 +27,9 @@ from nbaccel.big_modeling import (
     remove_hook_from_module,
     set_module_tensor_to_device,
 )
-from nbaccel.big_modeling.tensors import find_device, send_to_device
+from nbaccel.big_modeling.tensors import find_device
 from nbaccel.errors import CheckpointError, CheckpointMismatchError, DeviceMapError
+from nbaccel.ops import send_to_device
 from tests.big_modeling.helpers import TinyLM, empty_model, make_model, sample_ids, save_checkpoint
 
 

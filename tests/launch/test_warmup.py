@@ -6,7 +6,7 @@ import subprocess
 import sys
 import textwrap
 
-from nbaccel.launch.tracebacks import trim_traceback
+from nbaccel.tracebacks import clean_traceback
 from nbaccel.launch.warmup import may_build_ddp, source_names
 
 FRESH = """
@@ -77,6 +77,6 @@ def test_one_trimmer_drops_the_launchers_frames_everywhere():
             '  File "cell-7", line 2, in main\n'
             '    1 / 0\n'
             'ZeroDivisionError: division by zero')
-    assert trim_traceback(text, {"cell-7": 5}).splitlines() == [
+    assert clean_traceback(text, {"cell-7": 5}).splitlines() == [
         "Traceback (most recent call last):", '  File "/home/me/train.py", line 4, in <module>', "    main()",
         "  Cell In[5], line 2, in main", "    1 / 0", "ZeroDivisionError: division by zero"]

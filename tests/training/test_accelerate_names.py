@@ -4,23 +4,41 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import get_args
 
 import pytest
 import torch
 
 import nbaccel
-from nbaccel.environment import DistributedType as DistributedTypeName
+from nbaccel.config import LaunchConfig
+from nbaccel.environment import WorkerSettings, read_worker_settings, worker_environment
 from tests.training.helpers import flat_weights, launch, model_and_optimizer
 
 
 def test_distributed_type_members_are_the_strings_used_before():
-    assert [m.value for m in nbaccel.DistributedType] == list(get_args(DistributedTypeName))
+    assert [m.value for m in nbaccel.DistributedType] == ["NO", "MULTI_CPU", "MULTI_GPU", "XLA", "FSDP", "DEEPSPEED"]
     assert nbaccel.DistributedType.MULTI_CPU == "MULTI_CPU" and "XLA" == nbaccel.DistributedType.XLA
     assert f"{nbaccel.DistributedType.NO}" == "NO" and json.dumps(nbaccel.DistributedType.FSDP) == '"FSDP"'
     accelerator = nbaccel.Accelerator()
     assert accelerator.distributed_type is nbaccel.DistributedType.NO
     assert "distributed_type='NO'" in repr(accelerator)
+
+
+def test_configs_and_worker_settings_hold_the_one_distributed_type(tmp_path):
+    config = LaunchConfig(distributed_type="FSDP")
+    assert config.distributed_type is nbaccel.DistributedType.FSDP
+    assert config.to_mapping()["distributed_type"] == "FSDP" and type(config.to_mapping()["distributed_type"]) is str
+    nbaccel.save_config(config, tmp_path / "config.yaml")
+    assert "distributed_type: FSDP\n" in (tmp_path / "config.yaml").read_text()
+    assert nbaccel.load_config(tmp_path / "config.yaml").distributed_type is nbaccel.DistributedType.FSDP
+    settings = WorkerSettings(distributed_type="MULTI_CPU")
+    assert settings.distributed_type is nbaccel.DistributedType.MULTI_CPU
+    assert read_worker_settings(worker_environment(settings)).distributed_type is nbaccel.DistributedType.MULTI_CPU
+    with pytest.raises(nbaccel.ConfigError) as info:
+        WorkerSettings(distributed_type="MULTI_NPU")
+    assert info.value.key == "distributed_type" and "FSDP" in info.value.valid
+    with pytest.raises(nbaccel.ConfigError) as info:
+        LaunchConfig(distributed_type="BOGUS")
+    assert info.value.key == "distributed_type" and info.value.valid == tuple(t.value for t in nbaccel.DistributedType)
 
 
 def _states() -> dict:

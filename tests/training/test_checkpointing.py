@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 import nbaccel
-from nbaccel.checkpointing import MARKER, parse_size
+from nbaccel.checkpointing import MARKER
 from tests.training.helpers import (
     DropoutMLP,
     TiedLM,
@@ -291,13 +291,6 @@ def test_save_model_errors(tmp_path):
     with pytest.raises(nbaccel.ConfigError) as info:
         accelerator.save_model(model, tmp_path / "m", max_shard_size="ten gigs")
     assert info.value.key == "max_shard_size"
-
-
-def test_parse_size_units():
-    assert parse_size("10GB") == 10**10 and parse_size("2GiB") == 2 * 2**30 and parse_size(7) == 7
-    assert parse_size("1.5 MB") == 1_500_000
-    with pytest.raises(nbaccel.ConfigError):
-        parse_size(0)
 
 
 def test_save_writes_once_and_loads(tmp_path):

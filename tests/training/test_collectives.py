@@ -194,3 +194,32 @@ def _main_first(folder: str) -> str:
 def test_main_process_first_runs_the_main_process_before_the_others(tmp_path, capfd):
     assert launch(_main_first, 2, str(tmp_path)) == {0: True, 1: True}
     assert capfd.readouterr().out.count("printed once") == 1
+
+
+class _Encoding(dict):
+    """A model input like transformers' ``BatchEncoding``: a mapping that moves itself with ``.to``."""
+
+    def __init__(self, *args, moved_whole: bool = False) -> None:
+        super().__init__(*args)
+        self.moved_whole = moved_whole
+
+    def to(self, device, non_blocking=False):
+        return _Encoding({k: v.to(device) for k, v in self.items()}, moved_whole=True)
+
+
+def test_one_send_to_device_for_loaders_optimizers_and_big_model_hooks():
+    from collections import namedtuple
+
+    import nbaccel.big_modeling.hooks
+    import nbaccel.data_loader
+    import nbaccel.optimizer
+
+    assert nbaccel.big_modeling.hooks.send_to_device is nbaccel.send_to_device
+    assert nbaccel.optimizer.send_to_device is nbaccel.send_to_device
+    Pair = namedtuple("Pair", "a b")
+    data = {"x": [torch.ones(1), (Pair(torch.zeros(1), 3),)], "mask": torch.ones(1),
+            "enc": _Encoding({"ids": torch.ones(2)})}
+    moved = nbaccel.send_to_device(data, "meta", skip_keys="mask")
+    assert moved["x"][0].is_meta and moved["x"][1][0].a.is_meta and moved["x"][1][0].b == 3
+    assert not moved["mask"].is_meta and moved["enc"].moved_whole and moved["enc"]["ids"].is_meta
+    assert nbaccel.send_to_device(torch.nn.Linear, "meta") is torch.nn.Linear  # a class is not data

@@ -128,11 +128,14 @@ def test_fp16_on_an_xla_device_is_a_config_error_naming_bf16():
 
 
 def test_deepspeed_argument_checks_come_before_importing_deepspeed():
-    from types import SimpleNamespace
-
     from nbaccel.deepspeed_engine import prepare_deepspeed
+    from nbaccel.gradient_state import GradientState
+    from nbaccel.prepared import PreparedObjects
 
     models = (torch.nn.Linear(1, 1), torch.nn.Linear(1, 1))
+    prepared = PreparedObjects()
     with pytest.raises(nbaccel.ConfigError, match="one model with one optimizer") as info:
-        prepare_deepspeed(SimpleNamespace(), models)
-    assert info.value.value == (2, 0)
+        prepare_deepspeed(models, prepared, base_config={}, process=nbaccel.ProcessState(),
+                          gradient_state=GradientState(), mixed_precision="no", split_batches=False,
+                          prepare_data_loader=lambda loader: loader)
+    assert info.value.value == (2, 0) and not prepared.models

@@ -1,0 +1,330 @@
+"""`save_state` / `load_state`: what an Accelerator prepared, written to and read from a checkpoint folder.
+
+The functions here are given everything they use: the :class:`~nbaccel.prepared.PreparedObjects`
+registry and a :class:`CheckpointContext` (the process, the project configuration, the fp16
+scaler, the accumulation counter). They never reach into an Accelerator. The file layout
+(Accelerate's names) and the atomic folder swap are :mod:`nbaccel.checkpointing`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nbaccel.checkpointing import (
+    MARKER,
+    load_into,
+    numbered_name,
+    read_weights,
+    resolve_checkpoint,
+    save_state_folder,
+    write_weights,
+)
+from nbaccel.deepspeed_engine import (
+    CHECKPOINT_TAG,
+    DeepSpeedOptimizerWrapper,
+    DeepSpeedSchedulerWrapper,
+    is_deepspeed_engine,
+)
+from nbaccel.deepspeed_engine import state_dict as deepspeed_state_dict
+from nbaccel.errors import CheckpointError, ConfigError
+from nbaccel.plugins import ProjectConfiguration
+from nbaccel.prepared import PreparedObjects
+from nbaccel.random import capture_rng_state, restore_rng_state
+from nbaccel.state import ProcessState
+from nbaccel.unwrap import unwrap_model
+
+__all__ = ["CheckpointContext", "LoadedState", "load_accelerator_state", "model_state_dict",
+           "save_accelerator_state"]
+
+
+@dataclass(frozen=True)
+class CheckpointContext:
+    """What saving and loading need from an Accelerator besides the objects it prepared.
+
+    Args:
+        process: this process's place in the job (ranks, device, barrier).
+        project: checkpoint folder naming and retention; its ``iteration`` is advanced.
+        scaler: the fp16 gradient scaler, if any.
+        step: the accumulation counter to store with the checkpoint.
+        sharded_fsdp: FSDP models are saved as per-rank shards (``SHARDED_STATE_DICT``).
+    """
+
+    process: ProcessState
+    project: ProjectConfiguration
+    scaler: Any = None
+    step: int = 0
+    sharded_fsdp: bool = False
+
+    @property
+    def is_writer(self) -> bool:
+        """This process writes shared files: the main process, or each machine's with ``save_on_each_node``."""
+        if self.project.save_on_each_node:
+            return self.process.is_local_main_process
+        return self.process.is_main_process
+
+
+@dataclass(frozen=True)
+class LoadedState:
+    """What :func:`load_accelerator_state` read besides the objects' states.
+
+    Args:
+        path: the checkpoint folder read.
+        step: the accumulation counter stored with it (``None`` in Accelerate's checkpoints).
+    """
+
+    path: Path
+    step: int | None
+
+
+def model_state_dict(model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+    """The model's full state dict on CPU (gathered from the shards under FSDP: call on every rank)."""
+    from nbaccel.fsdp import full_model_state_dict, is_fsdp_model
+
+    if is_fsdp_model(model):
+        return full_model_state_dict(model)
+    if is_deepspeed_engine(model):
+        return deepspeed_state_dict(model)
+    state = (unwrap_model(model, keep_torch_compile=False) if unwrap else model).state_dict()
+    return {k: v.cpu() if v.device.type == "xla" else v for k, v in state.items()}
+
+
+def _automatic_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """``root``'s ``checkpoint_<n>`` folders, oldest (lowest ``n``) first."""
+    numbered = ((p.name.split("_")[-1], p) for p in root.glob("checkpoint_*"))
+    return sorted((int(n), p) for n, p in numbered if n.isdigit())
+
+
+def _checkpoint_folder(project: ProjectConfiguration, output_dir: str | Path | None, *, for_load: bool) -> Path:
+    """The folder to save into / load from, following ``ProjectConfiguration``'s automatic naming."""
+    if output_dir is not None:
+        return Path(output_dir)
+    if not project.automatic_checkpoint_naming or project.project_dir is None:
+        raise ConfigError("save_state/load_state need a folder: pass one, or use ProjectConfiguration(project_dir=..., "
+                          "automatic_checkpoint_naming=True)", key="output_dir", value=None, valid="a folder path")
+    root = Path(project.project_dir) / "checkpoints"
+    if not for_load:
+        folder = root / f"checkpoint_{project.iteration}"
+        if folder.exists():
+            raise CheckpointError(
+                f"automatic checkpoint naming would write {str(folder)!r}, which exists already (save_iteration="
+                f"{project.iteration}); it is not overwritten. Fix: continue the numbering from the latest checkpoint "
+                "with accelerator.load_state() first, or set accelerator.project_configuration.iteration to an "
+                "unused number", path=str(folder))
+        return folder
+    found = _automatic_checkpoints(root)
+    if not found:
+        raise CheckpointError(f"no automatic checkpoint under {str(root)!r}; save one with save_state() first",
+                              path=str(root))
+    return found[-1][1]
+
+
+def _prune(context: CheckpointContext) -> None:
+    """Keep only ``total_limit`` automatic checkpoints (oldest removed first), before a new one is written."""
+    project = context.project
+    if not project.automatic_checkpoint_naming or project.total_limit is None or not context.is_writer:
+        return
+    root = Path(project.project_dir) / "checkpoints"
+    found = _automatic_checkpoints(root)
+    for _, old in found[: max(len(found) + 1 - project.total_limit, 0)]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _optimizer_state(prepared: PreparedObjects, context: CheckpointContext, index: int, optimizer: Any) -> Any:
+    from nbaccel.fsdp import full_optimizer_state_dict, is_fsdp_model
+
+    if index < len(prepared.models) and is_fsdp_model(prepared.models[index]):
+        return full_optimizer_state_dict(prepared.models[index], optimizer.optimizer)
+    state = optimizer.state_dict()
+    if context.process.device.type == "xla":
+        from nbaccel.ops import send_to_device
+
+        state = send_to_device(state, torch.device("cpu"))
+    return state
+
+
+def _engine_owned(obj: Any) -> bool:
+    """Whether a DeepSpeed engine saves and loads ``obj`` with the model."""
+    return isinstance(obj, (DeepSpeedOptimizerWrapper, DeepSpeedSchedulerWrapper))
+
+
+def _write_models(prepared: PreparedObjects, context: CheckpointContext, tmp: Path, safe_serialization: bool) -> None:
+    from nbaccel.fsdp import is_fsdp_model, sharded_save
+
+    weights = []
+    for i, model in enumerate(prepared.models):
+        if is_deepspeed_engine(model):  # model, optimizer and scheduler, every rank its own shards
+            model.save_checkpoint(str(tmp), tag=CHECKPOINT_TAG)
+        elif context.sharded_fsdp and is_fsdp_model(model):
+            optimizer = prepared.optimizer_for(i)
+            sharded_save(model, optimizer.optimizer if optimizer is not None else None, tmp / f"pytorch_model_fsdp_{i}")
+        else:
+            weights.append(model_state_dict(model))
+    for hook in list(prepared.save_state_pre_hooks.values()):  # may drop entries of `weights` to save them itself
+        hook(list(prepared.models), weights, str(tmp))
+    if context.is_writer:
+        stem, ext = ("model", "safetensors") if safe_serialization else ("pytorch_model", "bin")
+        for i, state in enumerate(weights):  # numbered in order, as Accelerate does after its hooks
+            write_weights(state, tmp / numbered_name(stem, i, ext), safe_serialization)
+
+
+def _write_state(prepared: PreparedObjects, context: CheckpointContext, tmp: Path, safe_serialization: bool) -> None:
+    from nbaccel.fsdp import is_fsdp_model
+
+    writer = context.is_writer
+    _write_models(prepared, context, tmp, safe_serialization)
+    for i, optimizer in enumerate(prepared.optimizers):
+        if (context.sharded_fsdp and i < len(prepared.models) and is_fsdp_model(prepared.models[i])
+                or _engine_owned(optimizer)):
+            continue
+        state = _optimizer_state(prepared, context, i, optimizer)
+        if writer:
+            torch.save(state, tmp / numbered_name("optimizer", i, "bin"))
+    if writer:
+        for i, scheduler in enumerate(prepared.schedulers):
+            if not _engine_owned(scheduler):
+                torch.save(scheduler.state_dict(), tmp / numbered_name("scheduler", i, "bin"))
+        for i, loader in enumerate(prepared.dataloaders):
+            if callable(getattr(loader, "state_dict", None)):
+                torch.save(loader.state_dict(), tmp / numbered_name("sampler", i, "bin"))
+        if context.scaler is not None:
+            torch.save(context.scaler.state_dict(), tmp / "scaler.pt")
+        for i, obj in enumerate(prepared.custom_objects):
+            torch.save(obj.state_dict(), tmp / f"custom_checkpoint_{i}.pkl")
+    torch.save(capture_rng_state(), tmp / f"random_states_{context.process.process_index}.pkl")
+
+
+def save_accelerator_state(prepared: PreparedObjects, context: CheckpointContext, output_dir: str | Path | None,
+                           safe_serialization: bool = True) -> Path:
+    """Write the training state into ``output_dir`` atomically (see :mod:`nbaccel.checkpointing`).
+
+    Raises:
+        ConfigError: no folder was given and automatic naming is off.
+        CheckpointError: the automatically named folder exists already.
+    """
+    project = context.project
+    folder = _checkpoint_folder(project, output_dir, for_load=False)
+    _prune(context)
+    summary = {"format": "nbaccel-training-state", "version": 1, "num_processes": context.process.num_processes,
+               "models": len(prepared.models), "optimizers": len(prepared.optimizers),
+               "schedulers": len(prepared.schedulers), "dataloaders": len(prepared.dataloaders),
+               "custom_objects": len(prepared.custom_objects), "step": context.step}
+    save_state_folder(folder, lambda tmp: _write_state(prepared, context, tmp, safe_serialization),
+                      barrier=context.process.wait_for_everyone, is_writer=context.is_writer, summary=summary)
+    if project.automatic_checkpoint_naming and output_dir is None:
+        project.iteration += 1
+    return folder
+
+
+def _need(path: Path) -> Path:
+    if not path.exists():
+        raise CheckpointError(f"the checkpoint has no {path.name} (it was saved with fewer prepared objects than "
+                              f"are prepared now); prepare the same objects as when it was saved", path=str(path))
+    return path
+
+
+def _read_models(prepared: PreparedObjects, source: Path, strict: bool) -> None:
+    from nbaccel.fsdp import is_fsdp_model, load_full_model_state_dict, sharded_load
+
+    plain = []
+    for i, model in enumerate(prepared.models):
+        shards = source / f"pytorch_model_fsdp_{i}"
+        if is_deepspeed_engine(model):
+            _need(source / CHECKPOINT_TAG)
+            model.load_checkpoint(str(source), tag=CHECKPOINT_TAG, load_optimizer_states=True,
+                                  load_lr_scheduler_states=True)
+        elif shards.is_dir():
+            optimizer = prepared.optimizer_for(i)
+            sharded_load(model, optimizer.optimizer if optimizer is not None else None, shards)
+        else:
+            plain.append(model)
+    for hook in list(prepared.load_state_pre_hooks.values()):  # may take models out of `plain` to load them itself
+        hook(plain, str(source))
+    for i, model in enumerate(plain):
+        safe = source / numbered_name("model", i, "safetensors")
+        weights = read_weights(safe if safe.exists() else _need(source / numbered_name("pytorch_model", i, "bin")))
+        if is_fsdp_model(model):
+            load_full_model_state_dict(model, weights)
+        else:
+            load_into(unwrap_model(model, keep_torch_compile=False), weights, strict=strict)
+
+
+def _read_rest(prepared: PreparedObjects, context: CheckpointContext, source: Path, load_kwargs: dict[str, Any]
+               ) -> None:
+    from nbaccel.fsdp import is_fsdp_model, load_full_optimizer_state_dict
+
+    def load(path: Path, **kwargs: Any) -> Any:
+        return torch.load(_need(path), **({"map_location": "cpu", "weights_only": False} | kwargs))
+
+    for i, optimizer in enumerate(prepared.optimizers):
+        if (source / f"pytorch_model_fsdp_{i}").is_dir() or _engine_owned(optimizer):
+            continue
+        state = load(source / numbered_name("optimizer", i, "bin"), **load_kwargs)
+        if i < len(prepared.models) and is_fsdp_model(prepared.models[i]):
+            load_full_optimizer_state_dict(prepared.models[i], optimizer.optimizer, state)
+        else:
+            optimizer.load_state_dict(state)
+    for i, scheduler in enumerate(prepared.schedulers):
+        if not _engine_owned(scheduler):
+            scheduler.load_state_dict(load(source / numbered_name("scheduler", i, "bin"), **load_kwargs))
+    for i, loader in enumerate(prepared.dataloaders):
+        sampler = source / numbered_name("sampler", i, "bin")
+        if callable(getattr(loader, "load_state_dict", None)) and sampler.exists():
+            loader.load_state_dict(load(sampler, **load_kwargs))
+    if context.scaler is not None and (source / "scaler.pt").exists():
+        context.scaler.load_state_dict(load(source / "scaler.pt"))
+    for i, obj in enumerate(prepared.custom_objects):
+        obj.load_state_dict(load(source / f"custom_checkpoint_{i}.pkl"))
+    rng = source / f"random_states_{context.process.process_index}.pkl"
+    if rng.exists():
+        restore_rng_state(load(rng))
+
+
+def _saved_process_count(source: Path) -> int:
+    """How many processes wrote the checkpoint (from its marker, or Accelerate's per-rank RNG files)."""
+    marker = source / MARKER
+    if marker.is_file():
+        count = json.loads(marker.read_text()).get("num_processes")
+        if isinstance(count, int):
+            return count
+    return len(list(source.glob("random_states_*.pkl")))
+
+
+def _warn_on_other_process_count(process: ProcessState, source: Path) -> None:
+    """Accelerate loads a checkpoint into any number of processes; say what that loses (RNG states)."""
+    saved = _saved_process_count(source)
+    if saved and saved != process.num_processes and process.is_main_process:
+        warnings.warn(f"the checkpoint {str(source)!r} was saved by {saved} processes and is loaded by "
+                      f"{process.num_processes}: models, optimizers and schedulers load as usual, but random states "
+                      f"are restored only for ranks below {min(saved, process.num_processes)}, so the resumed run "
+                      f"does not repeat the original's random draws. To resume exactly, load it with {saved} "
+                      "processes", stacklevel=4)
+
+
+def load_accelerator_state(prepared: PreparedObjects, context: CheckpointContext, input_dir: str | Path | None,
+                           strict: bool = True, load_kwargs: dict[str, Any] | None = None) -> LoadedState:
+    """Restore what :func:`save_accelerator_state` wrote into the prepared objects.
+
+    Raises:
+        CheckpointError: the folder holds no complete checkpoint, or lacks a file for a prepared object.
+        CheckpointMismatchError: a model's keys do not match (with ``strict``).
+    """
+    project = context.project
+    folder = _checkpoint_folder(project, input_dir, for_load=True)
+    source = resolve_checkpoint(folder)
+    _warn_on_other_process_count(context.process, source)
+    _read_models(prepared, source, strict)
+    _read_rest(prepared, context, source, dict(load_kwargs or {}))
+    marker = source / MARKER
+    # the accumulation counter, so a resumed run syncs on the same micro-batches
+    step = int(json.loads(marker.read_text()).get("step", 0)) if marker.is_file() else None
+    if project.automatic_checkpoint_naming and input_dir is None:
+        project.iteration = int(folder.name.split("_")[-1]) + 1
+    context.process.wait_for_everyone()
+    return LoadedState(source, step)
