@@ -2,8 +2,9 @@
 
 What always holds:
 
-- A CPU weight in the file's own dtype is a view of one private, copy-on-write memory map of
-  its file (:class:`FileMaps`), one map per file: loading copies nothing and touches no page;
+- A CPU weight in the file's own dtype, at a 64-byte aligned file offset (as torch's allocator
+  aligns tensors, so it computes the same bits), is a view of one private, copy-on-write memory
+  map of its file (:class:`FileMaps`), one map per file: loading copies nothing and touches no page;
   pages come from the page cache when the weight is first used, so processes on one machine
   that load the same checkpoint share them. Writing to such a weight copies the written page
   into the process; the file never changes. The map goes away with the last tensor that uses
@@ -24,7 +25,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from nbaccel.big_modeling.checkpoint_files import TensorInfo, read_into, read_tensor, truncated_error
+from nbaccel.big_modeling.checkpoint_files import TensorInfo, can_map, read_into, read_tensor, truncated_error
 
 __all__ = ["FileMaps", "read_to_device"]
 
@@ -49,14 +50,14 @@ class FileMaps:
         self._maps: dict[str, torch.UntypedStorage] = {}
 
     def tensor(self, info: TensorInfo) -> torch.Tensor:
-        """The tensor ``info`` describes, over the file's own pages (a fresh copy when its
-        offset is not a multiple of its element size, which a view cannot express).
+        """The tensor ``info`` describes, over the file's own pages; a fresh copy when its file
+        offset is not 64-byte aligned (see :func:`~.checkpoint_files.can_map`).
 
         Raises:
             CheckpointError: the file now ends before the tensor does.
         """
-        if info.nbytes == 0 or info.offset % info.dtype.itemsize:
-            return read_tensor(info)  # safetensors writers keep tensors aligned; be safe anyway
+        if not can_map(info):
+            return read_tensor(info)
         storage = self._maps.get(info.path)
         if storage is None or storage.nbytes() < info.offset + info.nbytes:
             storage = self._maps[info.path] = self._map(info)
