@@ -4,9 +4,10 @@ What always holds:
 
 - A CPU weight in the file's own dtype, at a 64-byte aligned file offset (as torch's allocator
   aligns tensors, so it computes the same bits), is a view of one private, copy-on-write memory
-  map of its file (:class:`FileMaps`), one map per file: loading copies nothing and touches no page;
-  pages come from the page cache when the weight is first used, so processes on one machine
-  that load the same checkpoint share them. Writing to such a weight copies the written page
+  map of its file (:class:`FileMaps`), one map per file: loading copies nothing; it maps the
+  file's pages from the page cache (reading them from disk if they are not there), so the
+  first forward pass does not fault them in, and processes on one machine that load the same
+  checkpoint share them. Writing to such a weight copies the written page
   into the process; the file never changes. The map goes away with the last tensor that uses
   it (no file descriptor is kept open: torch closes it once the file is mapped).
 - A weight bound for a GPU is read with ``preadv`` into one of a few pinned staging buffers and
@@ -20,6 +21,7 @@ What always holds:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 from collections.abc import Iterator, Sequence
 
@@ -29,6 +31,7 @@ from nbaccel.big_modeling.checkpoint_files import TensorInfo, can_map, read_into
 
 __all__ = ["FileMaps", "read_to_device"]
 
+_MADV_WILLNEED, _MADV_POPULATE_READ = 3, 22  # <sys/mman.h>; POPULATE_READ is Linux 5.14+
 STAGING_BUFFERS = 2  # two are enough to overlap one read with one copy
 STAGING_BYTES = 64 * 2**20  # per buffer; bigger tensors go through in chunks
 
@@ -70,7 +73,24 @@ class FileMaps:
         if size < info.offset + info.nbytes:
             raise truncated_error(info, size)
         # shared=False: torch maps the file MAP_PRIVATE (copy-on-write) and closes its descriptor
-        return torch.UntypedStorage.from_file(info.path, shared=False, nbytes=size)
+        storage = torch.UntypedStorage.from_file(info.path, shared=False, nbytes=size)
+        _populate(storage.data_ptr(), size)
+        return storage
+
+
+def _populate(address: int, size: int) -> None:
+    """Map a file's pages for reading now, without copying them (MAP_POPULATE on a private
+    writable map would copy every page); an older kernel gets readahead advice instead."""
+    madvise = getattr(_libc(), "madvise", None)
+    if madvise is None:  # pragma: no cover - every Linux libc has it
+        return
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if madvise(address, size, _MADV_POPULATE_READ) != 0:
+        madvise(address, size, _MADV_WILLNEED)
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def _byte_view(tensor: torch.Tensor) -> torch.Tensor:

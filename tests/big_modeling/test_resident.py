@@ -19,7 +19,7 @@ from nbaccel.big_modeling import load_checkpoint_and_dispatch, load_checkpoint_i
 from nbaccel.big_modeling.checkpoint_files import SAFETENSORS_DTYPES, SafetensorsFile
 from nbaccel.big_modeling.resident import FileMaps, read_to_device
 from nbaccel.errors import CheckpointError
-from tests.big_modeling.helpers import TinyLM, empty_model, make_model, sample_ids, save_checkpoint, stored_state
+from tests.big_modeling.helpers import TinyLM, empty_model, make_model, sample_ids, save_checkpoint, save_safetensors_at
 
 
 def _maps_of(folder: Path) -> list[tuple[int, int]]:
@@ -239,3 +239,30 @@ def test_launched_workers_share_the_checkpoints_pages(tmp_path, monkeypatch):
     assert pss <= 1.05 * size + 2 * 2**16  # ... but together they hold one copy of it
     # the whole processes: one model plus some MiB of interpreter noise each; copies would be 2.5x
     assert sum(r["added"] for r in results.values()) <= 1.8 * size
+
+
+def _rss_of_maps(path: Path) -> int:
+    rss, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        first = line.split(maxsplit=1)[0]
+        if "-" in first and not first.endswith(":"):
+            inside = line.split()[-1] == str(path)
+        elif inside and first == "Rss:":
+            rss += int(line.split()[1]) * 1024
+    return rss
+
+
+@pytest.mark.parametrize("kernel_has_populate_read", [True, False])
+def test_mapped_pages_are_in_place_before_the_first_use(tmp_path, monkeypatch,
+                                                         kernel_has_populate_read):
+    from nbaccel.big_modeling import resident
+
+    if not kernel_has_populate_read:  # advice the kernel refuses (EINVAL): readahead instead
+        monkeypatch.setattr(resident, "_MADV_POPULATE_READ", 0x7FFF)
+    path = tmp_path / "w.safetensors"
+    values = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))
+    save_safetensors_at({"w": values}, path, 0)
+    tensor = FileMaps().tensor(SafetensorsFile(path).tensors["w"])
+    if kernel_has_populate_read:  # the forward pass will not fault these pages in
+        assert _rss_of_maps(path) >= values.nbytes
+    assert torch.equal(tensor, values)
