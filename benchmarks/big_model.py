@@ -255,8 +255,11 @@ def measure(kind: str, lib: str, scenario: str, index: Path, blocks: int, out: P
 
 
 def _pss_worker(lib: str, index: str, blocks: int) -> dict:
+    import logging
+
     import torch.distributed as dist
 
+    logging.disable(logging.WARNING)  # Accelerate warns once per shard that it has no metadata
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     init_empty_weights, load_in_model, _ = _loaders(lib)
@@ -286,7 +289,7 @@ def four_workers(lib: str, index: Path, blocks: int) -> dict:
 
 
 def _med(values: list[float]) -> str:
-    return f"{statistics.median(values):.3g} [{min(values):.3g}..{max(values):.3g}]"
+    return f"{statistics.median(values):.4g} [{min(values):.4g}..{max(values):.4g}]"
 
 
 def _ratios(nb: list[dict], acc: list[dict], key: str) -> tuple[float, list[float]]:
