@@ -2,9 +2,10 @@
 
 The checkpoint is checked against the model first (keys, tied aliases, shapes) from file
 headers alone, so a mismatch leaves the model untouched. Then each tensor goes straight to where
-the device map puts it. CPU weights that live in a safetensors file, in their stored dtype, are
-not read at all: they are views of a private, copy-on-write map of the file (so processes on one
-machine share the pages); a dtype change copies. GPU weights are read through pinned staging
+the device map puts it. CPU weights that live in a safetensors file, in their stored dtype and
+at 64-byte aligned offsets, are not copied: they are views of a private, copy-on-write map of
+the file, its pages mapped in at load (so processes on one machine share them); a dtype change,
+or a file off that alignment, copies. GPU weights are read through pinned staging
 buffers, overlapping reads with copies. Weights mapped to ``"disk"`` that live in a safetensors
 file are not read either: the offload index points into the checkpoint's own file. Weights from
 ``.bin``/``.pt`` pickles come from ``torch.load`` (memory-mapped where its format allows) and are

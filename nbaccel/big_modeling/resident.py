@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import mmap
 import os
 from collections.abc import Iterator, Sequence
 
@@ -64,6 +65,8 @@ class FileMaps:
         storage = self._maps.get(info.path)
         if storage is None or storage.nbytes() < info.offset + info.nbytes:
             storage = self._maps[info.path] = self._map(info)
+        first = info.offset - info.offset % mmap.PAGESIZE  # only this tensor's pages: a shard
+        _populate(storage.data_ptr() + first, info.offset + info.nbytes - first)  # may hold others
         out = torch.empty(0, dtype=info.dtype)
         return out.set_(storage, info.offset // info.dtype.itemsize, info.shape)
 
@@ -73,9 +76,7 @@ class FileMaps:
         if size < info.offset + info.nbytes:
             raise truncated_error(info, size)
         # shared=False: torch maps the file MAP_PRIVATE (copy-on-write) and closes its descriptor
-        storage = torch.UntypedStorage.from_file(info.path, shared=False, nbytes=size)
-        _populate(storage.data_ptr(), size)
-        return storage
+        return torch.UntypedStorage.from_file(info.path, shared=False, nbytes=size)
 
 
 def _populate(address: int, size: int) -> None:
