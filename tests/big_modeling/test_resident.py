@@ -266,3 +266,12 @@ def test_mapped_pages_are_in_place_before_the_first_use(tmp_path, monkeypatch,
     if kernel_has_populate_read:  # the forward pass will not fault these pages in
         assert _rss_of_maps(path) >= values.nbytes
     assert torch.equal(tensor, values)
+
+
+def test_only_the_pages_of_mapped_tensors_are_brought_in(tmp_path):
+    path = tmp_path / "w.safetensors"
+    resident, offloaded = torch.ones(256, 1024), torch.zeros(1024, 1024)  # 1 MiB and 4 MiB
+    save_safetensors_at({"resident": resident, "offloaded": offloaded}, path, 0)
+    tensor = FileMaps().tensor(SafetensorsFile(path).tensors["resident"])
+    assert resident.nbytes <= _rss_of_maps(path) < resident.nbytes + 2 * 2**16
+    assert torch.equal(tensor, resident)
