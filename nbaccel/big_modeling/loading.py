@@ -1,10 +1,15 @@
 """Loading a checkpoint into a model, by device map, and loading then dispatching in one call.
 
 The checkpoint is checked against the model first (keys, tied aliases, shapes) from file
-headers alone, so a mismatch leaves the model untouched. Then each tensor is read once, straight
-to where the device map puts it. Weights mapped to ``"disk"`` that live in a safetensors file
-are not read at all: the offload index points into the checkpoint's own file. Only weights from
-pickle checkpoints are copied into the offload folder.
+headers alone, so a mismatch leaves the model untouched. Then each tensor goes straight to where
+the device map puts it. CPU weights that live in a safetensors file, in their stored dtype and
+at 64-byte aligned offsets, are not copied: they are views of a private, copy-on-write map of
+the file, its pages mapped in at load (so processes on one machine share them); a dtype change,
+or a file off that alignment, copies. GPU weights are read through pinned staging
+buffers, overlapping reads with copies. Weights mapped to ``"disk"`` that live in a safetensors
+file are not read either: the offload index points into the checkpoint's own file. Weights from
+``.bin``/``.pt`` pickles come from ``torch.load`` (memory-mapped where its format allows) and are
+copied into the offload folder when offloaded.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from nbaccel.big_modeling.checkpoint_files import Checkpoint, open_checkpoint
+from nbaccel.big_modeling.checkpoint_files import Checkpoint, TensorInfo, open_checkpoint
 from nbaccel.big_modeling.device_map import (
     DeviceMapStrategy,
     MapDevice,
@@ -25,6 +30,7 @@ from nbaccel.big_modeling.device_map import (
     resolve_device_map,
 )
 from nbaccel.big_modeling.offload import IndexEntry, offload_weight, save_offload_index
+from nbaccel.big_modeling.resident import FileMaps, read_to_device
 from nbaccel.big_modeling.sizes import MaxMemory, find_tied_parameters
 from nbaccel.big_modeling.tensors import Device, set_module_tensor_to_device
 from nbaccel.errors import CheckpointMismatchError, ConfigError
@@ -105,6 +111,33 @@ def _share(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
         module._buffers[leaf] = tensor
 
 
+def _staged_to_gpus(ckpt: Checkpoint, sources: Mapping[str, str],
+                    homes: Mapping[str, MapDevice]) -> dict[tuple[str, MapDevice], torch.Tensor]:
+    """``{(checkpoint key, GPU): tensor}`` for the GPU-bound safetensors weights, in their stored
+    dtype, read through pinned staging buffers one GPU at a time."""
+    wanted: dict[int, dict[str, TensorInfo]] = {}
+    for name, key in sources.items():
+        info = ckpt.location(key)
+        if info is not None and isinstance(homes[name], int):
+            wanted.setdefault(homes[name], {})[key] = info
+    staged: dict[tuple[str, MapDevice], torch.Tensor] = {}
+    for gpu, infos in wanted.items():
+        tensors = read_to_device(list(infos.values()), torch.device("cuda", gpu))
+        staged.update({(key, gpu): t for key, t in zip(infos, tensors)})
+    return staged
+
+
+def _resident_value(ckpt: Checkpoint, key: str, home: MapDevice, maps: FileMaps,
+                    staged: dict[tuple[str, MapDevice], torch.Tensor]) -> torch.Tensor:
+    """The stored tensor, without a copy where one is not needed: staged on its GPU, a view
+    of its file on CPU, else read (pickles: as ``torch.load`` gave it)."""
+    value = staged.pop((key, home), None)
+    if value is not None:
+        return value
+    info = ckpt.location(key)
+    return maps.tensor(info) if info is not None and home == "cpu" else ckpt.read(key)
+
+
 def _load(model: nn.Module, checkpoint: str | os.PathLike,
           device_map: Mapping[str, MapDevice] | None, offload_folder: str | os.PathLike | None,
           dtype: torch.dtype | None, offload_buffers: bool, keep_in_fp32: Sequence[str],
@@ -125,6 +158,7 @@ def _load(model: nn.Module, checkpoint: str | os.PathLike,
             key="offload_folder", value=None, valid="a writable folder path")
     index: dict[str, IndexEntry] = {}
     loaded: dict[tuple[str, MapDevice], torch.Tensor] = {}
+    maps, staged = FileMaps(), _staged_to_gpus(ckpt, sources, homes)
     resident_first = sorted(sources, key=lambda n: homes[n] == "disk")
     for name in resident_first:
         key, home, current = sources[name], homes[name], tensors[name]
@@ -145,7 +179,8 @@ def _load(model: nn.Module, checkpoint: str | os.PathLike,
         elif home == "meta":
             set_module_tensor_to_device(model, name, "meta", dtype=target)
         else:
-            set_module_tensor_to_device(model, name, home, value=ckpt.read(key), dtype=target)
+            value = _resident_value(ckpt, key, home, maps, staged)
+            set_module_tensor_to_device(model, name, home, value=value, dtype=target)
             loaded[(key, home)] = model.get_parameter(name) if name not in buffers \
                 else model.get_buffer(name)
     if offload_folder is not None and (copies or index_needs_folder):

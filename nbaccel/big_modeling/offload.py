@@ -25,6 +25,7 @@ from nbaccel.big_modeling.checkpoint_files import (
     SafetensorsFile,
     TensorInfo,
     anonymous_tensor,
+    can_map,
     map_tensor,
     read_tensor,
 )
@@ -203,9 +204,9 @@ class OffloadedWeightsLoader(Mapping):
 
     def _read(self, key: str) -> torch.Tensor:
         info, cast = self._where(key)
-        if info.offset % max(1, info.dtype.itemsize) == 0:
+        if can_map(info):
             tensor = map_tensor(info)  # the file's own pages: no copy, unmapped when dropped
-        else:  # pragma: no cover - safetensors and nbaccel's .dat files keep tensors aligned
+        else:  # off the allocator's alignment a view would compute other bits: copy
             tensor = read_tensor(info, release_on_free=True)
         if cast is None or not tensor.is_floating_point():
             return tensor

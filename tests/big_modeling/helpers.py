@@ -75,11 +75,24 @@ def stored_state(model: nn.Module) -> dict[str, torch.Tensor]:
             if k != "head.weight"}
 
 
+def save_safetensors_at(tensors: dict[str, torch.Tensor], path: str | os.PathLike,
+                        data_start: int) -> None:
+    """Save with the header padded (in ``__metadata__``) so the data starts ``data_start``
+    bytes past a multiple of 64: 0 makes every tensor a whole number of 64 bytes in aligned."""
+    for pad in range(64):
+        safetensors.torch.save_file(tensors, str(path), metadata={"pad": "x" * pad})
+        with open(path, "rb") as f:
+            if (8 + int.from_bytes(f.read(8), "little")) % 64 == data_start % 64:
+                return
+    raise AssertionError(f"no padding puts the data of {path} at {data_start} mod 64")
+
+
 def save_checkpoint(model: nn.Module, folder: str | os.PathLike, kind: str = "safetensors",
-                    shards: int = 1) -> Path:
+                    shards: int = 1, data_start: int | None = None) -> Path:
     """Write ``model`` as one file (returned) or ``shards`` files plus an index (returned).
 
-    ``kind`` is ``"safetensors"`` or ``"bin"``.
+    ``kind`` is ``"safetensors"`` or ``"bin"``; ``data_start`` places safetensors data (see
+    :func:`save_safetensors_at`), else it lands wherever the header ends.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -89,7 +102,9 @@ def save_checkpoint(model: nn.Module, folder: str | os.PathLike, kind: str = "sa
                                                                               ".bin")
 
     def write(part: dict[str, torch.Tensor], path: Path) -> None:
-        if kind == "safetensors":
+        if kind == "safetensors" and data_start is not None:
+            save_safetensors_at(part, path, data_start)
+        elif kind == "safetensors":
             safetensors.torch.save_file(part, str(path))
         else:
             torch.save(part, path)
