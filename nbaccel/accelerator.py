@@ -298,7 +298,9 @@ class Accelerator(ProcessHelpers, CheckpointHelpers):
             optimizers = list(_optimizers or []) + [o.optimizer for o in self._optimizers]
             model = shard_model(model, self.fsdp_plugin, self.device, self.num_processes, optimizers,
                                 upcast=self._mixed_precision != "no")
-        elif self.num_processes > 1 and trainable and not evaluation_mode and self.device.type != "xla":
+        elif self.num_processes > 1 and trainable and not evaluation_mode and self.device.type == "xla":
+            _broadcast_xla_weights(model)
+        elif self.num_processes > 1 and trainable and not evaluation_mode:
             kwargs = self.ddp_handler.to_kwargs()
             if self.device.type == "cuda":
                 kwargs.update(device_ids=[self.device.index], output_device=self.device.index)
@@ -529,3 +531,17 @@ def _switch_parameters(old: list[torch.nn.Parameter], new: list[torch.nn.Paramet
 
 def _is_prepared(obj: Any) -> bool:
     return isinstance(obj, (AcceleratedOptimizer, AcceleratedScheduler, DataLoaderShard))
+
+
+def _broadcast_xla_weights(model: torch.nn.Module) -> None:
+    """Give every XLA replica replica 0's parameters and buffers, as DDP does at construction.
+
+    Replicas that run as threads of one process (TPU v2/v3) share torch's CPU generator, so
+    ``manual_seed`` in each does not give them the same initial weights; no wrapper syncs them.
+    """
+    import torch_xla.core.xla_model as xm
+
+    xm.broadcast_master_param(model)
+    from nbaccel.optimizer import _xla_sync
+
+    _xla_sync()
