@@ -370,6 +370,14 @@ class _XlaSupervisor(Supervisor):
                     "an XLA abort, an OOM kill, or os._exit); look for a faulthandler stack in the output "
                     f"above.{said}")
 
+    def _check_deadlines(self, now: float, started: float) -> None:
+        # The host is not a rank: the hang watchdog counts and names the replicas only.
+        workers, self.workers = self.workers, list(self.replicas)
+        try:
+            super()._check_deadlines(now, started)
+        finally:
+            self.workers = workers
+
     def dump_stacks(self, wait: float = 1.0) -> dict[int, str]:
         running = [h for h in self.replicas if not h.exited and h.state == "running"]
         self.relay.capturing = {h.rank for h in running} | {HOST_RANK}
