@@ -117,6 +117,31 @@ def test_accumulation_steps_at_each_epoch_end(replicas):
             assert leftover == 0.0, f"rank {rank}: gradients spilled past the end of epoch {epoch}"
 
 
+def save_mid_epoch_and_resume(folder: str):
+    """Save after 5 of 10 batches, finish the pass, load, skip 5: the rest of the same pass must follow."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    accelerator, _ = _start()
+    model = accelerator.prepare(torch.nn.Linear(1, 1))
+    loader = accelerator.prepare(DataLoader(TensorDataset(torch.arange(20.0 * accelerator.num_processes)),
+                                            batch_size=2, shuffle=True))
+    original = []
+    for i, (xb,) in enumerate(loader, 1):
+        original.append(xb.cpu().tolist())
+        if i == 5:
+            accelerator.save_state(folder)
+    accelerator.load_state(folder)
+    resumed = [xb.cpu().tolist() for (xb,) in accelerator.skip_first_batches(loader, 5)]
+    return original, resumed, model is not None
+
+
+def test_a_mid_epoch_checkpoint_resumes_where_it_was_saved(replicas, tmp_path):
+    results = launch(save_mid_epoch_and_resume, str(tmp_path / "ckpt"))
+    for rank, (original, resumed, _) in results.items():
+        assert len(original) == 10
+        assert resumed == original[5:], f"rank {rank} resumed with {resumed}, not {original[5:]}"
+
+
 # --------------------------------------------------------------------------- gather_for_metrics
 
 
