@@ -12,7 +12,8 @@ import subprocess
 import sys
 from collections.abc import Mapping
 
-from nbaccel.environment import _TPU_ENV_SIGNS, _tpu_pci_device_ids, tpu_device_files, xla_installed, xla_runtime_initialized
+from nbaccel.environment import (_TPU_ENV_SIGNS, _tpu_pci_device_ids, tpu_device_files, xla_installed,
+                                 xla_runtime_initialized)
 from nbaccel.errors import ConfigError, EnvironmentStateError, LaunchError, MissingDependencyError
 
 __all__ = ["check_xla_launch", "probe_replica_count", "xla_replica_count"]
