@@ -56,8 +56,17 @@ def train(folder: str, accumulation: int = 1, mixed_precision: str = "no"):
     _carry_thread_collectives()
 
     accelerator = Accelerator(gradient_accumulation_steps=accumulation, mixed_precision=mixed_precision)
-    model, optimizer, loader = accelerator.prepare(*make_job())
+    job = make_job()
+    x, y = (t.to(accelerator.device) for t in job[2].dataset.tensors)
+    model, optimizer, loader = accelerator.prepare(*job)
+
+    def full_loss() -> float:  # on the whole dataset: what training lowers, unlike one batch's noisy loss
+        with torch.no_grad():
+            return torch.nn.functional.mse_loss(model(x).squeeze(-1), y).item()
+
+    before = full_loss()
     first = run_epochs(accelerator, model, optimizer, loader, 2)
+    after = full_loss()
     accelerator.save_state(folder)
     after_save = run_epochs(accelerator, model, optimizer, loader, 1)
     accelerator.load_state(folder)
@@ -66,6 +75,7 @@ def train(folder: str, accumulation: int = 1, mixed_precision: str = "no"):
     accelerator.save({"note": torch.tensor([1.0, 2.0], device=accelerator.device)}, Path(folder) / "obj.pt")
     seen = accelerator.gather(torch.tensor([3.0], device=accelerator.device))
     return {"device": str(accelerator.device), "type": accelerator.distributed_type, "first": first,
+            "full_loss": (before, after),
             "after_save": after_save, "after_load": after_load, "gathered": seen,
             "weights": accelerator.get_state_dict(model)}
 
@@ -103,17 +113,17 @@ def runs(tmp_path_factory, layout):
     return root, every[0], cpu, every
 
 
-def _learns(losses: list[float]) -> bool:
-    """The last 4 batches' mean loss is below the first batch's (2 epochs: 16 steps alone, 8 per replica of 2)."""
-    last = losses[-4:]
-    return sum(last) / len(last) < losses[0] / (4 if len(losses) > 8 else 1)
+def _learns(result: dict) -> bool:
+    """Two epochs lower the loss on the whole dataset by 40% at least (measured: 55-60% on 2 replicas, more alone)."""
+    before, after = result["full_loss"]
+    return after < 0.6 * before
 
 
 def test_training_on_xla_matches_cpu(runs):
     _, xla, cpu, every = runs
     assert xla["device"].startswith("xla") and xla["type"] == "XLA"
     for rank, result in every.items():
-        assert _learns(result["first"]), f"rank {rank} did not learn: {result['first']}"
+        assert _learns(result), f"rank {rank} did not learn: full-data loss {result['full_loss']}"
     if cpu is not None:
         assert torch.allclose(torch.tensor(xla["first"]), torch.tensor(cpu["first"]), rtol=1e-3, atol=1e-4)
     for name, value in xla["weights"].items():  # same start, gradients averaged at every step: same end
