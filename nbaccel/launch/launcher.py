@@ -187,7 +187,7 @@ def notebook_launcher(
         from nbaccel.launch.xla import launch_xla
 
         return launch_xla(function, args, dict(kwargs or {}), plan, output_ranks=output_ranks,
-                          return_all=return_all, timeout=cfg.timeout, observer=observer)
+                          return_all=return_all, timeout=cfg.timeout, observer=observer, hang_timeout=hang_timeout)
     shown = _check_ranks(output_ranks, plan.num_processes)
     results = run_local(function, args, dict(kwargs or {}), plan, port=cfg.main_process_port or 0,
                         shown=shown, timeout=cfg.timeout, hang_timeout=hang_timeout, observer=observer)

@@ -33,7 +33,8 @@ Where torch_xla limits the promises:
   so none outlives it, unless a replica starts its own session (``setsid``).
 - Only fork: the notebook must not have initialized the XLA runtime (it then holds the TPU and
   no replica could use it); restarting the kernel is the only fix. Spawn is refused.
-- ``num_processes`` can only be 1 or every device the runtime reports (torch_xla's rule).
+- ``num_processes`` is 1 or every device the runtime reports (torch_xla's rule); another count
+  runs every device, with a note (any count works on the CPU runtime).
 """
 
 from __future__ import annotations
@@ -236,8 +237,8 @@ def _replica_main(index: int) -> None:
 def _host_main(job: _ReplicaJob, single: bool) -> None:
     """The host process (nbaccel's settings already in its environment): run the replicas."""
     global _JOB
-    if single and os.environ.get("PJRT_DEVICE", "").upper() == "CPU":
-        apply_environment({"CPU_NUM_DEVICES": "1"})
+    if os.environ.get("PJRT_DEVICE", "").upper() == "CPU":  # the CPU runtime runs any count asked for
+        apply_environment({"CPU_NUM_DEVICES": str(job.world_size)})
     _JOB = job
     import torch_xla
 
@@ -369,6 +370,14 @@ class _XlaSupervisor(Supervisor):
                     "an XLA abort, an OOM kill, or os._exit); look for a faulthandler stack in the output "
                     f"above.{said}")
 
+    def _check_deadlines(self, now: float, started: float) -> None:
+        # The host is not a rank: the hang watchdog counts and names the replicas only.
+        workers, self.workers = self.workers, list(self.replicas)
+        try:
+            super()._check_deadlines(now, started)
+        finally:
+            self.workers = workers
+
     def dump_stacks(self, wait: float = 1.0) -> dict[int, str]:
         running = [h for h in self.replicas if not h.exited and h.state == "running"]
         self.relay.capturing = {h.rank for h in running} | {HOST_RANK}
@@ -472,9 +481,32 @@ def _without_host(on_output: Callable[[int, Stream, str], None]) -> Callable[[in
     return forward
 
 
-def _kill_group(pgid: int) -> None:
-    """SIGKILL whatever is left in the host's process group (replicas orphaned by a dead host)."""
+def _kill_group(pgid: int, wait: float = 10.0) -> None:
+    """SIGKILL whatever is left in the host's process group, and wait until it is gone.
+
+    Waiting matters on a TPU: a replica process holds the chips until the kernel has reclaimed
+    it, so a launch that returned earlier could make an immediate relaunch find the TPU busy.
+    """
     try:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
-        pass
+        return
+    deadline = time.monotonic() + wait
+    while _group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``, read from ``/proc``."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            members.append(int(entry))
+    return members
