@@ -15,6 +15,7 @@ so a checkpoint saved mid-pass replays the same order without drawing again.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -167,21 +168,35 @@ class DataLoaderShard(DataLoader):
         owner.iteration += 1
         owner._in_progress = False
 
+    def _batches(self) -> Iterator[tuple[Any, bool]]:
+        """This pass's batches after the skipped ones, each with whether it is the last (one batch ahead).
+
+        Only reads: the pass's bookkeeping (:meth:`_start_pass`, :meth:`_mark_last`,
+        :meth:`_end_pass`) is the consumer's, so it stays right when a prefetching thread runs this
+        ahead of the training loop (``MpDeviceLoader`` on XLA).
+        """
+        it = DataLoader.__iter__(self)
+        current = next(it, _END)
+        index = 0
+        while current is not _END:
+            upcoming = next(it, _END)
+            if index >= self.skip_batches:
+                yield current, upcoming is _END
+            index += 1
+            current = upcoming
+
+    def _mark_last(self) -> None:
+        """The batch about to be processed is the pass's last."""
+        self._finish()
+        self.end_of_dataloader = True
+
     def __iter__(self) -> Iterator[Any]:
         self._start_pass()
         try:
-            it = super().__iter__()
-            current = next(it, _END)
-            index = 0
-            while current is not _END:
-                upcoming = next(it, _END)
-                if upcoming is _END:
-                    self._finish()
-                    self.end_of_dataloader = True
-                if index >= self.skip_batches:
-                    yield self._place(current)
-                index += 1
-                current = upcoming
+            for batch, last in self._batches():
+                if last:
+                    self._mark_last()
+                yield self._place(batch)
             self._end_pass()
         finally:
             self.gradient_state._remove_dataloader(self)
@@ -433,8 +448,13 @@ def _clone_with_skip(dataloader: DataLoaderShard, num_batches: int) -> DataLoade
 class XlaDeviceLoader:
     """On XLA, a prepared loader fed through ``MpDeviceLoader`` (background host-to-device copies).
 
-    Everything else (``set_epoch``, ``end_of_dataloader``, ``state_dict``, ...) is the wrapped
-    :class:`DataLoaderShard`'s.
+    ``MpDeviceLoader``'s thread reads batches well ahead of the training loop, so only the reading
+    happens there: the pass's bookkeeping (``end_of_dataloader``, ``remainder``, the epoch count,
+    the accelerator's active loader) advances here, in the replica's thread, as each batch is
+    handed to the loop. A dispatching loader (``dispatch_batches``, the default for an
+    ``IterableDataset`` across replicas) runs collectives while it reads, which need the replica's
+    identity, so it is read in the replica's thread too, without the background copies.
+    Everything else (``set_epoch``, ``state_dict``, ...) is the wrapped :class:`DataLoaderShard`'s.
     """
 
     def __init__(self, loader: DataLoaderShard, device: torch.device) -> None:
@@ -442,12 +462,42 @@ class XlaDeviceLoader:
         self.device = device
 
     def __iter__(self) -> Iterator[Any]:
+        loader = self._loader
+        if isinstance(loader, DataLoaderDispatcher):
+            for batch in loader:
+                yield send_to_device(batch, self.device)
+            return
         import torch_xla.distributed.parallel_loader as pl
 
-        return iter(pl.MpDeviceLoader(self._loader, self.device))
+        lasts: deque[bool] = deque()  # one entry per batch read, appended before the batch is passed on
+        loader._start_pass()
+        try:
+            for batch in pl.MpDeviceLoader(_Reading(loader, lasts), self.device):
+                if lasts.popleft():
+                    loader._mark_last()
+                yield batch
+            loader._end_pass()
+        finally:
+            loader.gradient_state._remove_dataloader(loader)
 
     def __len__(self) -> int:
         return len(self._loader)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["_loader"], name)
+
+
+class _Reading:
+    """What ``MpDeviceLoader``'s thread iterates: the loader's batches, their last-batch flags set aside."""
+
+    def __init__(self, loader: DataLoaderShard, lasts: deque[bool]) -> None:
+        self._loader = loader
+        self._lasts = lasts
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch, last in self._loader._batches():
+            self._lasts.append(last)
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self._loader)

@@ -47,6 +47,7 @@ __all__ = [
     "single_process_environment",
     "temporary_environment",
     "tpu_detected",
+    "tpu_device_files",
     "worker_environment",
     "xla_installed",
     "xla_runtime_initialized",
@@ -420,7 +421,18 @@ def tpu_detected(env: Mapping[str, str] | None = None, *, root: str = "/") -> bo
         return True
     if _tpu_pci_device_ids(root):
         return True
-    return bool(glob.glob(os.path.join(root, "dev/accel[0-9]*")))
+    return bool(glob.glob(os.path.join(root, "dev/accel[0-9]*")))  # not vfio: GPU passthrough uses it too
+
+
+def tpu_device_files(root: str = "/") -> list[str]:
+    """The TPU device files here: ``/dev/accel*`` (TPU v2-v4) or ``/dev/vfio/<n>`` (v5e and later).
+
+    Example:
+        >>> tpu_device_files("/nonexistent")
+        []
+    """
+    found = sorted(glob.glob(os.path.join(root, "dev/accel[0-9]*")))
+    return found + sorted(glob.glob(os.path.join(root, "dev/vfio/[0-9]*")))
 
 
 def fork_unsafe_reason() -> str | None:

@@ -231,7 +231,9 @@ def gather_object(obj: Any) -> Any:
     if _xla_device_in_use():
         import torch_xla.core.xla_model as xm
 
-        return xm.mesh_reduce("nbaccel.gather_object", items, lambda parts: [x for p in parts for x in p])
+        # Not xm.mesh_reduce: it unpickles with torch.load, which (weights_only, torch >= 2.6) refuses most objects.
+        parts = xm.rendezvous("nbaccel.gather_object", pickle.dumps(items))
+        return [x for part in parts for x in pickle.loads(part)]
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, items)
     return [x for part in everyone for x in part]
@@ -369,9 +371,9 @@ def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list
 
         from nbaccel.state import ProcessState
 
-        mine = pickle.dumps(object_list) if ProcessState().process_index == from_process else b""
-        chosen = xm.mesh_reduce("nbaccel.broadcast_object_list", mine, lambda xs: next(x for x in xs if x))
-        object_list[:] = pickle.loads(chosen)
+        mine = pickle.dumps(object_list) if ProcessState().process_index == from_process else b"-"
+        # Not xm.mesh_reduce: it unpickles with torch.load, which (weights_only, torch >= 2.6) refuses bytes.
+        object_list[:] = pickle.loads(xm.rendezvous("nbaccel.broadcast_object_list", mine)[from_process])
         return object_list
     dist.broadcast_object_list(object_list, src=from_process)
     return object_list

@@ -128,7 +128,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             self._is_overflow = self.scaler.get_scale() < scale_before
         if self._on_xla:
             self.gradient_state.is_xla_gradients_synced = False  # the next step's gradients are new
-            _xla_sync()
+            xla_sync()
         return result
 
     def _xla_reduce_gradients(self) -> None:
@@ -182,7 +182,7 @@ def _placed(state_dict: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return {**state_dict, "state": state}
 
 
-def _xla_sync() -> None:
+def xla_sync() -> None:
     """End the XLA step: compile and run the graph built so far (``torch_xla.sync``, ``mark_step`` before 2.6).
 
     Without it, a loop that does not iterate a device loader (which syncs per batch) would grow one

@@ -144,7 +144,9 @@ class PrepareHelpers:
             optimizers = list(_optimizers or []) + [o.optimizer for o in self.prepared.optimizers]
             model = shard_model(model, self.fsdp_plugin, self.device, self.num_processes, optimizers,
                                 upcast=self.mixed_precision != "no")
-        elif self.num_processes > 1 and trainable and not evaluation_mode and self.device.type != "xla":
+        elif self.num_processes > 1 and trainable and not evaluation_mode and self.device.type == "xla":
+            _broadcast_xla_weights(model)
+        elif self.num_processes > 1 and trainable and not evaluation_mode:
             kwargs = self.ddp_handler.to_kwargs()
             if self.device.type == "cuda":
                 kwargs.update(device_ids=[self.device.index], output_device=self.device.index)
@@ -204,3 +206,17 @@ def _switch_parameters(old: list[torch.nn.Parameter], new: list[torch.nn.Paramet
             group["params"] = [moved.get(id(p), p) for p in group["params"]]
         for param in [p for p in optimizer.state if id(p) in moved]:
             optimizer.state[moved[id(param)]] = optimizer.state.pop(param)
+
+
+def _broadcast_xla_weights(model: torch.nn.Module) -> None:
+    """Give every XLA replica replica 0's parameters and buffers, as DDP does at construction.
+
+    Replicas that run as threads of one process (TPU v2/v3) share torch's CPU generator, so
+    ``manual_seed`` in each does not give them the same initial weights; no wrapper syncs them.
+    """
+    import torch_xla.core.xla_model as xm
+
+    from nbaccel.optimizer import xla_sync
+
+    xm.broadcast_master_param(model)
+    xla_sync()

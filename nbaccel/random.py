@@ -55,10 +55,22 @@ def _cuda_device_count() -> int:
 
 
 def _xla_model() -> Any:
-    """``torch_xla.core.xla_model`` when torch_xla is already in use in this process, else ``None``."""
+    """``torch_xla.core.xla_model`` when the XLA runtime is in use in this thread, else ``None``.
+
+    Only inside an XLA replica, or where the runtime was already started: after a TPU launch
+    the notebook has torch_xla imported but must never start the runtime itself (it would then
+    hold the TPU, and the next launch is refused until a restart), and ``xm.set_rng_state``
+    would start it.
+    """
     import sys
 
     if "torch_xla" not in sys.modules:
+        return None
+    from nbaccel.environment import xla_runtime_initialized
+
+    xla_launch = sys.modules.get("nbaccel.launch.xla")
+    in_replica = xla_launch is not None and xla_launch.current_replica() is not None
+    if not (in_replica or xla_runtime_initialized()):
         return None
     import torch_xla.core.xla_model as xm
 

@@ -7,8 +7,13 @@ checks, in every replica: the Accelerator's rank, world size and device; ``gathe
 ``wait_for_everyone`` as a real rendezvous; the dataloader giving each replica its own shard
 through ``MpDeviceLoader``; one optimizer step matching the full-batch step (gradients averaged
 across replicas); ``save_state`` writing one checkpoint that loads back; and, where each replica
-has a process of its own (TPU v4 and later), torchrun's variables. It prints one line per check
-and exits non-zero if any failed.
+has a process of its own (TPU v4 and later), torchrun's variables; that replicas start from rank
+0's weights, that gradient accumulation steps at an epoch's end, that ``gather_for_metrics``
+drops an uneven dataset's padding, and that an ``IterableDataset`` loader feeds every replica.
+Then, from the notebook's side: ``set_seed`` between launches leaves the XLA runtime alone,
+back-to-back launches, a relaunch right after an interrupt, ``hang_timeout`` stopping a silent
+rank, and ``num_processes=8`` running every device. It prints one line per check and exits
+non-zero if any failed; about two minutes on a v2-8/v3-8 or a v5e.
 
 Without a TPU it makes a dry run on one CPU-runtime replica (that checks the script, not the
 collectives).
@@ -88,13 +93,25 @@ def _barrier(acc, rank: int, world: int, folder: str) -> None:
     assert rank == 0 or world == 1 or waited > 1.0, f"rank {rank} passed the barrier after {waited:.2f}s"
 
 
+@check("replicas start from rank 0's weights")
+def _initial_weights(acc, rank: int, world: int, folder: str) -> None:
+    torch.manual_seed(rank)  # replica threads (v2/v3) share one CPU generator anyway: seeding cannot align them
+    model = acc.prepare(torch.nn.Linear(5, 5))
+    mine = acc.unwrap_model(model).weight.detach()
+    everyone = acc.gather(mine[None]).cpu()
+    assert all(torch.equal(everyone[0], w) for w in everyone), "replicas hold different weights after prepare"
+
+
 @check("dataloader shards and gradient all-reduce")
 def _training(acc, rank: int, world: int, folder: str) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
-    torch.manual_seed(0)
-    x, y = torch.randn(8 * world, 3), torch.randn(8 * world)
+    draw = torch.Generator().manual_seed(0)  # private: the global one is shared by replica threads
+    x, y = torch.randn(8 * world, 3, generator=draw), torch.randn(8 * world, generator=draw)
     reference = torch.nn.Linear(3, 1)
+    with torch.no_grad():
+        reference.weight.copy_(torch.randn(1, 3, generator=draw))
+        reference.bias.copy_(torch.randn(1, generator=draw))
     model = torch.nn.Linear(3, 1)
     model.load_state_dict(reference.state_dict())
     torch.nn.functional.mse_loss(reference(x).squeeze(-1), y).backward()
@@ -111,6 +128,58 @@ def _training(acc, rank: int, world: int, folder: str) -> None:
     optimizer.step()
     got = model.weight.detach().cpu()
     assert torch.allclose(got, expected, atol=1e-5), f"weights {got.tolist()} != full-batch step {expected.tolist()}"
+
+
+@check("accumulation steps at the epoch's end (10 batches, 4 per step)")
+def _accumulation(acc, rank: int, world: int, folder: str) -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    acc.gradient_accumulation_steps = 4
+    try:
+        model = torch.nn.Linear(1, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        loader = DataLoader(TensorDataset(torch.arange(20.0 * world)[:, None]), batch_size=2)
+        model, optimizer, loader = acc.prepare(model, optimizer, loader)
+        for epoch in range(2):
+            syncs, ends = [], []
+            for i, (xb,) in enumerate(loader, 1):
+                with acc.accumulate(model):
+                    acc.backward(model(xb).pow(2).mean())
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    syncs += [i] if acc.sync_gradients else []
+                    ends += [i] if acc.gradient_state.end_of_dataloader else []
+            assert syncs == [4, 8, 10] and ends == [10], f"epoch {epoch}: steps after {syncs}, end flagged at {ends}"
+            left = sum(float(p.grad.abs().sum().cpu()) for p in model.parameters() if p.grad is not None)
+            assert left == 0.0, f"gradients spilled past epoch {epoch}'s end"
+    finally:
+        acc.gradient_accumulation_steps = 1
+
+
+@check("gather_for_metrics drops an uneven dataset's padding")
+def _gather_for_metrics(acc, rank: int, world: int, folder: str) -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    n = 4 * world + 2  # the last global batch is short
+    loader = acc.prepare(DataLoader(TensorDataset(torch.arange(float(n))), batch_size=4))
+    seen = [v for (xb,) in loader for v in acc.gather_for_metrics(xb).cpu().tolist()]
+    assert sorted(seen) == [float(i) for i in range(n)], seen
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(torch.arange(40.0))
+
+
+@check("IterableDataset loader gives every replica batches")
+def _iterable(acc, rank: int, world: int, folder: str) -> None:
+    from torch.utils.data import DataLoader
+
+    loader = acc.prepare(DataLoader(_Stream(), batch_size=4))
+    mine = torch.cat([xb.cpu() for xb in loader])
+    assert len(mine), "no batches"
+    everyone = acc.gather(mine.to(acc.device)).cpu().tolist()
+    assert set(everyone) == {float(i) for i in range(40)}, sorted(set(everyone))
 
 
 @check("save_state once, load_state back")
@@ -152,6 +221,91 @@ def run_checks(folder: str) -> dict[str, str]:
     return outcome
 
 
+def _where() -> int:
+    import torch_xla.runtime as xr
+
+    return xr.global_ordinal()
+
+
+def _sleeps(seconds: float) -> int:
+    time.sleep(seconds)
+    return 0
+
+
+def _rank_0_goes_silent(seconds: float) -> int:
+    import torch_xla.runtime as xr
+
+    if xr.global_ordinal() == 0:
+        time.sleep(seconds)
+    return xr.global_ordinal()
+
+
+def notebook_checks(world: int) -> dict[str, str]:
+    """What a notebook does between launches, checked from this (the notebook's) process."""
+    import _thread
+    import threading
+
+    from nbaccel import notebook_launcher, set_seed
+    from nbaccel.environment import xla_runtime_initialized
+    from nbaccel.errors import LaunchTimeoutError
+
+    outcome: dict[str, str] = {}
+
+    def run(name: str, function: Callable[[], None]) -> None:
+        started = time.monotonic()
+        try:
+            function()
+            outcome[name] = "ok"
+        except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt too: every check is reported
+            outcome[name] = f"{type(exc).__name__}: {exc}"
+        print(f"check_tpu: {name}: {time.monotonic() - started:.1f}s", file=sys.stderr)
+
+    def set_seed_between_launches() -> None:
+        set_seed(0)
+        assert not xla_runtime_initialized(), "set_seed started the XLA runtime in the notebook"
+        assert sorted(notebook_launcher(_where, return_all=True)) == list(range(world))
+
+    def back_to_back() -> None:
+        for _ in range(3):
+            assert sorted(notebook_launcher(_where, return_all=True)) == list(range(world))
+
+    def relaunch_after_interrupt() -> None:
+        timer = threading.Timer(5.0, _thread.interrupt_main)
+        timer.start()
+        try:
+            notebook_launcher(_sleeps, (120.0,))
+            raise AssertionError("the interrupt did not stop the launch")
+        except KeyboardInterrupt:
+            pass
+        finally:
+            timer.cancel()
+        assert sorted(notebook_launcher(_where, return_all=True)) == list(range(world)), "the TPU was still busy"
+
+    def hang_timeout() -> None:
+        if world == 1:
+            return  # the watchdog needs a rank that finished
+        started = time.monotonic()
+        try:
+            notebook_launcher(_rank_0_goes_silent, (120.0,), hang_timeout=10.0)
+            raise AssertionError("a silent rank 0 was not stopped")
+        except LaunchTimeoutError as exc:
+            assert exc.reason == "hang", exc.reason
+        took = time.monotonic() - started
+        assert took < 60, f"stopped after {took:.0f}s for hang_timeout=10"
+
+    def num_processes_8() -> None:
+        cpu_runtime = os.environ.get("PJRT_DEVICE") == "CPU"  # the dry run: the CPU runtime runs any count
+        ran = notebook_launcher(_where, num_processes=8, return_all=True)
+        assert sorted(ran) == list(range(8 if cpu_runtime else world)), f"ran {len(ran)} replicas"
+
+    run("set_seed between launches leaves the runtime alone", set_seed_between_launches)
+    run("back-to-back launches", back_to_back)
+    run("relaunch right after an interrupt", relaunch_after_interrupt)
+    run("hang_timeout stops a silent rank", hang_timeout)
+    run("num_processes=8 runs every device", num_processes_8)
+    return outcome
+
+
 def main() -> int:
     from nbaccel import notebook_launcher
     from nbaccel.environment import tpu_detected
@@ -163,15 +317,21 @@ def main() -> int:
         os.environ["CPU_NUM_DEVICES"] = "1"
         os.environ["NBACCEL_TPU"] = "1"
     folder = tempfile.mkdtemp(prefix="nbaccel-check-tpu-")
+    started = time.monotonic()
     results = notebook_launcher(run_checks, (folder,), return_all=True, timeout=600)
     failed = 0
-    print(f"\n{len(results)} replicas")
+    print(f"\n{len(results)} replicas, in-replica checks took {time.monotonic() - started:.0f}s")
     for name, _ in CHECKS:
         bad = {rank: out[name] for rank, out in sorted(results.items()) if out[name] != "ok"}
         failed += bool(bad)
         print(f"{'FAIL' if bad else 'ok  '}  {name}")
         for rank, error in list(bad.items())[:4]:
             print(f"        rank {rank}: {error}")
+    for name, outcome in notebook_checks(len(results)).items():
+        failed += outcome != "ok"
+        print(f"{'FAIL' if outcome != 'ok' else 'ok  '}  {name}")
+        if outcome != "ok":
+            print(f"        {outcome}")
     return 1 if failed else 0
 
 

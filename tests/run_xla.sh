@@ -5,9 +5,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-VENV=${NBACCEL_XLA_VENV:-.venv-xla}
-# torch_xla 2.9.0 declares no torch requirement but only works with torch 2.9.0: pin both.
-PINS="torch==2.9.0 torch_xla==2.9.0"
+# NBACCEL_XLA_VERSION=2.8.0 tests the pair Kaggle's TPU image pins (in .venv-xla-2.8.0).
+XLA_VERSION=${NBACCEL_XLA_VERSION:-2.9.0}
+DEFAULT_VENV=.venv-xla
+[ "$XLA_VERSION" = 2.9.0 ] || DEFAULT_VENV=.venv-xla-$XLA_VERSION
+VENV=${NBACCEL_XLA_VENV:-$DEFAULT_VENV}
+# torch_xla declares no torch requirement but only works with the torch of its own version: pin both.
+PINS="torch==$XLA_VERSION torch_xla==$XLA_VERSION"
 DEPS="numpy ipython ipykernel ipywidgets cloudpickle safetensors pyyaml nbclient nbformat pytest pytest-timeout"
 STAMP="$VENV/.nbaccel-xla-stamp"
 WANT="$PINS $DEPS | $("$PY" --version 2>&1) | $(pwd)"

@@ -119,7 +119,9 @@ def plan_launch(config: LaunchConfig) -> LaunchPlan:
     if kind == "xla":  # torch_xla.launch with fork, over 1 or every device the runtime reports
         from nbaccel.launch.xla_topology import check_xla_launch
 
-        n = check_xla_launch(config.num_processes, config.start_method)
+        n, xla_note = check_xla_launch(config.num_processes, config.start_method)
+        if xla_note:
+            notes.append(xla_note)
         method, reason = "fork", None
     else:
         method, reason = _start_method(config.start_method)

@@ -36,7 +36,8 @@ Where torch_xla limits the promises:
   so none outlives it, unless a replica starts its own session (``setsid``).
 - Only fork: the notebook must not have initialized the XLA runtime (it then holds the TPU and
   no replica could use it); restarting the kernel is the only fix. Spawn is refused.
-- ``num_processes`` can only be 1 or every device the runtime reports (torch_xla's rule).
+- ``num_processes`` is 1 or every device the runtime reports (torch_xla's rule); another count
+  runs every device, with a note (any count works on the CPU runtime).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -217,8 +219,8 @@ def _reraise(exc: BaseException) -> None:
 def _host_main(job: _ReplicaJob, single: bool) -> None:
     """The host process (nbaccel's settings already in its environment): run the replicas."""
     global _JOB
-    if single and os.environ.get("PJRT_DEVICE", "").upper() == "CPU":
-        apply_environment({"CPU_NUM_DEVICES": "1"})
+    if os.environ.get("PJRT_DEVICE", "").upper() == "CPU":  # the CPU runtime runs any count asked for
+        apply_environment({"CPU_NUM_DEVICES": str(job.world_size)})
     _JOB = job
     import torch_xla
 
@@ -341,12 +343,35 @@ class XlaLauncher:
         return results
 
 
-def _kill_group(pgid: int) -> None:
-    """SIGKILL whatever is left in the host's process group (replicas orphaned by a dead host)."""
+def _kill_group(pgid: int, wait: float = 10.0) -> None:
+    """SIGKILL whatever is left in the host's process group, and wait until it is gone.
+
+    Waiting matters on a TPU: a replica process holds the chips until the kernel has reclaimed
+    it, so a launch that returned earlier could make an immediate relaunch find the TPU busy.
+    """
     try:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
-        pass
+        return
+    deadline = time.monotonic() + wait
+    while _group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``, read from ``/proc``."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            members.append(int(entry))
+    return members
 
 
 LAUNCHER = XlaLauncher()

@@ -12,7 +12,8 @@ import subprocess
 import sys
 from collections.abc import Mapping
 
-from nbaccel.environment import _tpu_pci_device_ids, xla_installed, xla_runtime_initialized
+from nbaccel.environment import (_TPU_ENV_SIGNS, _tpu_pci_device_ids, tpu_device_files, xla_installed,
+                                 xla_runtime_initialized)
 from nbaccel.errors import ConfigError, EnvironmentStateError, LaunchError, MissingDependencyError
 
 __all__ = ["check_xla_launch", "probe_replica_count", "xla_replica_count"]
@@ -104,14 +105,24 @@ def xla_replica_count(env: Mapping[str, str] | None = None, *, root: str = "/") 
 
 
 def check_xla_launch(num_processes: int | None, start_method: str | None,
-                     env: Mapping[str, str] | None = None) -> int:
-    """Validate an XLA launch request before anything starts; returns how many replicas to run.
+                     env: Mapping[str, str] | None = None, *, root: str = "/") -> tuple[int, str | None]:
+    """Validate an XLA launch request before anything starts: how many replicas to run, and a note.
+
+    ``num_processes`` is honoured where the runtime can do it: 1 (one replica) or every device
+    anywhere, any count on the CPU runtime. Elsewhere (a notebook written for a v3-8's 8 cores run
+    on a 1-core v5e-1 or a 4-core v4-8) every device is used, as Accelerate does on TPUs, and the
+    note says what ran.
+
+    Returns:
+        ``(replicas, note)``; ``note`` is ``None`` when the request ran as asked.
 
     Raises:
         MissingDependencyError: torch_xla is not installed.
-        EnvironmentStateError: the XLA runtime is already initialized in this process.
-        ConfigError: ``start_method="spawn"``, or a ``num_processes`` torch_xla cannot run.
+        EnvironmentStateError: the XLA runtime is already initialized in this process, or TPU
+            environment variables are set but no TPU chip is visible.
+        ConfigError: ``start_method="spawn"``.
     """
+    env = os.environ if env is None else env
     if not xla_installed():
         raise MissingDependencyError(
             "this launch runs through torch_xla (a TPU was detected or distributed_type='XLA'), but torch_xla "
@@ -128,13 +139,29 @@ def check_xla_launch(num_processes: int | None, start_method: str | None,
         raise ConfigError("start_method='spawn' is not supported on XLA: nbaccel runs torch_xla.launch with fork "
                           "so replicas get the function and their pipes from memory. Fix: pass start_method=None "
                           "or 'fork'.", key="start_method", value=start_method, valid=("fork", None))
-    replicas = xla_replica_count(env)
-    if num_processes is None or num_processes == replicas:
-        return replicas
-    if num_processes == 1:
-        return 1
-    raise ConfigError(f"num_processes={num_processes!r}, but torch_xla runs either one replica or one per XLA "
-                      f"device and this runtime reports {replicas}. Fix: pass num_processes=None (all "
-                      f"{replicas}) or 1; to use fewer devices set CPU_NUM_DEVICES (CPU runtime) or "
-                      "TPU_PROCESS_BOUNDS (a TPU) before launching.", key="num_processes",
-                      value=num_processes, valid=sorted({1, replicas}))
+    _check_tpu_visible(env, root)
+    cpu_runtime = env.get("PJRT_DEVICE", "").strip().upper() == "CPU"
+    if cpu_runtime and num_processes is not None:
+        return num_processes, None  # the host sets CPU_NUM_DEVICES to it
+    replicas = xla_replica_count(env, root=root)
+    if num_processes is None or num_processes in (1, replicas):
+        return num_processes or replicas, None
+    return replicas, (f"nbaccel: num_processes={num_processes}, but this TPU has {replicas} XLA device"
+                      f"{'s' if replicas != 1 else ''} and torch_xla runs one replica on each (or a single "
+                      f"one): running {replicas}, as Accelerate does. Pass num_processes=None (all) or 1 to "
+                      "choose.")
+
+
+def _check_tpu_visible(env: Mapping[str, str], root: str) -> None:
+    """Refuse a TPU launch that would silently run on torch_xla's CPU runtime: TPU variables, no chip."""
+    pjrt = env.get("PJRT_DEVICE", "").strip().upper().split("_")[0]
+    signs = [f"{k}={env[k]}" for k in _TPU_ENV_SIGNS if env.get(k)]
+    if pjrt not in ("", "TPU") or not (signs or pjrt == "TPU") or _tpu_chips(root) or tpu_device_files(root):
+        return
+    said = ", ".join(([f"PJRT_DEVICE={env['PJRT_DEVICE']}"] if pjrt else []) + signs)
+    raise EnvironmentStateError(
+        f"the environment says TPU ({said}) but no TPU chip is visible on this machine (none on the PCI bus, "
+        "no /dev/accel* or /dev/vfio device), so torch_xla would run on its CPU runtime (or fail). Fix: on "
+        "Colab or Kaggle choose a TPU runtime (Colab's old 'TPU (XRT)' runtimes are not supported by "
+        "torch_xla 2.x); to use torch_xla's CPU runtime on purpose set PJRT_DEVICE=CPU; to train on this "
+        "machine's CPUs pass use_cpu=True (NBACCEL_TPU=0 turns TPU detection off).")

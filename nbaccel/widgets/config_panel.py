@@ -24,7 +24,7 @@ from nbaccel.config import LaunchConfig, save_config
 from nbaccel.environment import cpu_count, cuda_device_count, tpu_detected
 from nbaccel.errors import ConfigError
 from nbaccel.magics.session import changed_fields
-from nbaccel.widgets import import_widgets, widgets_available
+from nbaccel.widgets import import_widgets, set_titles, tooltip, widget_bundle, widgets_available
 
 __all__ = ["ConfigPanel", "FieldSpec", "field_specs", "widgets_available"]  # widgets_available: for %accel_config
 
@@ -245,9 +245,7 @@ class ConfigPanel:
 
     # ------------------------------------------------------------------ widgets
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
-        bundle = self.widget()._repr_mimebundle_(**kwargs)
-        bundle["text/plain"] = self.text()
-        return bundle
+        return widget_bundle(self.widget(), self.text())
 
     def widget(self) -> Any:
         """The ipywidgets panel (built on first use).
@@ -262,7 +260,7 @@ class ConfigPanel:
     def _editor(self, w: Any, spec: FieldSpec, value: Any) -> Any:
         common = {"description": spec.name, "style": {"description_width": "170px"},
                   "layout": w.Layout(width="420px" if spec.kind != "mapping" else "640px"),
-                  "tooltip": spec.help}
+                  **tooltip(spec.help)}
         if spec.kind == "choice":  # None shows as "auto" (a Dropdown cannot show a None value)
             options = ([_AUTO] if spec.optional else []) + [str(c) for c in spec.choices]
             editor = w.Dropdown(options=options, value=_AUTO if value is None else str(value), **common)
@@ -298,8 +296,8 @@ class ConfigPanel:
         self._use.add_class("nbaccel-use")
         self._save.on_click(lambda _b: self._click(self.save))
         self._use.on_click(lambda _b: self._click(self.use_for_session))
-        more = w.Accordion(children=[box for _, box in groups[1:]], titles=tuple(t for t, _ in groups[1:]),
-                           selected_index=None)
+        more = w.Accordion(children=[box for _, box in groups[1:]], selected_index=None)
+        set_titles(more, [t for t, _ in groups[1:]])
         heading = w.HTML(f"<style>{_CSS}</style><b>nbaccel launch configuration</b> · detected: {self.hardware}"
                          f"<br><small>file: <code>{html.escape(self.path)}</code></small>")
         box = w.VBox([heading, groups[0][1], more, self._message, w.HBox([self._save, self._use])])

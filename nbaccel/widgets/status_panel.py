@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from nbaccel.environment import in_colab, in_notebook
 from nbaccel.launch.events import RankState
-from nbaccel.widgets import import_widgets, widgets_available
+from nbaccel.widgets import import_widgets, set_titles, widget_bundle, widgets_available
 
 __all__ = ["LaunchStatus", "RankRecord", "StatusPanel", "TextStatus", "status_observer"]
 
@@ -181,6 +181,7 @@ class StatusPanel(LaunchStatus):
         self._ticker: threading.Thread | None = None
         self._done = threading.Event()
         self._handle: Any = None
+        self._drawn_lines: dict[int, int] = {}
         self._heading = widgets.HTML()
         self._table = widgets.HTML()
         self._outputs = widgets.Accordion(children=[], selected_index=None)
@@ -197,7 +198,8 @@ class StatusPanel(LaunchStatus):
             child.add_class(f"nbaccel-output-rank{record.rank}")
             children.append(child)
         self._outputs.children = children
-        self._outputs.titles = tuple(f"rank {r} output" for r in self.records)
+        self._drawn_lines = {}
+        set_titles(self._outputs, [f"rank {r} output" for r in self.records])
 
     # ------------------------------------------------------------------ observer
     def on_launch(self, ranks: Sequence[int], start_method: str) -> None:
@@ -242,7 +244,7 @@ class StatusPanel(LaunchStatus):
 
     # ------------------------------------------------------------------ drawing
     def draw(self, final: bool = False) -> None:
-        """Redraw the heading, the rank table and the open (or, when ``final``, every) output."""
+        """Redraw the heading, the rank table and each rank's output (the last lines; all when ``final``)."""
         with self._lock:
             self._last_draw = time.monotonic()
             overall = self.overall()
@@ -251,12 +253,15 @@ class StatusPanel(LaunchStatus):
                                    f"<span style='color:{_COLORS[overall]}'>{overall}</span> · "
                                    f"{self.total_elapsed():.1f} s")
             self._table.value = self._table_html()
-            open_index = self._outputs.selected_index
-            for index, (record, child) in enumerate(zip(list(self.records.values()), self._outputs.children)):
-                if final or index == open_index:
+            # Every rank's section is kept current, not only the open one: opening a section is a
+            # message the kernel reads only after the cell ends, so it must already hold the text.
+            # Only ranks with new lines are sent.
+            for record, child in zip(list(self.records.values()), self._outputs.children):
+                if final or self._drawn_lines.get(record.rank) != record.line_count:
+                    self._drawn_lines[record.rank] = record.line_count
                     child.value = self._output_html(record, None if final else _SHOWN_LINES)
-            self._outputs.titles = tuple(f"rank {r.rank} output ({r.line_count} line{'s' if r.line_count != 1 else ''})"
-                                         for r in list(self.records.values()))
+            set_titles(self._outputs, [f"rank {r.rank} output ({r.line_count} line{'s' if r.line_count != 1 else ''})"
+                                       for r in list(self.records.values())])
 
     def _table_html(self) -> str:
         now = time.monotonic()
@@ -285,9 +290,7 @@ class StatusPanel(LaunchStatus):
 
     # ------------------------------------------------------------------ display
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
-        bundle = self._box._repr_mimebundle_(**kwargs)
-        bundle["text/plain"] = self.text()
-        return bundle
+        return widget_bundle(self._box, self.text())
 
 
 def status_observer(num_processes: int, *, prefer: Literal["widget", "text"] = "widget",

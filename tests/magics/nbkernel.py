@@ -19,16 +19,18 @@ class NotebookKernel:
     ``OMP_NUM_THREADS=1``, so tests never touch the user's config.
     """
 
-    def __init__(self, config_file: Path, timeout: int = 120) -> None:
+    def __init__(self, config_file: Path, timeout: int = 120, *, first_on_path: Path | None = None) -> None:
         self.config_file = config_file
+        self.first_on_path = first_on_path  # a folder whose packages shadow the venv's (another ipywidgets)
         self.nb = nbformat.v4.new_notebook()
         self.nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
         self.client = NotebookClient(self.nb, timeout=timeout, allow_errors=True, kernel_name="python3")
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> NotebookKernel:
+        path = [str(self.first_on_path)] if self.first_on_path else []
         env = dict(os.environ, NBACCEL_CONFIG_FILE=str(self.config_file), OMP_NUM_THREADS="1",
-                   PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+                   PYTHONPATH=os.pathsep.join([*path, str(Path(__file__).resolve().parents[2])]))
         self._stack.enter_context(self.client.setup_kernel(env=env))
         return self
 

@@ -53,8 +53,12 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-def lab(tmp_path: Path) -> Iterator[tuple[str, Path, Path]]:
-    """A JupyterLab server on loopback, rooted at a fresh folder with its own config file."""
+def lab(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[str, Path, Path]]:
+    """A JupyterLab server on loopback, rooted at a fresh folder with its own config file.
+
+    Its notebook holds the cells given as the fixture's parameter (``indirect``), else
+    ``%load_ext nbaccel``, ``%accel_config`` and ``PROBE``.
+    """
     _require_browser_stack()
     config_file = tmp_path / "nbaccel_config.yaml"
     jupyter_config = tmp_path / "jupyter_config"
@@ -65,8 +69,9 @@ def lab(tmp_path: Path) -> Iterator[tuple[str, Path, Path]]:
     notebooks.mkdir()
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nb.cells = [nbformat.v4.new_code_cell("%load_ext nbaccel"), nbformat.v4.new_code_cell("%accel_config"),
-                nbformat.v4.new_code_cell(PROBE)]
+    param = getattr(request, "param", None) or {}
+    sources = param.get("cells") or ["%load_ext nbaccel", "%accel_config", PROBE]
+    nb.cells = [nbformat.v4.new_code_cell(source) for source in sources]
     nbformat.write(nb, notebooks / "panel.ipynb")
     port, token = _free_port(), secrets.token_hex(16)
     env = dict(os.environ, NBACCEL_CONFIG_FILE=str(config_file), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
@@ -157,6 +162,52 @@ def test_panel_edits_save_the_yaml_and_the_next_launch_uses_them(lab):
             _run_cell(page, 2, wait_ms=120_000)
             expect(probe.locator(".jp-OutputArea-executeResult")).to_contain_text("(2, 'bf16')", timeout=90_000)
             assert load_config(config_file).num_processes == 3
+        except BaseException:
+            page.screenshot(path=str(ARTIFACTS / "browser_failure.png"), full_page=True)
+            raise
+        finally:
+            browser.close()
+
+
+SLOW_LAUNCH = ("%%accel_launch -n 2\n"
+               "import os, time\n"
+               "for i in range(3):\n"
+               "    print('rank', os.environ['RANK'], 'tick', i, flush=True)\n"
+               "time.sleep(20)\n")
+
+
+# On ipywidgets 8 only: JupyterLab 4's widget manager renders no ipywidgets 7 widget at all
+# ("Module @jupyter-widgets/controls, version ^1.5.0 is not registered, however, 2.0.0 is"), so
+# 7.7.1 is tested in a real kernel instead (tests/widgets/test_panels_kernel.py).
+@pytest.mark.parametrize("lab", [{"cells": ["%load_ext nbaccel", SLOW_LAUNCH]}], indirect=True)
+def test_a_ranks_output_shows_when_opened_while_the_launch_runs(lab):
+    import re
+
+    from playwright.sync_api import expect, sync_playwright
+
+    url, _, _ = lab
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        page = browser.new_page(viewport={"width": 1280, "height": 1000})
+        try:
+            page.goto(url)
+            page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=60_000)
+            expect(page.get_by_text("Python 3 (ipykernel) | Idle")).to_be_visible(timeout=60_000)
+            _run_cell(page, 0)
+            cell = page.locator(".jp-Notebook .jp-Cell").nth(1)
+            cell.locator(".jp-InputArea-editor").click()
+            page.keyboard.press("Shift+Enter")
+            panel = cell.locator(".nbaccel-status")
+            expect(panel).to_contain_text("running", timeout=30_000)
+            expect(cell.locator(".nbaccel-ranks")).to_contain_text("tick 2", timeout=15_000)
+            started = time.monotonic()
+            panel.locator(".jupyter-widget-Collapse-header, .p-Collapse-header").first.click()
+            # The kernel is busy in the launch: the section must show what the frontend already holds.
+            expect(panel.locator(".nbaccel-output-rank0")).to_contain_text("rank 0 tick 2", timeout=5_000)
+            assert time.monotonic() - started < 5
+            expect(cell.locator(".jp-InputPrompt")).to_have_text(re.compile(r"\[\*\]"))  # still running
+            panel.screenshot(path=str(ARTIFACTS / "status_panel_running.png"))
         except BaseException:
             page.screenshot(path=str(ARTIFACTS / "browser_failure.png"), full_page=True)
             raise

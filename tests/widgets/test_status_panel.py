@@ -51,6 +51,26 @@ def test_redraws_are_batched_while_lines_pour_in():
     assert "... 3000 earlier lines not shown" in final and "line 4999" in final
 
 
+def test_every_ranks_output_is_in_the_frontend_before_anyone_opens_it():
+    # Opening a section is a message the kernel reads only after the cell: the text must be there already.
+    panel = StatusPanel(2, interval=10.0)
+    LaunchStatus.on_launch(panel, [0, 1], "fork")
+    sent = {0: [], 1: []}
+    for rank, child in enumerate(panel._outputs.children):
+        child.observe(lambda change, rank=rank: sent[rank].append(change["new"]), names="value")
+    for i in range(3):
+        panel.on_output(0, "stdout", f"rank 0 step {i}")
+    panel.on_output(1, "stderr", "rank 1 warning")
+    panel.draw()  # what the ticker does while the launch runs
+    assert panel._outputs.selected_index is None
+    assert "rank 0 step 2" in panel._outputs.children[0].value
+    assert "rank 1 warning" in panel._outputs.children[1].value
+    panel.on_output(1, "stdout", "rank 1 step 0")
+    panel.draw()
+    assert len(sent[0]) == 1 and len(sent[1]) == 2  # only ranks with new lines are sent again
+    panel.on_end(True)
+
+
 def test_text_status_prints_the_summary_when_the_launch_ends(capsys):
     status = TextStatus(2, "plain")
     status.on_launch([0, 1], "spawn")

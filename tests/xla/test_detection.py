@@ -126,15 +126,44 @@ def test_probe_failure_and_timeout_are_launch_errors(monkeypatch):
         xla_replica_count()  # an unknown device type goes to the probe, which fails
 
 
-def test_check_refuses_spawn_and_impossible_counts(devices):
+def test_check_refuses_spawn(devices):
     devices(2)
     with pytest.raises(ConfigError) as info:
         check_xla_launch(None, "spawn")
     assert info.value.key == "start_method"
-    with pytest.raises(ConfigError) as info:
-        check_xla_launch(3, None)
-    assert info.value.key == "num_processes" and info.value.valid == [1, 2]
-    assert check_xla_launch(None, "fork") == 2 and check_xla_launch(1, None) == 1
+    assert check_xla_launch(None, "fork") == (2, None) and check_xla_launch(1, None) == (1, None)
+
+
+def test_the_cpu_runtime_runs_any_count(devices):
+    devices(2)
+    assert check_xla_launch(3, None) == (3, None)
+
+
+@pytest.mark.parametrize("device_id,chips,asked,ran", [
+    ("0x0063", 1, 8, 1),  # a notebook written for a v3-8 on a v5e-1
+    ("0x005e", 4, 8, 4),  # ... on a v4-8
+    ("0x0027", 4, 4, 8),  # 4 (chips) on a v3-8: its 8 cores
+    ("0x0063", 4, 2, 4),  # fewer than all: torch_xla cannot, every device runs
+])
+def test_num_processes_on_a_tpu_runs_every_device_and_says_so(tmp_path, device_id, chips, asked, ran):
+    root = fake_machine(tmp_path, chips=chips, device_id=device_id)
+    count, note = check_xla_launch(asked, None, {"PJRT_DEVICE": "TPU"}, root=root)
+    assert count == ran
+    assert f"num_processes={asked}" in note and f"running {ran}" in note
+    assert check_xla_launch(1, None, {"PJRT_DEVICE": "TPU"}, root=root) == (1, None)
+    assert check_xla_launch(ran, None, {"PJRT_DEVICE": "TPU"}, root=root) == (ran, None)
+
+
+@pytest.mark.parametrize("env", [{"TPU_NAME": "local"}, {"COLAB_TPU_ADDR": "10.0.0.2:8470"},
+                                 {"PJRT_DEVICE": "TPU"}, {"PJRT_DEVICE": "TPU", "TPU_ACCELERATOR_TYPE": "v5e-1"}])
+def test_a_tpu_known_only_from_the_environment_is_refused(tmp_path, env):
+    no_chips = fake_machine(tmp_path)
+    with pytest.raises(EnvironmentStateError, match="no TPU chip is visible") as info:
+        check_xla_launch(None, None, env, root=no_chips)
+    assert f"{next(iter(env))}=" in str(info.value) and "PJRT_DEVICE=CPU" in str(info.value)
+    with_chips = fake_machine(tmp_path / "vm", chips=1)
+    assert check_xla_launch(None, None, env, root=with_chips) == (1, None)
+    assert check_xla_launch(None, None, env | {"PJRT_DEVICE": "CPU"}, root=no_chips) == (1, None)
 
 
 def test_missing_torch_xla_is_named(tmp_path):

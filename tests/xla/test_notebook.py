@@ -27,5 +27,6 @@ def test_tpu_notebook_runs_on_the_cpu_runtime(monkeypatch, tmp_path):
     assert "replicas: 2" in text
     assert "[rank0]: replica 0 of 2 on xla:0" in text and "[rank1]: replica 1 of 2 on xla:1" in text
     assert "learned: [2.0, -3.0, 0.5]" in text
+    assert "after set_seed, XLA runtime initialized here: False" in text  # and the launches after it ran
     assert "answer from rank 0: 42" in text
     assert "raised here: ValueError('a bug in replica code'); root cause: rank 0" in text

@@ -1,0 +1,60 @@
+"""The panels in a real kernel on ipywidgets 8 and on 7.7.1, the version Colab imports at kernel start.
+
+ipywidgets 7.7.1 (with ``ipython_genutils``, its one import that 8 dropped) is installed once
+with pip into a folder put first on the kernel's ``PYTHONPATH``, so it shadows the venv's 8;
+the test is skipped when the package registry cannot be reached.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.magics.nbkernel import NotebookKernel, displays, error, stream_text
+
+pytestmark = pytest.mark.timeout(300)
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
+@pytest.fixture(scope="module")
+def ipywidgets_7(tmp_path_factory) -> Path:
+    folder = Path.home() / ".cache" / "nbaccel-tests" / "ipywidgets-7.7.1"
+    if not (folder / "ipywidgets" / "__init__.py").exists():
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                               "--no-deps", "--target", str(folder), "ipywidgets==7.7.1", "ipython_genutils"],
+                              capture_output=True, text=True, timeout=240)
+        if done.returncode != 0:
+            pytest.skip(f"could not install ipywidgets 7.7.1: {done.stderr.strip().splitlines()[-1:]}")
+    return folder
+
+
+@pytest.fixture(scope="module", params=["8", "7.7.1"])
+def kernel(request, tmp_path_factory):
+    shadow = request.getfixturevalue("ipywidgets_7") if request.param == "7.7.1" else None
+    config = tmp_path_factory.mktemp("kernel") / "nbaccel_config.yaml"
+    with NotebookKernel(config, first_on_path=shadow) as nb:
+        cell = nb.run("import ipywidgets\nprint(ipywidgets.__version__)\n%load_ext nbaccel")
+        assert error(cell) is None, cell.outputs
+        assert stream_text(cell).split(".")[0] == request.param.split(".")[0], stream_text(cell)
+        yield nb
+
+
+def test_accel_config_renders_as_a_widget(kernel):
+    cell = kernel.run("%accel_config")
+    assert error(cell) is None, cell.outputs
+    assert "AttributeError" not in stream_text(cell, "stderr")
+    (bundle,) = displays(cell)
+    assert bundle[WIDGET_VIEW]["model_id"] and "num_processes: auto" in bundle["text/plain"]
+
+
+def test_launch_status_panel_renders_as_a_widget(kernel):
+    cell = kernel.run("%%accel_launch -n 2\nimport os\nprint('step', os.environ['RANK'])\n")
+    assert error(cell) is None, cell.outputs
+    assert "AttributeError" not in stream_text(cell, "stderr")
+    panels = [d for d in displays(cell) if WIDGET_VIEW in d]
+    assert panels and "[rank1] finished" in panels[-1]["text/plain"]
+    assert "[rank0]: step 0" in stream_text(cell)
