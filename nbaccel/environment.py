@@ -30,12 +30,13 @@ from nbaccel.errors import ConfigError
 __all__ = [
     "DistributedEnv",
     "MixedPrecision",
+    "TPU_ENV_SIGNS",
     "WorkerSettings",
     "apply_environment",
+    "child_base_environment",
     "config_file_path",
     "cpu_count",
     "cuda_device_count",
-    "child_base_environment",
     "cuda_initialized",
     "fork_unsafe_reason",
     "in_colab",
@@ -48,6 +49,7 @@ __all__ = [
     "temporary_environment",
     "tpu_detected",
     "tpu_device_files",
+    "tpu_pci_device_ids",
     "worker_environment",
     "xla_installed",
     "xla_runtime_initialized",
@@ -367,13 +369,14 @@ def xla_runtime_initialized() -> bool:
     return bool(probe()) if probe is not None else False
 
 
-_TPU_ENV_SIGNS = ("TPU_ACCELERATOR_TYPE", "TPU_NAME", "TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES",
-                  "TPU_PROCESS_BOUNDS", "COLAB_TPU_ADDR", "XRT_TPU_CONFIG")
+TPU_ENV_SIGNS = ("TPU_ACCELERATOR_TYPE", "TPU_NAME", "TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES",
+                 "TPU_PROCESS_BOUNDS", "COLAB_TPU_ADDR", "XRT_TPU_CONFIG")
+"""Environment variables whose presence says this is a TPU machine."""
 _GOOGLE_PCI_VENDOR = "0x1ae0"
 _TPU_PCI_DEVICE_IDS = ("0x0027", "0x005e", "0x0063", "0x006f", "0x0056", "0x0062", "0x0076")  # torch_xla's list
 
 
-def _tpu_pci_device_ids(root: str = "/") -> list[str]:
+def tpu_pci_device_ids(root: str = "/") -> list[str]:
     """PCI device ids of the TPU chips on this machine (Google's vendor id, torch_xla's device ids)."""
     found = []
     for vendor_path in sorted(glob.glob(os.path.join(root, "sys/bus/pci/devices/*/vendor"))):
@@ -417,9 +420,9 @@ def tpu_detected(env: Mapping[str, str] | None = None, *, root: str = "/") -> bo
     pjrt = env.get("PJRT_DEVICE", "").strip().upper()
     if pjrt:
         return pjrt.split("_")[0] == "TPU"
-    if any(env.get(k) for k in _TPU_ENV_SIGNS):
+    if any(env.get(k) for k in TPU_ENV_SIGNS):
         return True
-    if _tpu_pci_device_ids(root):
+    if tpu_pci_device_ids(root):
         return True
     return bool(glob.glob(os.path.join(root, "dev/accel[0-9]*")))  # not vfio: GPU passthrough uses it too
 

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from collections.abc import Mapping
 
-from nbaccel.environment import (_TPU_ENV_SIGNS, _tpu_pci_device_ids, tpu_device_files, xla_installed,
+from nbaccel.environment import (TPU_ENV_SIGNS, tpu_device_files, tpu_pci_device_ids, xla_installed,
                                  xla_runtime_initialized)
 from nbaccel.errors import ConfigError, EnvironmentStateError, LaunchError, MissingDependencyError
 
@@ -26,7 +26,7 @@ _PROBE = ("import torch_xla.runtime as xr, torch_xla.core.xla_model as xm; "
 
 def _tpu_chips(root: str = "/") -> list[int]:
     """XLA devices per TPU chip on the PCI bus, one entry per chip."""
-    return [_CORES_PER_CHIP.get(device, 1) for device in _tpu_pci_device_ids(root)]
+    return [_CORES_PER_CHIP.get(device, 1) for device in tpu_pci_device_ids(root)]
 
 
 def _positive_env_int(env: Mapping[str, str], name: str) -> int | None:
@@ -155,7 +155,7 @@ def check_xla_launch(num_processes: int | None, start_method: str | None,
 def _check_tpu_visible(env: Mapping[str, str], root: str) -> None:
     """Refuse a TPU launch that would silently run on torch_xla's CPU runtime: TPU variables, no chip."""
     pjrt = env.get("PJRT_DEVICE", "").strip().upper().split("_")[0]
-    signs = [f"{k}={env[k]}" for k in _TPU_ENV_SIGNS if env.get(k)]
+    signs = [f"{k}={env[k]}" for k in TPU_ENV_SIGNS if env.get(k)]
     if pjrt not in ("", "TPU") or not (signs or pjrt == "TPU") or _tpu_chips(root) or tpu_device_files(root):
         return
     said = ", ".join(([f"PJRT_DEVICE={env['PJRT_DEVICE']}"] if pjrt else []) + signs)

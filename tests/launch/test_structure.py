@@ -55,10 +55,9 @@ def test_no_import_cycle_in_the_launching_side():
 
 def test_no_private_name_is_imported_across_modules():
     modules = _modules()
-    known = {("nbaccel.launch.xla_topology", "_tpu_pci_device_ids")}  # issue 19 reworks TPU detection there
     crossing = {(m, name) for m, p in modules.items() if _checked(m)
                 for _, name in _imports(p, modules) if name.startswith("_") and not name.endswith("__")}
-    assert crossing <= known, sorted(crossing - known)
+    assert crossing == set(), sorted(crossing)
 
 
 def test_the_state_asks_the_identity_not_a_launcher():
