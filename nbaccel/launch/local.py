@@ -36,7 +36,10 @@ class LocalLauncher:
         function, args, kwargs = request.function, request.args, request.kwargs
         payload = dumps_payload(function, args, kwargs) if plan.start_method == "spawn" else None  # fail early
         if payload is None and (may_build_ddp(function) if request.warm_imports is None else request.warm_imports):
-            start_warmup()  # overlaps with the preparation below; joined before the fork
+            start_warmup()
+        # Joined before anything else starts: the import must not run beside the rendezvous store's
+        # threads, and no fork may happen in the middle of an import.
+        finish_warmup()
         observer = request.observer
         store = LoopbackStore(port=request.config.main_process_port or 0) if n > 1 else None
         files = SpawnFiles() if payload is not None else None
@@ -55,7 +58,6 @@ class LocalLauncher:
                 if files is not None:
                     handles = start_spawned(function, args, kwargs, envs, files, payload=payload)
                 else:
-                    finish_warmup()  # never fork in the middle of an import
                     handles = start_forked(function, args, kwargs, envs,
                                            inherited_fds=[store.listen_fd] if store is not None else [])
                 policy = SupervisorPolicy(timeout=request.config.timeout, hang_timeout=request.hang_timeout)

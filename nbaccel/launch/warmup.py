@@ -7,7 +7,7 @@ second for nothing on its first launch, so the import happens:
 
 - in a background thread started when the extension loads (``%load_ext nbaccel``), while the
   user is still typing; and at the start of a launch whose function looks like it builds a
-  model (:func:`may_build_ddp`), overlapping the launch's own preparation;
+  model (:func:`may_build_ddp`), finished before the launch creates anything else;
 - never on the path of a launch that does not need it.
 
 Forking while another thread is in the middle of an import would leave the child with a
