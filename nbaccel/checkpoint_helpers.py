@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from nbaccel import checkpointing, training_state
+from nbaccel import checkpointing, state_loading, training_state
 from nbaccel.errors import ConfigError
 from nbaccel.file_size import convert_file_size_to_int
 from nbaccel.plugins import FullyShardedDataParallelPlugin, ProjectConfiguration
@@ -168,7 +168,7 @@ class CheckpointHelpers:
         Example:
             >>> accelerator.load_state("ckpt/step_100")   # doctest: +SKIP
         """
-        loaded = training_state.load_accelerator_state(self.prepared, self._checkpoint_context(), input_dir, strict,
+        loaded = state_loading.load_accelerator_state(self.prepared, self._checkpoint_context(), input_dir, strict,
                                                        load_kwargs)
         if loaded.step is not None:
             self.step = loaded.step
