@@ -36,6 +36,9 @@ def test_configs_and_worker_settings_hold_the_one_distributed_type(tmp_path):
     with pytest.raises(nbaccel.ConfigError) as info:
         WorkerSettings(distributed_type="MULTI_NPU")
     assert info.value.key == "distributed_type" and "FSDP" in info.value.valid
+    with pytest.raises(nbaccel.ConfigError) as info:
+        LaunchConfig(distributed_type="BOGUS")
+    assert info.value.key == "distributed_type" and info.value.valid == tuple(t.value for t in nbaccel.DistributedType)
 
 
 def _states() -> dict:
