@@ -99,12 +99,13 @@ def check_fits(model: torch.nn.Module, weights: Mapping[str, torch.Tensor], stri
     """
     own = model.state_dict(keep_vars=True)
     shapes = {n: (tuple(w.shape), tuple(own[n].shape)) for n, w in weights.items()
-              if n in own and tuple(w.shape) != tuple(own[n].shape)}
+              if n in own and torch.is_tensor(w) and torch.is_tensor(own[n]) and w.shape != own[n].shape}
     missing: list[str] = []
     unexpected: list[str] = []
-    if strict:
-        present = {_alias_key(t) for n, t in own.items() if n in weights}
-        missing = [n for n in own if n not in weights and _alias_key(own[n]) not in present]
+    if strict:  # a module's `_extra_state` may be any object: only tensors can be tied aliases
+        present = {_alias_key(t) for n, t in own.items() if n in weights and torch.is_tensor(t)}
+        missing = [n for n in own if n not in weights and not (torch.is_tensor(own[n])
+                                                                 and _alias_key(own[n]) in present)]
         unexpected = [n for n in weights if n not in own]
     if not (shapes or missing or unexpected):
         return
