@@ -39,8 +39,11 @@ if hasattr(np, "dtypes"):
 
 
 def _unsafe(path: Path, exc: pickle.UnpicklingError) -> UnsafeCheckpointError:
-    found = re.search(r"GLOBAL (\S+)", str(exc))
-    what = f"it names {found.group(1)}" if found else "it holds an object torch does not allow"
+    text = str(exc)
+    found = re.search(r"GLOBAL (\S+)", text)
+    reason = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", text)
+    what = (f"it names {found.group(1)}" if found else f"the weights-only unpickler stopped at: {reason.group(1)}"
+            if reason else "it holds an object torch does not allow")
     return UnsafeCheckpointError(
         f"refused to load {str(path)!r}: it is a pickle that holds more than tensors, numbers and "
         f"containers, and loading it would run code ({what}). Nothing from it was run, and nothing was "
@@ -79,5 +82,5 @@ def load_state_file(path: Path, load_kwargs: Mapping[str, Any] | None = None) ->
         raise CheckpointError(f"cannot read {str(path)!r}: {exc}. Fix: save the checkpoint again, or load an "
                               "earlier one", path=str(path)) from None
     except (RuntimeError, EOFError, ValueError, struct.error, zipfile.BadZipFile, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"cannot read {str(path)!r} (truncated or corrupt?): {exc}. Fix: save the "
-                              "checkpoint again, or load an earlier one", path=str(path)) from None
+        raise CheckpointError(f"cannot read {str(path)!r} (truncated or corrupt?): {str(exc) or repr(exc)}. "
+                              "Fix: save the checkpoint again, or load an earlier one", path=str(path)) from None
