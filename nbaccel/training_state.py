@@ -1,9 +1,10 @@
-"""`save_state` / `load_state`: what an Accelerator prepared, written to and read from a checkpoint folder.
+"""`save_state`: what an Accelerator prepared, written to a checkpoint folder (and where that folder is).
 
 The functions here are given everything they use: the :class:`~nbaccel.prepared.PreparedObjects`
 registry and a :class:`CheckpointContext` (the process, the project configuration, the fp16
 scaler, the accumulation counter). They never reach into an Accelerator. The file layout
-(Accelerate's names) and the atomic folder swap are :mod:`nbaccel.checkpointing`'s.
+(Accelerate's names) and the atomic folder swap are :mod:`nbaccel.checkpointing`'s; reading a
+folder back is :mod:`nbaccel.state_loading`'s.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from nbaccel.random import capture_rng_state
 from nbaccel.state import ProcessState
 from nbaccel.unwrap import unwrap_model
 
-__all__ = ["CheckpointContext", "LoadedState", "checkpoint_folder", "engine_owned", "load_accelerator_state",
-           "model_state_dict", "save_accelerator_state"]
+__all__ = ["CheckpointContext", "LoadedState", "checkpoint_folder", "engine_owned", "model_state_dict",
+           "save_accelerator_state"]
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class CheckpointContext:
 
 @dataclass(frozen=True)
 class LoadedState:
-    """What :func:`load_accelerator_state` read besides the objects' states.
+    """What :func:`nbaccel.state_loading.load_accelerator_state` read besides the objects' states.
 
     Args:
         path: the checkpoint folder read.
@@ -236,11 +237,3 @@ def save_accelerator_state(prepared: PreparedObjects, context: CheckpointContext
         project.iteration += 1
     _prune(context)
     return folder
-
-
-def load_accelerator_state(prepared: PreparedObjects, context: CheckpointContext, input_dir: str | Path | None,
-                           strict: bool = True, load_kwargs: dict[str, Any] | None = None) -> LoadedState:
-    """Restore what :func:`save_accelerator_state` wrote: see :func:`nbaccel.state_loading.load_accelerator_state`."""
-    from nbaccel.state_loading import load_accelerator_state as load
-
-    return load(prepared, context, input_dir, strict, load_kwargs)
