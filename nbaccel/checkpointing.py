@@ -80,10 +80,13 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _alias_key(tensor: torch.Tensor) -> tuple[Any, ...]:
-    """What tied names share: the storage on CPU/CUDA; on XLA (no storage pointers) the tensor object."""
+    """What tied names share: the storage on CPU/CUDA; on XLA and for DTensors (no storage pointers) the object."""
     if tensor.device.type == "xla":
         return ("xla", id(tensor))
-    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+    try:
+        return (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+    except RuntimeError:  # a DTensor (FSDP2) has no storage of its own: tied names share the parameter object
+        return ("object", id(tensor))
 
 
 def check_fits(model: torch.nn.Module, weights: Mapping[str, torch.Tensor], strict: bool = True,

@@ -86,11 +86,11 @@ def _plan_models(prepared: PreparedObjects, source: Path, strict: bool, load_kwa
         safe = source / numbered_name("model", i, "safetensors")
         path = safe if safe.exists() else _need(source / numbered_name("pytorch_model", i, "bin"))
         weights = _read_weights(path, load_kwargs)
+        target = model if is_fsdp_model(model) else unwrap_model(model, keep_torch_compile=False)
+        check_fits(target, weights, strict=strict, path=path)  # an FSDP model's DTensors have the full shapes
         if is_fsdp_model(model):
             steps.append(lambda m=model, w=weights: load_full_model_state_dict(m, w))
         else:
-            target = unwrap_model(model, keep_torch_compile=False)
-            check_fits(target, weights, strict=strict, path=path)
             steps.append(lambda m=target, w=weights: load_into(m, w, strict=strict))
     return engines + steps
 

@@ -103,3 +103,34 @@ def test_strict_false_still_refuses_shapes_but_loads_what_fits(saved):
     trainer.accelerator.load_state(saved, strict=False)
     assert torch.equal(trainer.accelerator.unwrap_model(trainer.model).fc1.weight, weights["fc1.weight"])
     assert isinstance(trainer.accelerator.unwrap_model(trainer.model), TinyMLP)
+
+
+def _fsdp_refused_load(folder: str) -> dict:
+    from tests.training.helpers import BlockStack, model_and_optimizer
+
+    accelerator = nbaccel.Accelerator(fsdp_plugin=nbaccel.FullyShardedDataParallelPlugin())
+    model, optimizer = accelerator.prepare(*model_and_optimizer(kind=BlockStack, momentum=0.9))
+    accelerator.save_state(folder)
+    if accelerator.is_main_process:
+        weights = load_file(f"{folder}/model.safetensors")
+        name = sorted(weights)[0]
+        weights[name] = torch.zeros(*weights[name].shape, 2)
+        save_file(weights, f"{folder}/model.safetensors")
+    accelerator.wait_for_everyone()
+    before = accelerator.get_state_dict(model)
+    try:
+        accelerator.load_state(folder)
+    except nbaccel.CheckpointMismatchError as exc:
+        error = (exc.path, sorted(exc.mismatched_shapes))
+    after = accelerator.get_state_dict(model)
+    return {"error": error, "unchanged": all(torch.equal(before[k], after[k]) for k in before)}
+
+
+def test_an_fsdp_model_refuses_a_shape_mismatch_on_every_rank_unchanged(tmp_path):
+    from tests.training.helpers import launch
+
+    results = launch(_fsdp_refused_load, 2, str(tmp_path / "ckpt"))
+    for rank in (0, 1):
+        path, names = results[rank]["error"]
+        assert path == str(tmp_path / "ckpt" / "model.safetensors") and len(names) == 1
+        assert results[rank]["unchanged"]
