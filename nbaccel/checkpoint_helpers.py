@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from nbaccel import checkpointing, training_state
+from nbaccel import checkpointing, state_loading, training_state
 from nbaccel.errors import ConfigError
 from nbaccel.file_size import convert_file_size_to_int
 from nbaccel.plugins import FullyShardedDataParallelPlugin, ProjectConfiguration
@@ -142,7 +142,10 @@ class CheckpointHelpers:
     def save_state(self, output_dir: str | Path | None = None, safe_serialization: bool = True) -> str:
         """Save models, optimizers, schedulers, dataloaders, scaler, RNG states and registered objects.
 
-        Atomic: a crash mid-save leaves the previous checkpoint in ``output_dir`` whole. With
+        Atomic: a crash at any point of a save (or of two in a row) leaves a complete checkpoint
+        that :meth:`load_state` finds, the previous one or the new one. Everything written loads
+        with ``weights_only=True``; a registered object whose ``state_dict()`` holds other
+        objects gets a warning, since :meth:`load_state` would refuse it by default. With
         ``ProjectConfiguration(automatic_checkpoint_naming=True)`` and no ``output_dir``, the folder
         is ``project_dir/checkpoints/checkpoint_<save_iteration>``, as in Accelerate.
 
@@ -157,18 +160,30 @@ class CheckpointHelpers:
 
     def load_state(self, input_dir: str | Path | None = None, load_kwargs: dict[str, Any] | None = None,
                    strict: bool = True) -> str:
-        """Restore everything :meth:`save_state` wrote (default: the latest automatic checkpoint).
+        """Restore everything :meth:`save_state` wrote (default: the latest complete automatic checkpoint).
+
+        Safe by default: every file is loaded with ``weights_only=True`` (tensors, numbers,
+        strings, containers and NumPy arrays only), so a hostile folder runs no code; and every
+        file is read and checked before anything changes, so a refused load leaves the models,
+        optimizers, schedulers and registered objects as they were.
 
         Args:
             input_dir: the checkpoint folder.
-            load_kwargs: extra keyword arguments for ``torch.load`` of the optimizer, scheduler and
-                dataloader states (as in Accelerate).
+            load_kwargs: extra keyword arguments for ``torch.load`` of every pickle file (as in
+                Accelerate, where they reach the optimizer, scheduler and dataloader files).
+                ``{"weights_only": False}`` allows full unpickling: only for folders you trust.
             strict: model keys must match the checkpoint's exactly.
+
+        Raises:
+            UnsafeCheckpointError: a file would run code when loaded (it names the file and the opt-in).
+            CheckpointMismatchError: the checkpoint does not fit a model or optimizer (file, keys, shapes).
+            CheckpointError: no complete checkpoint there, or a file is missing, truncated or corrupt.
 
         Example:
             >>> accelerator.load_state("ckpt/step_100")   # doctest: +SKIP
+            >>> accelerator.load_state("downloaded", load_kwargs={"weights_only": False})   # doctest: +SKIP
         """
-        loaded = training_state.load_accelerator_state(self.prepared, self._checkpoint_context(), input_dir, strict,
+        loaded = state_loading.load_accelerator_state(self.prepared, self._checkpoint_context(), input_dir, strict,
                                                        load_kwargs)
         if loaded.step is not None:
             self.step = loaded.step

@@ -24,8 +24,8 @@ import torch
 from nbaccel.errors import CheckpointError, CheckpointMismatchError
 from nbaccel.file_size import convert_file_size_to_int
 
-__all__ = ["MARKER", "load_into", "numbered_name", "read_weights", "resolve_checkpoint", "save_model_shards",
-           "save_state_folder", "write_weights"]
+__all__ = ["MARKER", "check_fits", "load_into", "numbered_name", "read_weights", "remove_checkpoint",
+           "resolve_checkpoint", "save_model_shards", "save_state_folder", "write_weights"]
 
 MARKER = "nbaccel_checkpoint.json"
 SAFE_WEIGHTS = "model.safetensors"
@@ -80,29 +80,57 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _alias_key(tensor: torch.Tensor) -> tuple[Any, ...]:
-    """What tied names share: the storage on CPU/CUDA; on XLA (no storage pointers) the tensor object."""
+    """What tied names share: the storage on CPU/CUDA; on XLA and for DTensors (no storage pointers) the object."""
     if tensor.device.type == "xla":
         return ("xla", id(tensor))
-    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+    try:
+        return (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+    except RuntimeError:  # a DTensor (FSDP2) has no storage of its own: tied names share the parameter object
+        return ("object", id(tensor))
+
+
+def check_fits(model: torch.nn.Module, weights: Mapping[str, torch.Tensor], strict: bool = True,
+               path: Path | None = None) -> None:
+    """Refuse ``weights`` that ``model`` cannot take, before any of it is loaded.
+
+    Shapes must match always (``load_state_dict`` refuses them even with ``strict=False``, after
+    loading the others); with ``strict``, no key may be missing or unexpected, where a name missing
+    only because it is a tied alias of a loaded tensor is fine.
+
+    Raises:
+        CheckpointMismatchError: naming the file, the keys and the shapes; ``model`` is unchanged.
+    """
+    own = model.state_dict(keep_vars=True)
+    shapes = {n: (tuple(w.shape), tuple(own[n].shape)) for n, w in weights.items()
+              if n in own and torch.is_tensor(w) and torch.is_tensor(own[n]) and w.shape != own[n].shape}
+    missing: list[str] = []
+    unexpected: list[str] = []
+    if strict:  # a module's `_extra_state` may be any object: only tensors can be tied aliases
+        present = {_alias_key(t) for n, t in own.items() if n in weights and torch.is_tensor(t)}
+        missing = [n for n in own if n not in weights and not (torch.is_tensor(own[n])
+                                                                 and _alias_key(own[n]) in present)]
+        unexpected = [n for n in weights if n not in own]
+    if not (shapes or missing or unexpected):
+        return
+    where = f"{str(path)!r}" if path is not None else "the checkpoint"
+    parts = [f"{n}: {saved} in the file, {mine} in the model" for n, (saved, mine) in list(shapes.items())[:5]]
+    raise CheckpointMismatchError(
+        f"{where} does not fit {type(model).__name__}, so nothing was loaded: "
+        + (f"shape mismatches ({len(shapes)}): {'; '.join(parts)}; " if shapes else "")
+        + (f"missing keys {missing}; " if missing else "") + (f"unexpected keys {unexpected}; " if unexpected else "")
+        + "Fix: load it into the model it was saved from" + (", or pass strict=False" if not shapes else ""),
+        path=str(path) if path is not None else None, missing_keys=tuple(missing),
+        unexpected_keys=tuple(unexpected), mismatched_shapes=shapes)
 
 
 def load_into(model: torch.nn.Module, weights: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-    """Load ``weights`` into ``model``; names missing only because they were tied aliases are fine.
+    """Load ``weights`` into ``model`` after :func:`check_fits`; tied aliases missing from the file are fine.
 
     Raises:
-        CheckpointMismatchError: keys are missing or unexpected (with ``strict``).
+        CheckpointMismatchError: keys are missing or unexpected (with ``strict``), or shapes differ.
     """
-    result = model.load_state_dict(weights, strict=False)
-    if not strict:
-        return
-    own = model.state_dict(keep_vars=True)
-    present = {_alias_key(t) for n, t in own.items() if n in weights}
-    missing = [n for n in result.missing_keys if _alias_key(own[n]) not in present]
-    if missing or result.unexpected_keys:
-        raise CheckpointMismatchError(
-            f"the checkpoint does not fit {type(model).__name__}: missing keys {missing}, unexpected keys "
-            f"{list(result.unexpected_keys)}; load it into the model it was saved from, or pass strict=False",
-            missing_keys=tuple(missing), unexpected_keys=tuple(result.unexpected_keys))
+    check_fits(model, weights, strict)
+    model.load_state_dict(weights, strict=False)
 
 
 def save_model_shards(state_dict: Mapping[str, Any], save_directory: Path, max_shard_size: int | str = "10GB",
@@ -149,10 +177,33 @@ def save_model_shards(state_dict: Mapping[str, Any], save_directory: Path, max_s
 
 
 # --------------------------------------------------------------------------- atomic folders
+#
+# A save moves through these filesystem states (F the folder, T and O its hidden siblings);
+# at every point between two steps one complete checkpoint exists, and a later save or load finds it:
+#
+#   recover: F missing and O (or T) complete -> rename it to F    (a crash between the renames)
+#   remove T, mkdir T, every rank writes into T, marker into T    (F untouched)
+#   remove O (marker first)                                       (F complete)
+#   rename F -> O                                                 (O complete)
+#   rename T -> F                                                 (F and O complete)
+#   remove O (marker first)                                       (F complete)
 
 
 def _siblings(folder: Path) -> tuple[Path, Path]:
     return folder.with_name(f".{folder.name}.nbaccel-tmp"), folder.with_name(f".{folder.name}.nbaccel-old")
+
+
+def _is_complete(folder: Path) -> bool:
+    return (folder / MARKER).is_file()
+
+
+def remove_checkpoint(folder: Path) -> None:
+    """Delete a checkpoint folder, its marker first: a crash midway never leaves a folder that looks complete."""
+    marker = folder / MARKER
+    if marker.is_file():
+        marker.unlink()
+        _fsync_dir(folder)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def resolve_checkpoint(folder: Path) -> Path:
@@ -161,17 +212,31 @@ def resolve_checkpoint(folder: Path) -> Path:
     Raises:
         CheckpointError: no complete checkpoint is there.
     """
-    _, old = _siblings(folder)
-    if (folder / MARKER).is_file():
+    tmp, old = _siblings(folder)
+    if _is_complete(folder):
         return folder
-    if not folder.exists() and (old / MARKER).is_file():
-        return old  # crashed between the two renames: the previous checkpoint is whole
+    if not folder.exists():
+        for left in (old, tmp):  # crashed between the two renames: the previous one first, else the finished new one
+            if _is_complete(left):
+                return left
     if folder.is_dir() and any(folder.glob("model*")) and (folder / "optimizer.bin").exists() or \
             folder.is_dir() and any(folder.glob("random_states_*.pkl")):
         return folder  # written by Accelerate: no marker, but the same layout
     raise CheckpointError(f"no complete checkpoint at {str(folder)!r}: it has no {MARKER} (an interrupted "
                           "save leaves the previous checkpoint in place, or none if there was none); pass the "
                           "folder a finished save_state wrote", path=str(folder))
+
+
+def _recover(folder: Path) -> None:
+    """Put back the complete checkpoint a crash between the two renames left beside ``folder``."""
+    if folder.exists():
+        return
+    tmp, old = _siblings(folder)
+    for left in (old, tmp):
+        if _is_complete(left):
+            os.rename(left, folder)
+            _fsync_dir(folder.parent)
+            return
 
 
 def save_state_folder(folder: Path, write: Callable[[Path], None], *, barrier: Callable[[], None],
@@ -187,20 +252,24 @@ def save_state_folder(folder: Path, write: Callable[[Path], None], *, barrier: C
     """
     tmp, old = _siblings(folder)
     if is_writer:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        _recover(folder)  # before anything is removed: the copy a crashed save left may be the only one
+        remove_checkpoint(tmp)
+        tmp.mkdir()
     barrier()
     write(tmp)
     barrier()
     if is_writer:
-        (tmp / MARKER).write_text(json.dumps(dict(summary), indent=2, sort_keys=True) + "\n")
+        part = tmp / f".{MARKER}.part"
+        part.write_text(json.dumps(dict(summary), indent=2, sort_keys=True) + "\n")
+        os.replace(part, tmp / MARKER)  # a half-written marker never makes the folder look complete
         _fsync_dir(tmp)
-        shutil.rmtree(old, ignore_errors=True)
+        remove_checkpoint(old)
         if folder.exists():
             os.rename(folder, old)
         os.rename(tmp, folder)
         _fsync_dir(folder.parent)
-        shutil.rmtree(old, ignore_errors=True)
+        remove_checkpoint(old)
     barrier()
     return folder
 

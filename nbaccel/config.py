@@ -32,13 +32,22 @@ __all__ = ["LaunchConfig", "StartMethod", "load_config", "save_config"]
 StartMethod = Literal["fork", "spawn"]
 RdzvBackend = Literal["static", "c10d"]
 
-# Keys of Accelerate's config file that nbaccel reads but does not act on. They are kept, so a
-# file written by Accelerate survives a load and save unchanged.
+# Keys an Accelerate config file can hold that nbaccel reads but does not act on: every field of
+# Accelerate 1.16's ClusterConfig and SageMakerConfig (commands/config/config_args.py) that is
+# not a LaunchConfig field, plus keys older Accelerate versions wrote (``fp16``, ``dynamo_backend``,
+# ``tp_config``, ``tpu_metadata``, ...). They are kept, so a file written by Accelerate survives
+# a load and save unchanged, and listed by ``LaunchConfig.unused_keys``.
 _ACCELERATE_PASSTHROUGH = frozenset({
-    "compute_environment", "downcast_bf16", "enable_cpu_affinity", "tpu_env", "tpu_use_cluster",
-    "tpu_use_sudo", "tpu_name", "tpu_zone", "commands", "command_file", "megatron_lm_config",
-    "ipex_config", "mpirun_config", "dynamo_config", "tpu_virtual_env", "num_cpu_threads_per_process",
-    "use_mps_device", "fp8_config", "parallelism_config", "tpu_metadata", "dynamo_backend",
+    # ClusterConfig
+    "compute_environment", "enable_cpu_affinity", "fp8_config", "parallelism_config", "megatron_lm_config",
+    "mpirun_config", "downcast_bf16", "tpu_name", "tpu_zone", "tpu_use_cluster", "tpu_use_sudo", "command_file",
+    "commands", "tpu_vm", "tpu_env", "dynamo_config",
+    # SageMakerConfig
+    "ec2_instance_type", "iam_role_name", "image_uri", "profile", "region", "base_job_name", "pytorch_version",
+    "transformers_version", "py_version", "sagemaker_inputs_file", "sagemaker_metrics_file", "additional_args",
+    # written by older Accelerate versions
+    "fp16", "dynamo_backend", "tp_config", "tpu_metadata", "tpu_virtual_env", "ipex_config",
+    "num_cpu_threads_per_process", "use_mps_device",
 })
 # Accelerate's distributed types that nbaccel has no engine for.
 _UNSUPPORTED_TYPES = ("MULTI_NPU", "MULTI_XPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA",
@@ -120,6 +129,16 @@ class LaunchConfig:
         given = {k: v for k, v in overrides.items() if v is not None}
         return dataclasses.replace(self, **given) if given else self
 
+    @property
+    def unused_keys(self) -> list[str]:
+        """The Accelerate keys this config holds that nbaccel keeps but does not act on, sorted.
+
+        Example:
+            >>> LaunchConfig.from_mapping({"tpu_vm": [], "num_processes": 2}).unused_keys
+            ['tpu_vm']
+        """
+        return sorted(self.extra)
+
     # ----------------------------------------------------------------- mappings
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], *, source: str = "config") -> LaunchConfig:
@@ -136,7 +155,12 @@ class LaunchConfig:
                               key=None, value=data, valid="a YAML/JSON mapping")
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         values: dict[str, Any] = {}
-        extra: dict[str, Any] = dict(data.get("extra") or {})
+        nested = data.get("extra") or {}
+        if not isinstance(nested, Mapping):
+            raise ConfigError(f"{source}: 'extra' must be a mapping of Accelerate keys to values (got {nested!r} of "
+                              f"type {type(nested).__name__}). Fix: remove the 'extra' line, or write the keys at "
+                              "the top level", key="extra", value=nested, valid="a mapping")
+        extra: dict[str, Any] = dict(nested)
         for key, value in data.items():
             if key == "extra":
                 continue
@@ -291,7 +315,15 @@ def load_config(path: str | os.PathLike[str] | None = None, *, missing_ok: bool 
         raise ConfigError(f"config file {str(file)!r} does not exist. Fix: write one with "
                           "`nbaccel config`, or pass an existing path.", key="config_file",
                           value=str(file), valid="an existing file")
-    text = file.read_text()
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {str(file)!r} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset "
+                          f"{exc.start}). Fix: save it as UTF-8, or rewrite it with `nbaccel config`",
+                          key="config_file", value=str(file), valid="a UTF-8 YAML or JSON file") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read the config file {str(file)!r}: {exc.strerror}. Fix: pass a readable file",
+                          key="config_file", value=str(file), valid="a readable file") from None
     try:
         data = json.loads(text) if file.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:

@@ -77,6 +77,18 @@ def _xla_model() -> Any:
     return xm
 
 
+def _numpy_state_as_plain_values() -> tuple[Any, ...]:
+    """NumPy's legacy RNG state with its key as a list of ints: loadable with ``weights_only=True`` anywhere."""
+    name, key, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    return (name, key.tolist(), int(pos), int(has_gauss), float(cached_gaussian))
+
+
+def _numpy_state_from_plain_values(state: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Back to what ``np.random.set_state`` takes; also accepts the array form Accelerate writes."""
+    name, key, *rest = state
+    return (name, np.asarray(key, dtype=np.uint32), *rest)
+
+
 def capture_rng_state(generators: dict[str, torch.Generator] | None = None) -> dict[str, Any]:
     """A snapshot of every RNG of this process (plus ``generators`` by name).
 
@@ -87,7 +99,7 @@ def capture_rng_state(generators: dict[str, torch.Generator] | None = None) -> d
     """
     state: dict[str, Any] = {
         "random_state": _py_random.getstate(),
-        "numpy_random_seed": np.random.get_state(),
+        "numpy_random_seed": _numpy_state_as_plain_values(),
         "torch_manual_seed": torch.get_rng_state(),
     }
     if torch.cuda.is_initialized():  # `is_available()` would poison fork in a notebook
@@ -103,7 +115,7 @@ def capture_rng_state(generators: dict[str, torch.Generator] | None = None) -> d
 def restore_rng_state(state: dict[str, Any], generators: dict[str, torch.Generator] | None = None) -> None:
     """Put back a :func:`capture_rng_state` snapshot (and the named ``generators`` it holds)."""
     _py_random.setstate(state["random_state"])
-    np.random.set_state(state["numpy_random_seed"])
+    np.random.set_state(_numpy_state_from_plain_values(state["numpy_random_seed"]))
     torch.set_rng_state(state["torch_manual_seed"])
     if "torch_cuda_manual_seed" in state and _cuda_device_count() > 0:  # set lazily: CUDA stays uninitialized
         torch.cuda.set_rng_state_all(state["torch_cuda_manual_seed"])

@@ -1,15 +1,14 @@
-"""`save_state` / `load_state`: what an Accelerator prepared, written to and read from a checkpoint folder.
+"""`save_state`: what an Accelerator prepared, written to a checkpoint folder (and where that folder is).
 
 The functions here are given everything they use: the :class:`~nbaccel.prepared.PreparedObjects`
 registry and a :class:`CheckpointContext` (the process, the project configuration, the fp16
 scaler, the accumulation counter). They never reach into an Accelerator. The file layout
-(Accelerate's names) and the atomic folder swap are :mod:`nbaccel.checkpointing`'s.
+(Accelerate's names) and the atomic folder swap are :mod:`nbaccel.checkpointing`'s; reading a
+folder back is :mod:`nbaccel.state_loading`'s.
 """
 
 from __future__ import annotations
 
-import json
-import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,10 +17,8 @@ from typing import Any
 import torch
 
 from nbaccel.checkpointing import (
-    MARKER,
-    load_into,
     numbered_name,
-    read_weights,
+    remove_checkpoint,
     resolve_checkpoint,
     save_state_folder,
     write_weights,
@@ -33,14 +30,14 @@ from nbaccel.deepspeed_engine import (
     is_deepspeed_engine,
 )
 from nbaccel.deepspeed_engine import state_dict as deepspeed_state_dict
-from nbaccel.errors import CheckpointError, ConfigError
+from nbaccel.errors import CheckpointError, ConfigError, UnsafeCheckpointError
 from nbaccel.plugins import ProjectConfiguration
 from nbaccel.prepared import PreparedObjects
-from nbaccel.random import capture_rng_state, restore_rng_state
+from nbaccel.random import capture_rng_state
 from nbaccel.state import ProcessState
 from nbaccel.unwrap import unwrap_model
 
-__all__ = ["CheckpointContext", "LoadedState", "load_accelerator_state", "model_state_dict",
+__all__ = ["CheckpointContext", "LoadedState", "checkpoint_folder", "engine_owned", "model_state_dict",
            "save_accelerator_state"]
 
 
@@ -72,7 +69,7 @@ class CheckpointContext:
 
 @dataclass(frozen=True)
 class LoadedState:
-    """What :func:`load_accelerator_state` read besides the objects' states.
+    """What :func:`nbaccel.state_loading.load_accelerator_state` read besides the objects' states.
 
     Args:
         path: the checkpoint folder read.
@@ -101,7 +98,7 @@ def _automatic_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted((int(n), p) for n, p in numbered if n.isdigit())
 
 
-def _checkpoint_folder(project: ProjectConfiguration, output_dir: str | Path | None, *, for_load: bool) -> Path:
+def checkpoint_folder(project: ProjectConfiguration, output_dir: str | Path | None, *, for_load: bool) -> Path:
     """The folder to save into / load from, following ``ProjectConfiguration``'s automatic naming."""
     if output_dir is not None:
         return Path(output_dir)
@@ -118,22 +115,29 @@ def _checkpoint_folder(project: ProjectConfiguration, output_dir: str | Path | N
                 "with accelerator.load_state() first, or set accelerator.project_configuration.iteration to an "
                 "unused number", path=str(folder))
         return folder
-    found = _automatic_checkpoints(root)
-    if not found:
-        raise CheckpointError(f"no automatic checkpoint under {str(root)!r}; save one with save_state() first",
-                              path=str(root))
-    return found[-1][1]
+    for _, candidate in reversed(_automatic_checkpoints(root)):  # the newest complete one
+        try:
+            resolve_checkpoint(candidate)
+        except CheckpointError:
+            continue
+        return candidate
+    raise CheckpointError(f"no automatic checkpoint under {str(root)!r} is complete; save one with save_state() first",
+                          path=str(root))
 
 
 def _prune(context: CheckpointContext) -> None:
-    """Keep only ``total_limit`` automatic checkpoints (oldest removed first), before a new one is written."""
+    """Keep only ``total_limit`` automatic checkpoints (oldest removed first).
+
+    Run after the new checkpoint is complete, not before as Accelerate does: a crash mid-save then
+    never leaves fewer complete checkpoints than there were.
+    """
     project = context.project
     if not project.automatic_checkpoint_naming or project.total_limit is None or not context.is_writer:
         return
     root = Path(project.project_dir) / "checkpoints"
     found = _automatic_checkpoints(root)
-    for _, old in found[: max(len(found) + 1 - project.total_limit, 0)]:
-        shutil.rmtree(old, ignore_errors=True)
+    for _, old in found[: max(len(found) - project.total_limit, 0)]:
+        remove_checkpoint(old)
 
 
 def _optimizer_state(prepared: PreparedObjects, context: CheckpointContext, index: int, optimizer: Any) -> Any:
@@ -149,7 +153,7 @@ def _optimizer_state(prepared: PreparedObjects, context: CheckpointContext, inde
     return state
 
 
-def _engine_owned(obj: Any) -> bool:
+def engine_owned(obj: Any) -> bool:
     """Whether a DeepSpeed engine saves and loads ``obj`` with the model."""
     return isinstance(obj, (DeepSpeedOptimizerWrapper, DeepSpeedSchedulerWrapper))
 
@@ -174,6 +178,19 @@ def _write_models(prepared: PreparedObjects, context: CheckpointContext, tmp: Pa
             write_weights(state, tmp / numbered_name(stem, i, ext), safe_serialization)
 
 
+def _save_custom_state(obj: Any, path: Path) -> None:
+    """Write a registered object's state, warning when ``load_state`` would refuse it by default."""
+    from nbaccel.safe_load import OPT_IN, load_state_file
+
+    torch.save(obj.state_dict(), path)
+    try:
+        load_state_file(path)
+    except UnsafeCheckpointError as exc:
+        warnings.warn(f"{type(obj).__name__}.state_dict() holds more than tensors and plain Python values, so "
+                      f"load_state will refuse {path.name} unless it opts in with {OPT_IN}: {exc}. Fix: return only "
+                      "tensors, numbers, strings, lists and dicts from state_dict()", stacklevel=6)
+
+
 def _write_state(prepared: PreparedObjects, context: CheckpointContext, tmp: Path, safe_serialization: bool) -> None:
     from nbaccel.fsdp import is_fsdp_model
 
@@ -181,14 +198,14 @@ def _write_state(prepared: PreparedObjects, context: CheckpointContext, tmp: Pat
     _write_models(prepared, context, tmp, safe_serialization)
     for i, optimizer in enumerate(prepared.optimizers):
         if (context.sharded_fsdp and i < len(prepared.models) and is_fsdp_model(prepared.models[i])
-                or _engine_owned(optimizer)):
+                or engine_owned(optimizer)):
             continue
         state = _optimizer_state(prepared, context, i, optimizer)
         if writer:
             torch.save(state, tmp / numbered_name("optimizer", i, "bin"))
     if writer:
         for i, scheduler in enumerate(prepared.schedulers):
-            if not _engine_owned(scheduler):
+            if not engine_owned(scheduler):
                 torch.save(scheduler.state_dict(), tmp / numbered_name("scheduler", i, "bin"))
         for i, loader in enumerate(prepared.dataloaders):
             if callable(getattr(loader, "state_dict", None)):
@@ -196,7 +213,7 @@ def _write_state(prepared: PreparedObjects, context: CheckpointContext, tmp: Pat
         if context.scaler is not None:
             torch.save(context.scaler.state_dict(), tmp / "scaler.pt")
         for i, obj in enumerate(prepared.custom_objects):
-            torch.save(obj.state_dict(), tmp / f"custom_checkpoint_{i}.pkl")
+            _save_custom_state(obj, tmp / f"custom_checkpoint_{i}.pkl")
     torch.save(capture_rng_state(), tmp / f"random_states_{context.process.process_index}.pkl")
 
 
@@ -209,8 +226,7 @@ def save_accelerator_state(prepared: PreparedObjects, context: CheckpointContext
         CheckpointError: the automatically named folder exists already.
     """
     project = context.project
-    folder = _checkpoint_folder(project, output_dir, for_load=False)
-    _prune(context)
+    folder = checkpoint_folder(project, output_dir, for_load=False)
     summary = {"format": "nbaccel-training-state", "version": 1, "num_processes": context.process.num_processes,
                "models": len(prepared.models), "optimizers": len(prepared.optimizers),
                "schedulers": len(prepared.schedulers), "dataloaders": len(prepared.dataloaders),
@@ -219,112 +235,5 @@ def save_accelerator_state(prepared: PreparedObjects, context: CheckpointContext
                       barrier=context.process.wait_for_everyone, is_writer=context.is_writer, summary=summary)
     if project.automatic_checkpoint_naming and output_dir is None:
         project.iteration += 1
+    _prune(context)
     return folder
-
-
-def _need(path: Path) -> Path:
-    if not path.exists():
-        raise CheckpointError(f"the checkpoint has no {path.name} (it was saved with fewer prepared objects than "
-                              f"are prepared now); prepare the same objects as when it was saved", path=str(path))
-    return path
-
-
-def _read_models(prepared: PreparedObjects, source: Path, strict: bool) -> None:
-    from nbaccel.fsdp import is_fsdp_model, load_full_model_state_dict, sharded_load
-
-    plain = []
-    for i, model in enumerate(prepared.models):
-        shards = source / f"pytorch_model_fsdp_{i}"
-        if is_deepspeed_engine(model):
-            _need(source / CHECKPOINT_TAG)
-            model.load_checkpoint(str(source), tag=CHECKPOINT_TAG, load_optimizer_states=True,
-                                  load_lr_scheduler_states=True)
-        elif shards.is_dir():
-            optimizer = prepared.optimizer_for(i)
-            sharded_load(model, optimizer.optimizer if optimizer is not None else None, shards)
-        else:
-            plain.append(model)
-    for hook in list(prepared.load_state_pre_hooks.values()):  # may take models out of `plain` to load them itself
-        hook(plain, str(source))
-    for i, model in enumerate(plain):
-        safe = source / numbered_name("model", i, "safetensors")
-        weights = read_weights(safe if safe.exists() else _need(source / numbered_name("pytorch_model", i, "bin")))
-        if is_fsdp_model(model):
-            load_full_model_state_dict(model, weights)
-        else:
-            load_into(unwrap_model(model, keep_torch_compile=False), weights, strict=strict)
-
-
-def _read_rest(prepared: PreparedObjects, context: CheckpointContext, source: Path, load_kwargs: dict[str, Any]
-               ) -> None:
-    from nbaccel.fsdp import is_fsdp_model, load_full_optimizer_state_dict
-
-    def load(path: Path, **kwargs: Any) -> Any:
-        return torch.load(_need(path), **({"map_location": "cpu", "weights_only": False} | kwargs))
-
-    for i, optimizer in enumerate(prepared.optimizers):
-        if (source / f"pytorch_model_fsdp_{i}").is_dir() or _engine_owned(optimizer):
-            continue
-        state = load(source / numbered_name("optimizer", i, "bin"), **load_kwargs)
-        if i < len(prepared.models) and is_fsdp_model(prepared.models[i]):
-            load_full_optimizer_state_dict(prepared.models[i], optimizer.optimizer, state)
-        else:
-            optimizer.load_state_dict(state)
-    for i, scheduler in enumerate(prepared.schedulers):
-        if not _engine_owned(scheduler):
-            scheduler.load_state_dict(load(source / numbered_name("scheduler", i, "bin"), **load_kwargs))
-    for i, loader in enumerate(prepared.dataloaders):
-        sampler = source / numbered_name("sampler", i, "bin")
-        if callable(getattr(loader, "load_state_dict", None)) and sampler.exists():
-            loader.load_state_dict(load(sampler, **load_kwargs))
-    if context.scaler is not None and (source / "scaler.pt").exists():
-        context.scaler.load_state_dict(load(source / "scaler.pt"))
-    for i, obj in enumerate(prepared.custom_objects):
-        obj.load_state_dict(load(source / f"custom_checkpoint_{i}.pkl"))
-    rng = source / f"random_states_{context.process.process_index}.pkl"
-    if rng.exists():
-        restore_rng_state(load(rng))
-
-
-def _saved_process_count(source: Path) -> int:
-    """How many processes wrote the checkpoint (from its marker, or Accelerate's per-rank RNG files)."""
-    marker = source / MARKER
-    if marker.is_file():
-        count = json.loads(marker.read_text()).get("num_processes")
-        if isinstance(count, int):
-            return count
-    return len(list(source.glob("random_states_*.pkl")))
-
-
-def _warn_on_other_process_count(process: ProcessState, source: Path) -> None:
-    """Accelerate loads a checkpoint into any number of processes; say what that loses (RNG states)."""
-    saved = _saved_process_count(source)
-    if saved and saved != process.num_processes and process.is_main_process:
-        warnings.warn(f"the checkpoint {str(source)!r} was saved by {saved} processes and is loaded by "
-                      f"{process.num_processes}: models, optimizers and schedulers load as usual, but random states "
-                      f"are restored only for ranks below {min(saved, process.num_processes)}, so the resumed run "
-                      f"does not repeat the original's random draws. To resume exactly, load it with {saved} "
-                      "processes", stacklevel=4)
-
-
-def load_accelerator_state(prepared: PreparedObjects, context: CheckpointContext, input_dir: str | Path | None,
-                           strict: bool = True, load_kwargs: dict[str, Any] | None = None) -> LoadedState:
-    """Restore what :func:`save_accelerator_state` wrote into the prepared objects.
-
-    Raises:
-        CheckpointError: the folder holds no complete checkpoint, or lacks a file for a prepared object.
-        CheckpointMismatchError: a model's keys do not match (with ``strict``).
-    """
-    project = context.project
-    folder = _checkpoint_folder(project, input_dir, for_load=True)
-    source = resolve_checkpoint(folder)
-    _warn_on_other_process_count(context.process, source)
-    _read_models(prepared, source, strict)
-    _read_rest(prepared, context, source, dict(load_kwargs or {}))
-    marker = source / MARKER
-    # the accumulation counter, so a resumed run syncs on the same micro-batches
-    step = int(json.loads(marker.read_text()).get("step", 0)) if marker.is_file() else None
-    if project.automatic_checkpoint_naming and input_dir is None:
-        project.iteration = int(folder.name.split("_")[-1]) + 1
-    context.process.wait_for_everyone()
-    return LoadedState(source, step)

@@ -130,6 +130,8 @@ def _config_lines(config_file: str | os.PathLike[str] | None) -> list[str]:
     lines = [where, "- Config in effect:"]
     dumped = yaml.safe_dump(cfg.to_mapping(), sort_keys=True, default_flow_style=False)
     lines += [f"    {line}" for line in dumped.splitlines()]
+    if cfg.unused_keys:
+        lines.append(f"- Accelerate keys kept but not used by nbaccel: {', '.join(cfg.unused_keys)}")
     return lines
 
 

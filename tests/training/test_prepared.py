@@ -12,7 +12,8 @@ from torch.utils.data import DataLoader
 import nbaccel
 from nbaccel.plugins import ProjectConfiguration
 from nbaccel.prepared import PreparedObjects, is_prepared
-from nbaccel.training_state import CheckpointContext, load_accelerator_state, save_accelerator_state
+from nbaccel.state_loading import load_accelerator_state
+from nbaccel.training_state import CheckpointContext, save_accelerator_state
 from tests.training.helpers import TinyMLP, flat_weights, launch, model_and_optimizer, regression_data, train_steps
 
 

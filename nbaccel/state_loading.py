@@ -1,0 +1,196 @@
+"""`load_state`: read and check every file of a training-state folder, then change the prepared objects.
+
+What always holds: a refused load changes nothing. Every file a plain (non-sharded) checkpoint
+holds is read and checked first (unsafe pickles, truncated or corrupt files, missing files,
+model keys and shapes, optimizer parameter groups); only when all of them pass are the models,
+optimizers, schedulers, dataloaders, scaler, registered objects and RNG states changed. No file
+runs code while loaded unless ``load_kwargs={"weights_only": False}`` opts in (see
+:mod:`nbaccel.safe_load`). DeepSpeed engines and sharded FSDP models read their own files,
+after the checks of everything else.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nbaccel.checkpointing import MARKER, check_fits, load_into, numbered_name, resolve_checkpoint
+from nbaccel.deepspeed_engine import CHECKPOINT_TAG, is_deepspeed_engine
+from nbaccel.errors import CheckpointError, CheckpointMismatchError
+from nbaccel.prepared import PreparedObjects
+from nbaccel.random import restore_rng_state
+from nbaccel.safe_load import load_state_file
+from nbaccel.state import ProcessState
+from nbaccel.training_state import CheckpointContext, LoadedState, checkpoint_folder, engine_owned
+from nbaccel.unwrap import unwrap_model
+
+__all__ = ["load_accelerator_state"]
+
+Step = Callable[[], None]
+
+
+def _need(path: Path) -> Path:
+    if not path.exists():
+        raise CheckpointError(f"the checkpoint has no {path.name} (it was saved with fewer prepared objects than "
+                              f"are prepared now); prepare the same objects as when it was saved", path=str(path))
+    return path
+
+
+def _read_weights(path: Path, load_kwargs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """A model's weights file, as a flat ``{name: tensor}`` dict; a damaged file is a CheckpointError naming it."""
+    if path.suffix == ".safetensors":
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            weights = load_file(str(path))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"cannot read {str(path)!r} (truncated or corrupt?): {exc}. Fix: save the "
+                                  "checkpoint again, or load an earlier one", path=str(path)) from None
+    else:
+        weights = load_state_file(path, load_kwargs)
+    if not isinstance(weights, Mapping):
+        raise CheckpointError(f"{str(path)!r} holds a {type(weights).__name__}, not a state dict; "
+                              "pass the folder a finished save_state wrote", path=str(path))
+    return dict(weights)
+
+
+def _plan_models(prepared: PreparedObjects, source: Path, strict: bool, load_kwargs: Mapping[str, Any]
+                 ) -> list[Step]:
+    from nbaccel.fsdp import is_fsdp_model, load_full_model_state_dict, sharded_load
+
+    engines: list[Step] = []
+    plain = []
+    for i, model in enumerate(prepared.models):
+        shards = source / f"pytorch_model_fsdp_{i}"
+        if is_deepspeed_engine(model):
+            _need(source / CHECKPOINT_TAG)
+            engines.append(lambda m=model: m.load_checkpoint(str(source), tag=CHECKPOINT_TAG,
+                                                             load_optimizer_states=True,
+                                                             load_lr_scheduler_states=True))
+        elif shards.is_dir():
+            optimizer = prepared.optimizer_for(i)
+            inner = optimizer.optimizer if optimizer is not None else None
+            engines.append(lambda m=model, o=inner, s=shards: sharded_load(m, o, s))
+        else:
+            plain.append(model)
+    for hook in list(prepared.load_state_pre_hooks.values()):  # may take models out of `plain` to load them itself
+        hook(plain, str(source))
+    steps: list[Step] = []
+    for i, model in enumerate(plain):
+        safe = source / numbered_name("model", i, "safetensors")
+        path = safe if safe.exists() else _need(source / numbered_name("pytorch_model", i, "bin"))
+        weights = _read_weights(path, load_kwargs)
+        target = model if is_fsdp_model(model) else unwrap_model(model, keep_torch_compile=False)
+        check_fits(target, weights, strict=strict, path=path)  # an FSDP model's DTensors have the full shapes
+        if is_fsdp_model(model):
+            steps.append(lambda m=model, w=weights: load_full_model_state_dict(m, w))
+        else:
+            steps.append(lambda m=target, w=weights: load_into(m, w, strict=strict))
+    return engines + steps
+
+
+def _check_optimizer(optimizer: Any, state: Any, path: Path) -> None:
+    """What ``Optimizer.load_state_dict`` would refuse, refused before anything changes."""
+    if not isinstance(state, Mapping) or "param_groups" not in state or "state" not in state:
+        raise CheckpointError(f"{str(path)!r} holds no optimizer state (no 'state' and 'param_groups'); pass the "
+                              "folder a finished save_state wrote", path=str(path))
+    saved = [len(g["params"]) for g in state["param_groups"]]
+    own = [len(g["params"]) for g in optimizer.param_groups]
+    if saved != own:
+        raise CheckpointMismatchError(
+            f"{str(path)!r} holds an optimizer with parameter groups of sizes {saved}, but the prepared optimizer's "
+            f"are {own}: nothing was loaded. Fix: build the optimizer over the same parameters as when the "
+            "checkpoint was saved", path=str(path))
+
+
+def _plan_rest(prepared: PreparedObjects, context: CheckpointContext, source: Path, load_kwargs: Mapping[str, Any]
+               ) -> list[Step]:
+    from nbaccel.fsdp import is_fsdp_model, load_full_optimizer_state_dict
+
+    def load(path: Path) -> Any:
+        return load_state_file(_need(path), load_kwargs)
+
+    steps: list[Step] = []
+    for i, optimizer in enumerate(prepared.optimizers):
+        if (source / f"pytorch_model_fsdp_{i}").is_dir() or engine_owned(optimizer):
+            continue
+        path = source / numbered_name("optimizer", i, "bin")
+        state = load(path)
+        if i < len(prepared.models) and is_fsdp_model(prepared.models[i]):
+            steps.append(lambda m=prepared.models[i], o=optimizer, s=state:
+                         load_full_optimizer_state_dict(m, o.optimizer, s))
+        else:
+            _check_optimizer(optimizer, state, path)
+            steps.append(lambda o=optimizer, s=state: o.load_state_dict(s))
+    for i, scheduler in enumerate(prepared.schedulers):
+        if not engine_owned(scheduler):
+            steps.append(lambda o=scheduler, s=load(source / numbered_name("scheduler", i, "bin")):
+                         o.load_state_dict(s))
+    for i, loader in enumerate(prepared.dataloaders):
+        sampler = source / numbered_name("sampler", i, "bin")
+        if callable(getattr(loader, "load_state_dict", None)) and sampler.exists():
+            steps.append(lambda o=loader, s=load(sampler): o.load_state_dict(s))
+    if context.scaler is not None and (source / "scaler.pt").exists():
+        steps.append(lambda o=context.scaler, s=load(source / "scaler.pt"): o.load_state_dict(s))
+    for i, obj in enumerate(prepared.custom_objects):
+        steps.append(lambda o=obj, s=load(source / f"custom_checkpoint_{i}.pkl"): o.load_state_dict(s))
+    rng = source / f"random_states_{context.process.process_index}.pkl"
+    if rng.exists():
+        steps.append(lambda s=load(rng): restore_rng_state(s))
+    return steps
+
+
+def _saved_process_count(source: Path) -> int:
+    """How many processes wrote the checkpoint (from its marker, or Accelerate's per-rank RNG files)."""
+    marker = source / MARKER
+    if marker.is_file():
+        count = json.loads(marker.read_text()).get("num_processes")
+        if isinstance(count, int):
+            return count
+    return len(list(source.glob("random_states_*.pkl")))
+
+
+def _warn_on_other_process_count(process: ProcessState, source: Path) -> None:
+    """Accelerate loads a checkpoint into any number of processes; say what that loses (RNG states)."""
+    saved = _saved_process_count(source)
+    if saved and saved != process.num_processes and process.is_main_process:
+        warnings.warn(f"the checkpoint {str(source)!r} was saved by {saved} processes and is loaded by "
+                      f"{process.num_processes}: models, optimizers and schedulers load as usual, but random states "
+                      f"are restored only for ranks below {min(saved, process.num_processes)}, so the resumed run "
+                      f"does not repeat the original's random draws. To resume exactly, load it with {saved} "
+                      "processes", stacklevel=4)
+
+
+def load_accelerator_state(prepared: PreparedObjects, context: CheckpointContext, input_dir: str | Path | None,
+                           strict: bool = True, load_kwargs: dict[str, Any] | None = None) -> LoadedState:
+    """Restore what :func:`~nbaccel.training_state.save_accelerator_state` wrote into the prepared objects.
+
+    Everything is read and checked before anything changes (see the module docstring).
+
+    Raises:
+        CheckpointError: the folder holds no complete checkpoint, lacks a file for a prepared
+            object, or a file is truncated or corrupt (the error names the file).
+        UnsafeCheckpointError: a file would run code when loaded (``load_kwargs`` did not opt in).
+        CheckpointMismatchError: a model's keys or shapes, or an optimizer's parameter groups, do not match.
+    """
+    project = context.project
+    folder = checkpoint_folder(project, input_dir, for_load=True)
+    source = resolve_checkpoint(folder)
+    _warn_on_other_process_count(context.process, source)
+    kwargs = dict(load_kwargs or {})
+    steps = _plan_models(prepared, source, strict, kwargs) + _plan_rest(prepared, context, source, kwargs)
+    for step in steps:  # every file is read and checked: now change the objects
+        step()
+    marker = source / MARKER
+    # the accumulation counter, so a resumed run syncs on the same micro-batches
+    step_count = int(json.loads(marker.read_text()).get("step", 0)) if marker.is_file() else None
+    if project.automatic_checkpoint_naming and input_dir is None:
+        project.iteration = int(folder.name.split("_")[-1]) + 1
+    context.process.wait_for_everyone()
+    return LoadedState(source, step_count)
