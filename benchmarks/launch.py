@@ -105,14 +105,23 @@ def first_launches(n: int, repeat: int) -> None:
             if done.returncode != 0:
                 raise SystemExit(f"{launcher} {fn} failed:\n{done.stderr[-2000:]}")
             got[(launcher, fn)].append(json.loads(done.stdout.strip().splitlines()[-1]))
-    med = {case: {k: statistics.median(r[k] for r in runs) for k in ("first", "second")} for case, runs in got.items()}
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    print(f"\nfirst launches in a fresh process, {n} CPU workers (median of {repeat}; load average {load})")
-    print(f"{'function':10} {'launch':8} {'nbaccel (s)':>12} {'accelerate (s)':>15} {'ratio':>7} {'goal':>6}")
+    print(f"\nfirst launches in a fresh process, {n} CPU workers (median [min..max] of {repeat}; the ratio's "
+          f"spread is over rounds, each round's runs back to back; load average {load})")
+    print(f"{'function':9} {'launch':7} {'nbaccel (s)':>22} {'accelerate (s)':>22} {'ratio':>18} {'goal':>7}")
     goals = {("trivial", "first"): 1.0, ("ddp", "first"): 0.5, ("ddp", "second"): 0.25}
     for (fn, which), goal in goals.items():
-        ours, theirs = med[("nbaccel", fn)][which], med[("accelerate", fn)][which]
-        print(f"{fn:10} {which:8} {ours:12.3f} {theirs:15.3f} {ours / theirs:7.2f} {'<= ' + str(goal):>6}")
+        ours = [r[which] for r in got[("nbaccel", fn)]]
+        theirs = [r[which] for r in got[("accelerate", fn)]]
+        ratios = [a / b for a, b in zip(ours, theirs)]
+        print(f"{fn:9} {which:7} {_spread(ours):>22} {_spread(theirs):>22} {_spread(ratios, 2):>18} "
+              f"{'<= ' + str(goal):>7}")
+
+
+def _spread(values: list[float], digits: int = 3) -> str:
+    """``median [min..max]``: a figure the next run does not reproduce is not a result."""
+    return (f"{statistics.median(values):.{digits}f} "
+            f"[{min(values):.{digits}f}..{max(values):.{digits}f}]")
 
 
 def _spawn_entry(local_rank: int, marks: str, n: int, port: int) -> None:
