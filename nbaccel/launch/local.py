@@ -60,6 +60,8 @@ class LocalLauncher:
                 else:
                     handles = start_forked(function, args, kwargs, envs,
                                            inherited_fds=[store.listen_fd] if store is not None else [])
+                if store is not None:
+                    store.serve()  # only now: no store thread runs while the workers are forked
                 policy = SupervisorPolicy(timeout=request.config.timeout, hang_timeout=request.hang_timeout)
                 results = Supervisor(handles, relay, observer, policy=policy).run()
                 ok = True

@@ -8,6 +8,7 @@ through torch's agent-store protocol. The port is released when the launch ends.
 from __future__ import annotations
 
 import errno
+import os
 import socket
 from datetime import timedelta
 
@@ -29,8 +30,6 @@ class LoopbackStore:
     """
 
     def __init__(self, port: int = 0, host: str = "127.0.0.1", timeout: float = 300.0) -> None:
-        import torch.distributed as dist
-
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -45,10 +44,26 @@ class LoopbackStore:
         self.host = host
         self.port: int = sock.getsockname()[1]
         self.listen_fd = sock.detach()  # the store owns and closes it
-        self._store: object | None = dist.TCPStore(
-            host, self.port, world_size=None, is_master=True, master_listen_fd=self.listen_fd,
-            use_libuv=True, wait_for_workers=False, timeout=timedelta(seconds=timeout))
+        self._timeout = timeout
+        self._store: object | None = None
+
+    def serve(self) -> None:
+        """Start answering on the bound socket; workers that connected before wait in its backlog.
+
+        Called after the workers are forked: the store's server thread would otherwise be running
+        while the launcher forks, and a child forked while that thread holds a lock (malloc's, or
+        libuv's) waits on it forever, which hangs every rank in ``init_process_group``.
+        """
+        import torch.distributed as dist
+
+        if self._store is None:
+            self._store = dist.TCPStore(
+                self.host, self.port, world_size=None, is_master=True, master_listen_fd=self.listen_fd,
+                use_libuv=True, wait_for_workers=False, timeout=timedelta(seconds=self._timeout))
 
     def close(self) -> None:
         """Stop the store and free the port."""
+        if self._store is None and self.listen_fd >= 0:
+            os.close(self.listen_fd)  # never served (starting the workers failed): the fd is still ours
+        self.listen_fd = -1
         self._store = None
