@@ -15,7 +15,6 @@ so a checkpoint saved mid-pass replays the same order without drawing again.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,7 +26,7 @@ from nbaccel.gradient_state import GradientState
 from nbaccel.ops import broadcast, broadcast_object_list, concatenate, find_batch_size, send_to_device, slice_tensors
 from nbaccel.plugins import DataLoaderConfiguration
 
-__all__ = ["DataLoaderDispatcher", "DataLoaderShard", "XlaDeviceLoader", "prepare_data_loader", "skip_first_batches"]
+__all__ = ["DataLoaderDispatcher", "DataLoaderShard", "prepare_data_loader", "skip_first_batches"]
 
 _END = object()
 # DataLoader arguments carried over when a loader is rebuilt.
@@ -444,60 +443,3 @@ def _clone_with_skip(dataloader: DataLoaderShard, num_batches: int) -> DataLoade
     clone.__dict__["skip_batches"] = dataloader.skip_batches + num_batches
     return clone
 
-
-class XlaDeviceLoader:
-    """On XLA, a prepared loader fed through ``MpDeviceLoader`` (background host-to-device copies).
-
-    ``MpDeviceLoader``'s thread reads batches well ahead of the training loop, so only the reading
-    happens there: the pass's bookkeeping (``end_of_dataloader``, ``remainder``, the epoch count,
-    the accelerator's active loader) advances here, in the replica's thread, as each batch is
-    handed to the loop. A dispatching loader (``dispatch_batches``, the default for an
-    ``IterableDataset`` across replicas) runs collectives while it reads, which need the replica's
-    identity, so it is read in the replica's thread too, without the background copies.
-    Everything else (``set_epoch``, ``state_dict``, ...) is the wrapped :class:`DataLoaderShard`'s.
-    """
-
-    def __init__(self, loader: DataLoaderShard, device: torch.device) -> None:
-        self._loader = loader
-        self.device = device
-
-    def __iter__(self) -> Iterator[Any]:
-        loader = self._loader
-        if isinstance(loader, DataLoaderDispatcher):
-            for batch in loader:
-                yield send_to_device(batch, self.device)
-            return
-        import torch_xla.distributed.parallel_loader as pl
-
-        lasts: deque[bool] = deque()  # one entry per batch read, appended before the batch is passed on
-        loader._start_pass()
-        try:
-            for batch in pl.MpDeviceLoader(_Reading(loader, lasts), self.device):
-                if lasts.popleft():
-                    loader._mark_last()
-                yield batch
-            loader._end_pass()
-        finally:
-            loader.gradient_state._remove_dataloader(loader)
-
-    def __len__(self) -> int:
-        return len(self._loader)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["_loader"], name)
-
-
-class _Reading:
-    """What ``MpDeviceLoader``'s thread iterates: the loader's batches, their last-batch flags set aside."""
-
-    def __init__(self, loader: DataLoaderShard, lasts: deque[bool]) -> None:
-        self._loader = loader
-        self._lasts = lasts
-
-    def __iter__(self) -> Iterator[Any]:
-        for batch, last in self._loader._batches():
-            self._lasts.append(last)
-            yield batch
-
-    def __len__(self) -> int:
-        return len(self._loader)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from nbaccel.data_loader import XlaDeviceLoader, prepare_data_loader, skip_first_batches
+from nbaccel.data_loader import prepare_data_loader, skip_first_batches
 from nbaccel.errors import ConfigError
 from nbaccel.gradient_state import GradientState
 from nbaccel.optimizer import AcceleratedOptimizer
@@ -28,6 +28,7 @@ from nbaccel.precision import wrap_forward
 from nbaccel.prepared import PreparedObjects, is_prepared, kind_of
 from nbaccel.scheduler import AcceleratedScheduler
 from nbaccel.state import ProcessState
+from nbaccel.xla_loader import XlaDeviceLoader
 
 __all__ = ["PrepareHelpers"]
 

@@ -24,7 +24,8 @@ from typing import Any, Literal, TypeVar
 import torch
 from torch.utils.data import DataLoader
 
-from nbaccel.data_loader import DataLoaderShard, XlaDeviceLoader
+from nbaccel.data_loader import DataLoaderShard
+from nbaccel.xla_loader import XlaDeviceLoader
 from nbaccel.optimizer import AcceleratedOptimizer
 from nbaccel.scheduler import AcceleratedScheduler
 
