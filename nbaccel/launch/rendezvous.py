@@ -30,6 +30,11 @@ class LoopbackStore:
     """
 
     def __init__(self, port: int = 0, host: str = "127.0.0.1", timeout: float = 300.0) -> None:
+        # Imported here, before any worker is forked: an interrupt that lands in the middle of
+        # importing torch leaves it half-initialised, and the next launch's import then crashes
+        # the interpreter (seen as a kernel that dies after the stop button). Forked workers
+        # also inherit the imported module instead of each importing it again.
+        import torch.distributed  # noqa: F401
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -54,7 +59,7 @@ class LoopbackStore:
         while the launcher forks, and a child forked while that thread holds a lock (malloc's, or
         libuv's) waits on it forever, which hangs every rank in ``init_process_group``.
         """
-        import torch.distributed as dist
+        import torch.distributed as dist  # already imported by __init__
 
         if self._store is None:
             self._store = dist.TCPStore(

@@ -28,7 +28,7 @@ def test_a_broken_setup_is_reported_as_failed():
 
 
 def test_a_check_that_does_not_finish_in_time_is_reported_as_failed(tmp_path):
-    result = nbaccel("test", "--num_processes", "2", "--timeout", "0.2")
+    result = nbaccel("test", "--num_processes", "2", "--timeout", "0.01")  # far below the check's own time
     assert result.returncode == 1
     assert "nbaccel test: FAILED: the check did not finish (timeout)." in result.stderr
 
