@@ -100,10 +100,10 @@ def _check_group_carries_cpu() -> None:
     """CPU-offloaded shards are reduced on CPU (``clip_grad_norm_``): plain NCCL cannot carry them (torch issue 148532)."""
     import torch.distributed as dist
 
-    from nbaccel.ops import _group_device_types
+    from nbaccel.ops import group_device_types
     from nbaccel.state import CUDA_WITH_CPU_BACKEND
 
-    if "cpu" in _group_device_types():
+    if "cpu" in group_device_types():
         return
     backend = dist.get_backend_config()
     raise ConfigError(f"FSDP cpu_offload=True needs a process group that also carries CPU tensors, but this one is "

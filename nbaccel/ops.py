@@ -117,7 +117,7 @@ def _world() -> int:
     return 1
 
 
-def _group_device_types() -> frozenset[str]:
+def group_device_types() -> frozenset[str]:
     """The device types the default process group has a backend for (``{"cuda"}`` under plain NCCL)."""
     group = dist.distributed_c10d._get_default_group()
     return frozenset(d.type for d in getattr(group, "_device_types", ()))
@@ -125,7 +125,7 @@ def _group_device_types() -> frozenset[str]:
 
 def _carried(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` itself when the default group can carry its device, else a copy on this process's device."""
-    types = _group_device_types()
+    types = group_device_types()
     if not types or tensor.device.type in types:
         return tensor
     from nbaccel.state import ProcessState

@@ -49,7 +49,7 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
 
 
 def _cuda_device_count() -> int:
-    from nbaccel.environment import cuda_device_count
+    from nbaccel.hardware import cuda_device_count
 
     return cuda_device_count()
 
@@ -66,7 +66,7 @@ def _xla_model() -> Any:
 
     if "torch_xla" not in sys.modules:
         return None
-    from nbaccel.environment import xla_runtime_initialized
+    from nbaccel.hardware import xla_runtime_initialized
 
     xla_launch = sys.modules.get("nbaccel.launch.xla")
     in_replica = xla_launch is not None and xla_launch.current_replica() is not None

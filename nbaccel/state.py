@@ -20,8 +20,9 @@ from typing import Any
 import torch
 
 from nbaccel.distributed_type import DistributedType
-from nbaccel.environment import MixedPrecision, cuda_device_count, read_worker_settings, tpu_detected
+from nbaccel.environment import MixedPrecision, read_worker_settings
 from nbaccel.errors import ConfigError
+from nbaccel.hardware import cuda_device_count, tpu_detected
 from nbaccel.identity import WorkerIdentity, current_identity
 
 __all__ = ["ProcessState", "reset_process_state"]

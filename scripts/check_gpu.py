@@ -345,7 +345,7 @@ def _count(gpus: int) -> str:
 @check("helpers-keep-fork-safe")
 def _helpers(gpus: int) -> str:
     import nbaccel
-    from nbaccel.environment import fork_unsafe_reason
+    from nbaccel.hardware import fork_unsafe_reason
     from nbaccel.random import capture_rng_state
 
     nbaccel.set_seed(0)
@@ -556,7 +556,7 @@ def _fp8(gpus: int) -> str:
 
 @check("returned-module")
 def _returned(gpus: int) -> str:
-    from nbaccel.environment import fork_unsafe_reason
+    from nbaccel.hardware import fork_unsafe_reason
 
     module = launch(_cuda_module, n=1)[0]
     device = next(module.parameters()).device
@@ -567,7 +567,7 @@ def _returned(gpus: int) -> str:
 
 @check("spawn-after-cuda-query")
 def _after_query(gpus: int) -> str:
-    from nbaccel.environment import fork_unsafe_reason
+    from nbaccel.hardware import fork_unsafe_reason
 
     torch._C._cuda_getDeviceCount()  # what torch.cuda.is_available() does without NVML: poisons fork
     reason = fork_unsafe_reason()
@@ -579,7 +579,7 @@ def _after_query(gpus: int) -> str:
 
 @check("spawn-after-cuda-init")
 def _after_init(gpus: int) -> str:
-    from nbaccel.environment import fork_unsafe_reason
+    from nbaccel.hardware import fork_unsafe_reason
 
     torch.zeros(1, device="cuda")
     expect("initialized" in (fork_unsafe_reason() or ""), fork_unsafe_reason())
@@ -602,7 +602,7 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"unknown check(s) {unknown}; valid: {[c.name for c in CHECKS]}")
         chosen = [c for c in CHECKS if c.name in names]
-    from nbaccel.environment import cuda_device_count
+    from nbaccel.hardware import cuda_device_count
 
     gpus = args.gpus if args.dry_run and args.gpus is not None else cuda_device_count()
     if gpus == 0 and not args.dry_run:

@@ -246,8 +246,8 @@ def notebook_checks(world: int) -> dict[str, str]:
     import threading
 
     from nbaccel import notebook_launcher, set_seed
-    from nbaccel.environment import xla_runtime_initialized
     from nbaccel.errors import LaunchTimeoutError
+    from nbaccel.hardware import xla_runtime_initialized
 
     outcome: dict[str, str] = {}
 
@@ -308,7 +308,7 @@ def notebook_checks(world: int) -> dict[str, str]:
 
 def main() -> int:
     from nbaccel import notebook_launcher
-    from nbaccel.environment import tpu_detected
+    from nbaccel.hardware import tpu_detected
 
     on_tpu = tpu_detected()
     if not on_tpu:

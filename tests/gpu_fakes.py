@@ -92,7 +92,7 @@ def fake_cuda_world(monkeypatch: Any, world_size: int = 2, rank: int = 0,
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: world_size)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
     monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cuda:nccl")
-    monkeypatch.setattr(ops, "_group_device_types", lambda: group_device_types)
+    monkeypatch.setattr(ops, "group_device_types", lambda: group_device_types)
 
     def record(name: str, tensor: torch.Tensor) -> None:
         log.calls.append((name, tensor.device))

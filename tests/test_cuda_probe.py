@@ -22,7 +22,7 @@ import json, os, torch
 import tests.fake_cuda_runtime as fake
 import nbaccel
 from nbaccel.config import LaunchConfig
-from nbaccel.environment import cuda_device_count, fork_unsafe_reason
+from nbaccel.hardware import cuda_device_count, fork_unsafe_reason
 from nbaccel.launch.preflight import plan_launch
 
 out = {"fresh": fork_unsafe_reason(), "count": cuda_device_count()}

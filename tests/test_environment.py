@@ -11,13 +11,11 @@ from nbaccel import ConfigError
 from nbaccel.environment import (
     DistributedEnv,
     WorkerSettings,
-    fork_unsafe_reason,
-    in_notebook,
     read_distributed_env,
     read_worker_settings,
-    tpu_detected,
     worker_environment,
 )
+from nbaccel.hardware import fork_unsafe_reason, in_notebook, tpu_detected
 
 
 def test_settings_round_trip_through_the_environment():
@@ -54,7 +52,7 @@ def test_no_distributed_env_outside_a_launch():
 
 
 def test_detection_does_not_initialize_cuda_and_fork_is_safe_here():
-    code = ("import torch, nbaccel.environment as e; e.cuda_device_count(); e.tpu_detected(); "
+    code = ("import torch, nbaccel.hardware as e; e.cuda_device_count(); e.tpu_detected(); "
             "print(torch.cuda.is_initialized(), e.fork_unsafe_reason())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "None"]

@@ -75,3 +75,24 @@ def test_no_import_cycle_even_through_imports_inside_functions():
                 seen.add(module)
                 todo.extend(edges[module])
     assert sorted(in_cycle) == []
+
+
+def test_no_private_name_is_imported_across_modules():
+    """A leading underscore means "this module's own": another module reaching for it couples the two."""
+    import ast
+
+    root = Path(nbaccel.__file__).parent
+    crossings = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("nbaccel"):
+                crossings += [f"{path.relative_to(root)}:{node.lineno} {node.module}.{a.name}" for a in node.names
+                              if a.name.startswith("_") and not a.name.startswith("__")]
+    assert crossings == []
+
+
+def test_every_module_is_small_enough_to_read_in_one_sitting():
+    root = Path(nbaccel.__file__).parent
+    too_long = {str(p.relative_to(root)): n for p in root.rglob("*.py")
+                if (n := len(p.read_text().splitlines())) > 420}
+    assert too_long == {}

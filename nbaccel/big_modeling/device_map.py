@@ -312,7 +312,7 @@ def check_device_map(model: nn.Module, device_map: Mapping[str, Device]
         >>> check_device_map(torch.nn.Linear(2, 2), {"": torch.device("cpu")})
         {'': 'cpu'}
     """
-    from nbaccel.environment import cuda_device_count
+    from nbaccel.hardware import cuda_device_count
 
     if not isinstance(device_map, Mapping):
         raise DeviceMapError(

@@ -23,8 +23,8 @@ from nbaccel.big_modeling.hooks import (
     AlignDevicesHook,
     CpuOffload,
     UserCpuOffloadHook,
-    _default_execution_device,
     add_hook_to_module,
+    default_execution_device,
 )
 from nbaccel.big_modeling.offload import IndexEntry, OffloadedWeightsLoader, PrefixedDataset, offload_state_dict
 from nbaccel.big_modeling.tensors import Device, named_module_tensors
@@ -122,7 +122,7 @@ def _entries_by_module(model: nn.Module, device_map: Mapping[str, MapDevice]
     return dict(sorted(hooks.items(), key=lambda kv: order[kv[0]]))
 
 
-def _dispatch_entries(model: nn.Module, device_map: Mapping[str, MapDevice]
+def dispatch_entries(model: nn.Module, device_map: Mapping[str, MapDevice]
                       ) -> dict[str, tuple[MapDevice, bool]]:
     """The entries ``dispatch_model`` hooks, ``{module name: (device, whole)}``, for a checked
     map; checking one before loading anything means a bad map leaves the model untouched.
@@ -232,7 +232,7 @@ def dispatch_model(model: nn.Module, device_map: Mapping[str, Device],
     offloaded = ("disk",) if main in ("cpu", "mps") else ("cpu", "disk")
     preload = list(preload_module_classes or ())
     sites = []  # (entry, hook site, device, whole, full names of the tensors the hook moves)
-    for name, (device, whole) in _dispatch_entries(model, checked).items():
+    for name, (device, whole) in dispatch_entries(model, checked).items():
         module = model.get_submodule(name)
         for site, sub, place in (_hook_sites(module, name, preload) if device in offloaded
                                  and whole else [(name, module, whole)]):
@@ -304,7 +304,7 @@ def cpu_offload(model: nn.Module, execution_device: Device | None = None,
         True
     """
     device = _torch_device(check_device_map(model, {"": execution_device})[""]) \
-        if execution_device is not None else _default_execution_device()
+        if execution_device is not None else default_execution_device()
     if state_dict is None:
         state_dict = {n: t.to("cpu") for n, t in named_module_tensors(model, recurse=True)}
     _offload_every_module(model, device, OffloadedWeightsLoader(state_dict=state_dict),
@@ -339,7 +339,7 @@ def disk_offload(model: nn.Module, offload_dir: str | os.PathLike,
     if not os.path.exists(os.path.join(offload_dir, "index.json")):
         offload_state_dict(offload_dir, dict(named_module_tensors(model, recurse=True)))
     device = _torch_device(check_device_map(model, {"": execution_device})[""]) \
-        if execution_device is not None else _default_execution_device()
+        if execution_device is not None else default_execution_device()
     _offload_every_module(model, device, OffloadedWeightsLoader(save_folder=offload_dir),
                           offload_buffers, preload_module_classes)
     model.hf_device_map = {"": "disk"}

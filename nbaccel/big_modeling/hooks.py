@@ -309,7 +309,7 @@ class CpuOffload(ModelHook):
                  prev_module_hook: UserCpuOffloadHook | None = None) -> None:
         self.prev_module_hook = prev_module_hook
         self.execution_device = execution_device if execution_device is not None \
-            else _default_execution_device()
+            else default_execution_device()
 
     def init_hook(self, module: nn.Module) -> nn.Module:
         return module.to("cpu")
@@ -349,7 +349,8 @@ class UserCpuOffloadHook:
         remove_hook_from_module(self.model)
 
 
-def _default_execution_device() -> torch.device:
-    from nbaccel.environment import cuda_device_count
+def default_execution_device() -> torch.device:
+    """Where offloaded weights run when no device is named: the first GPU, else the CPU."""
+    from nbaccel.hardware import cuda_device_count
 
     return torch.device("cuda", 0) if cuda_device_count() > 0 else torch.device("cpu")

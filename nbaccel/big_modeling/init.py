@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from nbaccel.big_modeling.tensors import Device, _as_torch_device
+from nbaccel.big_modeling.tensors import Device, as_torch_device
 
 __all__ = ["init_empty_weights", "init_on_device"]
 
@@ -58,7 +58,7 @@ def init_on_device(device: Device, include_buffers: bool = False) -> Iterator[No
         >>> lin.weight.is_meta
         True
     """
-    device = _as_torch_device(device)
+    device = as_torch_device(device)
     if include_buffers:
         with device:
             yield

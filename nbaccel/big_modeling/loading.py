@@ -334,7 +334,7 @@ def load_checkpoint_and_dispatch(model: nn.Module, checkpoint: str | os.PathLike
         >>> x = torch.ones(1, 8); torch.allclose(model(x), full(x))
         True
     """
-    from nbaccel.big_modeling.dispatch import _dispatch_entries, dispatch_model
+    from nbaccel.big_modeling.dispatch import dispatch_entries, dispatch_model
 
     _check_whole_tensor_loading(full_state_dict, broadcast_from_rank0)
     if isinstance(dtype, str):
@@ -342,7 +342,7 @@ def load_checkpoint_and_dispatch(model: nn.Module, checkpoint: str | os.PathLike
     checked = None if device_map is None else resolve_device_map(
         model, device_map, max_memory, no_split_module_classes, dtype, offload_buffers)
     if checked is not None:
-        _dispatch_entries(model, checked)  # a map dispatch would reject fails before any read
+        dispatch_entries(model, checked)  # a map dispatch would reject fails before any read
     index = _load(model, checkpoint, checked, offload_folder, dtype, offload_buffers,
                   list(keep_in_fp32_modules or ()), strict, index_needs_folder=False)
     if checked is None:

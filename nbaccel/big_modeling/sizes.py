@@ -114,7 +114,7 @@ def find_tied_parameters(model: nn.Module) -> list[list[str]]:
 
 
 def _gpu_count() -> int:
-    from nbaccel.environment import cuda_device_count
+    from nbaccel.hardware import cuda_device_count
 
     return cuda_device_count()
 

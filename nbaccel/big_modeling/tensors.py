@@ -79,7 +79,7 @@ def set_module_tensor_to_device(module: nn.Module, tensor_name: str, device: Dev
     old = owner._parameters[leaf] if is_param else owner._buffers[leaf]
     if old is None:
         return
-    device = _as_torch_device(device)
+    device = as_torch_device(device)
     if value is not None and tuple(value.shape) != tuple(old.shape):
         raise CheckpointMismatchError(
             f"values for {tensor_name!r} have shape {tuple(value.shape)}, but the model's tensor "
@@ -103,7 +103,8 @@ def set_module_tensor_to_device(module: nn.Module, tensor_name: str, device: Dev
         owner._buffers[leaf] = new
 
 
-def _as_torch_device(device: Device) -> torch.device:
+def as_torch_device(device: Device) -> torch.device:
+    """A device-map entry as a ``torch.device`` (an int is a CUDA index, as in Accelerate's maps)."""
     if isinstance(device, int):
         return torch.device("cuda", device)
     return torch.device(device)

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any, TextIO, TypeVar, get_args
 
 from nbaccel.config import LaunchConfig, load_config, save_config
-from nbaccel.environment import MixedPrecision, config_file_path, cpu_count, cuda_device_count, tpu_detected
+from nbaccel.environment import MixedPrecision, config_file_path
 from nbaccel.errors import ConfigError
+from nbaccel.hardware import cpu_count, cuda_device_count, tpu_detected
 
 __all__ = ["default_config", "register"]
 

@@ -19,8 +19,9 @@ from pathlib import Path
 import yaml
 
 from nbaccel.config import LaunchConfig, load_config
-from nbaccel.environment import (
-    config_file_path,
+from nbaccel.environment import config_file_path
+from nbaccel.errors import ConfigError
+from nbaccel.hardware import (
     cpu_count,
     cuda_device_count,
     fork_unsafe_reason,
@@ -29,7 +30,6 @@ from nbaccel.environment import (
     in_notebook,
     tpu_detected,
 )
-from nbaccel.errors import ConfigError
 from nbaccel.version import __version__
 
 __all__ = ["env_report", "register"]

@@ -12,14 +12,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from nbaccel.config import LaunchConfig, StartMethod
-from nbaccel.environment import (
-    WorkerSettings,
-    cpu_count,
-    cuda_device_count,
-    fork_unsafe_reason,
-    tpu_detected,
-)
+from nbaccel.environment import WorkerSettings
 from nbaccel.errors import ConfigError, EnvironmentStateError
+from nbaccel.hardware import cpu_count, cuda_device_count, fork_unsafe_reason, tpu_detected
 
 __all__ = ["LaunchPlan", "plan_launch"]
 

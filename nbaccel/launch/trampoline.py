@@ -18,7 +18,7 @@ from typing import Any
 
 def _own_cuda_index() -> int:
     """The GPU this worker will use (as ``ProcessState`` picks it: local rank modulo the visible GPUs)."""
-    from nbaccel.environment import cuda_device_count
+    from nbaccel.hardware import cuda_device_count
 
     return int(os.environ.get("LOCAL_RANK", "0")) % max(cuda_device_count(), 1)
 

@@ -20,8 +20,9 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from nbaccel.config import LaunchConfig, StartMethod, load_config
-from nbaccel.environment import MixedPrecision, config_file_path, in_colab, in_notebook
+from nbaccel.environment import MixedPrecision, config_file_path
 from nbaccel.errors import ConfigError, EnvironmentStateError, PayloadPicklingError, WorkerFailedError
+from nbaccel.hardware import in_colab, in_notebook
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.magics.cell import CellProgram, CellResult, run_cell_program
 from nbaccel.magics.render import attach_renderer, render_interrupt

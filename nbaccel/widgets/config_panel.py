@@ -21,8 +21,8 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 
 from nbaccel.config import LaunchConfig, save_config
-from nbaccel.environment import cpu_count, cuda_device_count, tpu_detected
 from nbaccel.errors import ConfigError
+from nbaccel.hardware import cpu_count, cuda_device_count, tpu_detected
 from nbaccel.magics.session import changed_fields
 from nbaccel.widgets import import_widgets, set_titles, tooltip, widget_bundle, widgets_available
 

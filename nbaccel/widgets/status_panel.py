@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from nbaccel.environment import in_colab, in_notebook
+from nbaccel.hardware import in_colab, in_notebook
 from nbaccel.launch.events import RankState
 from nbaccel.widgets import import_widgets, set_titles, widget_bundle, widgets_available
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import nbaccel.environment
+import nbaccel.hardware
 from nbaccel.big_modeling import (
     get_balanced_memory,
     get_max_memory,
@@ -25,7 +25,7 @@ def fake_gpus(monkeypatch):
     """``fake_gpus(free_0, free_1, ...)``: that many GPUs with that much free memory each."""
 
     def fake(*free: int) -> None:
-        monkeypatch.setattr(nbaccel.environment, "cuda_device_count", lambda: len(free))
+        monkeypatch.setattr(nbaccel.hardware, "cuda_device_count", lambda: len(free))
         monkeypatch.setattr(sizes_module, "_free_gpu_memory", lambda i: free[i])
         monkeypatch.setattr(sizes_module, "_available_cpu_memory", lambda: CPU)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 
 from nbaccel.config import LaunchConfig, load_config, save_config
-from nbaccel.environment import cpu_count, cuda_device_count
+from nbaccel.hardware import cpu_count, cuda_device_count
 from tests.cli.helpers import nbaccel
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 import nbaccel
-from nbaccel.environment import cpu_count
+from nbaccel.hardware import cpu_count
 from tests.cli.helpers import env_with
 from tests.cli.helpers import nbaccel as run_nbaccel
 

@@ -131,7 +131,7 @@ def test_cuda_tensors_in_a_spawn_payload_land_on_the_workers_own_gpu(monkeypatch
     data = cloudpickle.dumps((len, (torch.arange(3.0),), {}))
     monkeypatch.undo()
     monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.setattr("nbaccel.environment.cuda_device_count", lambda: 2)
+    monkeypatch.setattr("nbaccel.hardware.cuda_device_count", lambda: 2)
     monkeypatch.setattr(torch.UntypedStorage, "cuda", lambda self, index=None: placed.append(index) or self,
                         raising=False)
     function, args, kwargs = trampoline.PayloadUnpickler(io.BytesIO(data)).load()

@@ -211,7 +211,7 @@ def test_accel_env_takes_no_arguments(ip):
 
 
 def test_a_config_this_machine_cannot_run_is_a_usage_error(ip, capfd):
-    from nbaccel.environment import cuda_device_count
+    from nbaccel.hardware import cuda_device_count
 
     if cuda_device_count():
         pytest.skip("this machine has a CUDA GPU")

@@ -18,7 +18,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 @pytest.fixture(autouse=True)
 def _runtime_stays_uninitialized():
     yield
-    from nbaccel.environment import xla_runtime_initialized
+    from nbaccel.hardware import xla_runtime_initialized
 
     assert not xla_runtime_initialized(), "a test initialized the XLA runtime in the test process"
 

@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("torch_xla")
 
-from nbaccel.environment import tpu_detected, xla_runtime_initialized  # noqa: E402
 from nbaccel.errors import ConfigError, EnvironmentStateError, LaunchError, MissingDependencyError  # noqa: E402
+from nbaccel.hardware import tpu_detected, xla_runtime_initialized  # noqa: E402
 from nbaccel.launch.xla_topology import check_xla_launch, probe_replica_count, xla_replica_count  # noqa: E402
 
 pytestmark = pytest.mark.xla

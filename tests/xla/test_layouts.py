@@ -40,9 +40,8 @@ def launch(function, *args, **kwargs):
 
 def _start(**kwargs):
     """In each replica: carry collectives among threads, and build the Accelerator."""
-    from tests.xla.thread_collectives import install
-
     from nbaccel import Accelerator
+    from tests.xla.thread_collectives import install
 
     calls = install()
     return Accelerator(**kwargs), calls
@@ -199,7 +198,7 @@ def where():
 
 def test_set_seed_between_launches_leaves_the_runtime_alone(replicas):
     from nbaccel import set_seed
-    from nbaccel.environment import xla_runtime_initialized
+    from nbaccel.hardware import xla_runtime_initialized
 
     assert sorted(launch(where)) == list(range(replicas))
     set_seed(0)  # a notebook cell after a TPU launch
