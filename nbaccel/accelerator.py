@@ -26,6 +26,12 @@ from nbaccel.errors import ConfigError
 from nbaccel.gradient_state import GradientState
 from nbaccel.optimizer import AcceleratedOptimizer
 from nbaccel.partial_state import AcceleratorState
+from nbaccel.plugin_resolution import (
+    collect_handlers,
+    resolve_accumulation_plugin,
+    resolve_dataloader_config,
+    resolve_deepspeed_plugin,
+)
 from nbaccel.plugins import (
     AutocastKwargs,
     DataLoaderConfiguration,
@@ -37,12 +43,12 @@ from nbaccel.plugins import (
     InitProcessGroupKwargs,
     KwargsHandler,
     ProjectConfiguration,
-    collect_handlers,
-    resolve_accumulation_plugin,
-    resolve_dataloader_config,
-    resolve_deepspeed_plugin,
 )
-from nbaccel.precision import autocast_context, make_grad_scaler, validate_mixed_precision
+from nbaccel.precision import (
+    autocast_context,
+    make_grad_scaler,
+    validate_mixed_precision,
+)
 from nbaccel.preparation import PrepareHelpers
 from nbaccel.prepared import PreparedObjects, RegistryView
 from nbaccel.process_helpers import ProcessHelpers

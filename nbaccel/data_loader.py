@@ -1,6 +1,6 @@
 """Prepared dataloaders: sharded across processes, moved to the device, aware of their last batch.
 
-:func:`prepare_data_loader` rebuilds a ``DataLoader`` around a
+:func:`~nbaccel.loader_preparation.prepare_data_loader` rebuilds a ``DataLoader`` around a
 :class:`~nbaccel.data_sharding.BatchSamplerShard` (map-style datasets) or an
 :class:`~nbaccel.data_sharding.IterableDatasetShard` (iterable ones), or, with
 ``dispatch_batches``, lets rank 0 read every batch and send each rank its slice. Iteration
@@ -19,19 +19,21 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
+from torch.utils.data import DataLoader, RandomSampler
 
-from nbaccel.data_sharding import BatchSamplerShard, IterableDatasetShard, SeedableRandomSampler, SkipBatchSampler
+from nbaccel.data_sharding import IterableDatasetShard
 from nbaccel.gradient_state import GradientState
-from nbaccel.ops import broadcast, broadcast_object_list, concatenate, find_batch_size, send_to_device, slice_tensors
-from nbaccel.plugins import DataLoaderConfiguration
+from nbaccel.ops import (
+    broadcast_object_list,
+    concatenate,
+    find_batch_size,
+    send_to_device,
+    slice_tensors,
+)
 
-__all__ = ["DataLoaderDispatcher", "DataLoaderShard", "prepare_data_loader", "skip_first_batches"]
+__all__ = ["DataLoaderDispatcher", "DataLoaderShard", "draw_seed"]
 
 _END = object()
-# DataLoader arguments carried over when a loader is rebuilt.
-_LOADER_KWARGS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
-                  "generator", "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order")
 
 
 class DataLoaderShard(DataLoader):
@@ -125,9 +127,9 @@ class DataLoaderShard(DataLoader):
         self.generator.set_state(start)  # DataLoader.__iter__ draws the base seed from it
         draws = torch.Generator()
         draws.set_state(start)
-        _draw_seed(draws)
+        draw_seed(draws)
         if self.reseeded_sampler is not None:
-            self.reseeded_sampler.generator = torch.Generator().manual_seed(_draw_seed(draws))
+            self.reseeded_sampler.generator = torch.Generator().manual_seed(draw_seed(draws))
         if replay is None:
             torch.set_rng_state(draws.get_state())
 
@@ -274,172 +276,6 @@ class DataLoaderDispatcher(DataLoaderShard):
         return max(steps - self.skip_batches, 0)
 
 
-def _loader_kwargs(loader: DataLoader) -> dict[str, Any]:
-    return {k: getattr(loader, k) for k in _LOADER_KWARGS if hasattr(loader, k) and k != "in_order"} | (
-        {"in_order": loader.in_order} if hasattr(loader, "in_order") else {})
-
-
-def _draw_seed(generator: torch.Generator | None = None) -> int:
+def draw_seed(generator: torch.Generator | None = None) -> int:
     """One seed drawn the way torch's ``DataLoader`` and ``RandomSampler`` draw theirs."""
     return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
-
-
-def _shuffle_generator(sampler: Any, num_processes: int) -> torch.Generator | None:
-    """The generator that decides a shuffling sampler's order, the same on every rank.
-
-    ``None`` where the order needs none: a sampler that is not a ``RandomSampler``, a
-    :class:`SeedableRandomSampler` (reseeded from its seed and epoch), or, in one process, a
-    ``RandomSampler`` without a generator (it draws a seed from the global RNG each pass, as
-    in Accelerate; the loader replays that draw after a resume).
-    """
-    if not isinstance(sampler, RandomSampler) or isinstance(sampler, SeedableRandomSampler):
-        return None
-    if sampler.generator is None:
-        if num_processes == 1:
-            return None
-        seed = torch.tensor(_draw_seed(), dtype=torch.int64)
-        sampler.generator = torch.Generator().manual_seed(int(broadcast(seed, from_process=0).item()))
-    else:
-        sampler.generator.set_state(broadcast(sampler.generator.get_state(), from_process=0))
-    return sampler.generator
-
-
-def _seedable(sampler: RandomSampler, config: DataLoaderConfiguration) -> SeedableRandomSampler:
-    seed = config.data_seed
-    if seed is None:  # the seed `set_seed` gave torch, as in Accelerate (rank 0's, should ranks differ)
-        seed = broadcast_object_list([torch.initial_seed()], from_process=0)[0]
-    return SeedableRandomSampler(sampler.data_source, replacement=sampler.replacement,
-                                 num_samples=sampler._num_samples, initial_seed=seed)
-
-
-def prepare_data_loader(dataloader: DataLoader, device: torch.device | None = None, num_processes: int = 1,
-                        process_index: int = 0, config: DataLoaderConfiguration | None = None,
-                        gradient_state: GradientState | None = None) -> DataLoaderShard:
-    """Rebuild ``dataloader`` so this process reads its share of the batches, on ``device``.
-
-    Args:
-        dataloader: the original loader (left unchanged).
-        device: where batches go (``None`` leaves them where the loader puts them).
-        num_processes: processes sharing the data.
-        process_index: this process's rank.
-        config: splitting, padding, dispatching and seeding choices.
-        gradient_state: the accelerator's state, told when the last batch comes.
-
-    Returns:
-        A :class:`DataLoaderShard` (or :class:`DataLoaderDispatcher`).
-
-    Raises:
-        ConfigError: ``split_batches`` with a batch size not divisible by ``num_processes``, or
-            ``even_batches`` with a batch sampler that has no batch size.
-
-    Example:
-        >>> loader = prepare_data_loader(DataLoader(range(8), batch_size=2), num_processes=2, process_index=0)
-        >>> [b.tolist() for b in loader]
-        [[0, 1], [4, 5]]
-    """
-    config = config or DataLoaderConfiguration()
-    dataset = dataloader.dataset
-    iterable = isinstance(dataset, IterableDataset)
-    dispatch = config.dispatch_batches if config.dispatch_batches is not None else (iterable and num_processes > 1)
-    kwargs = _loader_kwargs(dataloader)
-    if device is not None and device.type == "xla":
-        device = None  # batches reach the device through MpDeviceLoader instead (see XlaDeviceLoader)
-    common: dict[str, Any] = {"device": device, "gradient_state": gradient_state, "non_blocking": config.non_blocking}
-    bs = dataloader.batch_size
-    if dispatch and num_processes > 1:
-        return _prepare_dispatcher(dataloader, num_processes, process_index, config, common | kwargs)
-    if iterable:
-        return _prepare_iterable(dataloader, num_processes, process_index, config, common | kwargs)
-    sampler = dataloader.batch_sampler.sampler if hasattr(dataloader.batch_sampler, "sampler") else dataloader.sampler
-    if isinstance(sampler, RandomSampler) and config.use_seedable_sampler:
-        sampler = _seedable(sampler, config)
-        batch_sampler: Any = BatchSampler(sampler, batch_size=bs, drop_last=dataloader.drop_last) if bs else None
-    else:
-        batch_sampler = dataloader.batch_sampler
-    generator = _shuffle_generator(sampler, num_processes)
-    reseeded = sampler if isinstance(sampler, RandomSampler) and generator is None and not isinstance(
-        sampler, SeedableRandomSampler) else None
-    if batch_sampler is None:
-        batch_sampler = dataloader.batch_sampler
-    if num_processes > 1:
-        batch_sampler = BatchSamplerShard(batch_sampler, num_processes=num_processes, process_index=process_index,
-                                          split_batches=config.split_batches, even_batches=config.even_batches)
-    size = getattr(batch_sampler, "batch_size", None) or bs
-    total = size if config.split_batches else (size * num_processes if size else None)
-    return DataLoaderShard(dataset, batch_sampler=batch_sampler, total_batch_size=total, sync_generator=generator,
-                           source_drop_last=dataloader.drop_last, draws_global_rng=dataloader.generator is None,
-                           reseeded_sampler=reseeded, **common, **kwargs)
-
-
-def _prepare_iterable(dataloader: DataLoader, num_processes: int, process_index: int,
-                      config: DataLoaderConfiguration, kwargs: dict[str, Any]) -> DataLoaderShard:
-    bs = dataloader.batch_size
-    per = bs // num_processes if (config.split_batches and bs) else bs
-    dataset: Any = dataloader.dataset
-    if num_processes > 1:
-        dataset = IterableDatasetShard(dataset, batch_size=bs or 1, drop_last=dataloader.drop_last,
-                                       num_processes=num_processes, process_index=process_index,
-                                       split_batches=config.split_batches)
-    total = (bs if config.split_batches else bs * num_processes) if bs else None
-    return DataLoaderShard(dataset, batch_size=per, drop_last=dataloader.drop_last, total_batch_size=total,
-                           sync_generator=dataloader.generator, draws_global_rng=dataloader.generator is None,
-                           **kwargs)
-
-
-def _prepare_dispatcher(dataloader: DataLoader, num_processes: int, process_index: int,
-                        config: DataLoaderConfiguration, kwargs: dict[str, Any]) -> DataLoaderDispatcher:
-    bs = dataloader.batch_size
-    if config.split_batches and bs and bs % num_processes:
-        from nbaccel.errors import ConfigError
-
-        raise ConfigError(f"with split_batches=True the batch size must be a multiple of num_processes="
-                          f"{num_processes} (got batch_size={bs})", key="batch_size", value=bs,
-                          valid=f"a multiple of {num_processes}")
-    total = bs if config.split_batches else (bs * num_processes if bs else None)
-    return DataLoaderDispatcher(dataloader.dataset, batch_size=bs, drop_last=dataloader.drop_last,
-                                sampler=None if isinstance(dataloader.dataset, IterableDataset) else dataloader.sampler,
-                                num_processes=num_processes, process_index=process_index,
-                                split_batches=config.split_batches, even_batches=config.even_batches,
-                                total_batch_size=total, **kwargs)
-
-
-def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoader:
-    """A loader like ``dataloader`` that starts after its first ``num_batches`` batches.
-
-    Used to resume mid-epoch: skipped batches are not loaded when the loader has a batch
-    sampler. The epoch counter stays shared with ``dataloader``.
-
-    Example:
-        >>> loader = prepare_data_loader(DataLoader(range(6), batch_size=2))
-        >>> [b.tolist() for b in skip_first_batches(loader, 2)]
-        [[4, 5]]
-    """
-    if not isinstance(dataloader, DataLoaderShard):
-        if getattr(dataloader, "batch_sampler", None) is not None and not isinstance(dataloader.dataset, IterableDataset):
-            kw = _loader_kwargs(dataloader)
-            return DataLoader(dataloader.dataset, batch_sampler=SkipBatchSampler(dataloader.batch_sampler, num_batches),
-                              **kw)
-        return DataLoaderShard(dataloader.dataset, batch_size=dataloader.batch_size, skip_batches=num_batches,
-                               **_loader_kwargs(dataloader))
-    common = {"device": dataloader.device, "gradient_state": dataloader.gradient_state,
-              "non_blocking": dataloader.non_blocking, "total_batch_size": dataloader.total_batch_size,
-              "sync_generator": dataloader.sync_generator, "source_drop_last": dataloader.source_drop_last,
-              "draws_global_rng": dataloader.draws_global_rng, "reseeded_sampler": dataloader.reseeded_sampler}
-    kwargs = _loader_kwargs(dataloader)
-    if isinstance(dataloader, DataLoaderDispatcher) or isinstance(dataloader.dataset, IterableDataset):
-        skipped: DataLoaderShard = _clone_with_skip(dataloader, num_batches)
-    else:
-        skipped = DataLoaderShard(dataloader.dataset, batch_sampler=SkipBatchSampler(dataloader.batch_sampler,
-                                                                                     num_batches), **common, **kwargs)
-    skipped._epoch_owner = dataloader._epoch_owner
-    return skipped
-
-
-def _clone_with_skip(dataloader: DataLoaderShard, num_batches: int) -> DataLoaderShard:
-    """A copy of an iterable or dispatching loader that loads and drops its first batches."""
-    import copy
-
-    clone = copy.copy(dataloader)
-    clone.__dict__["skip_batches"] = dataloader.skip_batches + num_batches
-    return clone
-

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from nbaccel.data_loader import prepare_data_loader, skip_first_batches
 from nbaccel.errors import ConfigError
 from nbaccel.gradient_state import GradientState
+from nbaccel.loader_preparation import prepare_data_loader, skip_first_batches
 from nbaccel.optimizer import AcceleratedOptimizer
 from nbaccel.plugins import (
     AutocastKwargs,

@@ -10,9 +10,14 @@ The same API as Accelerate's big-modeling utilities; see the modules for each pa
 
 from __future__ import annotations
 
-from nbaccel.big_modeling.checkpoint_files import open_checkpoint
+from nbaccel.big_modeling.checkpoint_layout import open_checkpoint
 from nbaccel.big_modeling.device_map import infer_auto_device_map
-from nbaccel.big_modeling.dispatch import cpu_offload, cpu_offload_with_hook, disk_offload, dispatch_model
+from nbaccel.big_modeling.dispatch import (
+                                           cpu_offload,
+                                           cpu_offload_with_hook,
+                                           disk_offload,
+                                           dispatch_model,
+)
 from nbaccel.big_modeling.hooks import (
                                            AlignDevicesHook,
                                            CpuOffload,
@@ -23,9 +28,17 @@ from nbaccel.big_modeling.hooks import (
                                            remove_hook_from_module,
 )
 from nbaccel.big_modeling.init import init_empty_weights, init_on_device
-from nbaccel.big_modeling.loading import load_checkpoint_and_dispatch, load_checkpoint_in_model
+from nbaccel.big_modeling.loading import (
+                                           load_checkpoint_and_dispatch,
+                                           load_checkpoint_in_model,
+)
 from nbaccel.big_modeling.offload import OffloadedWeightsLoader, PrefixedDataset
-from nbaccel.big_modeling.sizes import compute_module_sizes, find_tied_parameters, get_balanced_memory, get_max_memory
+from nbaccel.big_modeling.sizes import (
+                                           compute_module_sizes,
+                                           find_tied_parameters,
+                                           get_balanced_memory,
+                                           get_max_memory,
+)
 from nbaccel.big_modeling.tensors import set_module_tensor_to_device
 
 __all__ = [

@@ -26,7 +26,12 @@ from nbaccel.big_modeling.hooks import (
     add_hook_to_module,
     default_execution_device,
 )
-from nbaccel.big_modeling.offload import IndexEntry, OffloadedWeightsLoader, PrefixedDataset, offload_state_dict
+from nbaccel.big_modeling.offload import (
+    IndexEntry,
+    OffloadedWeightsLoader,
+    PrefixedDataset,
+    offload_state_dict,
+)
 from nbaccel.big_modeling.tensors import Device, named_module_tensors
 from nbaccel.errors import CheckpointMismatchError, DeviceMapError
 

@@ -21,7 +21,8 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from nbaccel.big_modeling.checkpoint_files import Checkpoint, TensorInfo, open_checkpoint
+from nbaccel.big_modeling.checkpoint_files import TensorInfo
+from nbaccel.big_modeling.checkpoint_layout import Checkpoint, open_checkpoint
 from nbaccel.big_modeling.device_map import (
     DeviceMapStrategy,
     MapDevice,

@@ -28,7 +28,13 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from nbaccel.big_modeling.checkpoint_files import TensorInfo, can_map, read_into, read_tensor, truncated_error
+from nbaccel.big_modeling.checkpoint_files import (
+    TensorInfo,
+    can_map,
+    read_into,
+    read_tensor,
+    truncated_error,
+)
 
 __all__ = ["FileMaps", "read_to_device"]
 

@@ -20,7 +20,7 @@ from nbaccel import Accelerator, FullyShardedDataParallelPlugin, ops
 from nbaccel.errors import ConfigError
 from nbaccel.fsdp import shard_model
 from nbaccel.state import ProcessState
-from nbaccel.data_loader import prepare_data_loader
+from nbaccel.loader_preparation import prepare_data_loader
 from nbaccel.random import synchronize_rng_states
 from tests.gpu_fakes import fake_cuda_world
 

@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
 import nbaccel
-from nbaccel.data_loader import prepare_data_loader, skip_first_batches
+from nbaccel.loader_preparation import prepare_data_loader, skip_first_batches
 from tests.training.helpers import (CountingStream, EpochRecordingDataset, EpochRecordingSampler,
                                     EpochShuffledStream, launch)
 
