@@ -6,7 +6,7 @@ per process (rank, world size, device, backend) and its attribute names, which a
 ``backend``, ``is_main_process``, ``is_local_main_process``, ``is_last_process``,
 ``use_distributed``, ``mixed_precision``. They add the per-process helpers Accelerate's
 ``PartialState`` has (``print``, ``main_process_first``, ``split_between_processes``, the
-``on_*`` decorators), taken from :class:`~nbaccel.process_helpers.ProcessHelpers`.
+``on_*`` decorators), taken from :class:`~nbaccel.training.process_helpers.ProcessHelpers`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from nbaccel.process_helpers import ProcessHelpers
 from nbaccel.state import ProcessState
+from nbaccel.training.process_helpers import ProcessHelpers
 
 __all__ = ["AcceleratorState", "PartialState"]
 

@@ -346,7 +346,7 @@ def _count(gpus: int) -> str:
 def _helpers(gpus: int) -> str:
     import nbaccel
     from nbaccel.hardware import fork_unsafe_reason
-    from nbaccel.random import capture_rng_state
+    from nbaccel.training.random import capture_rng_state
 
     nbaccel.set_seed(0)
     accelerator = nbaccel.Accelerator()

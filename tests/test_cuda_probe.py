@@ -30,7 +30,7 @@ nbaccel.set_seed(0)
 accelerator = nbaccel.Accelerator()
 out["device"] = str(accelerator.device)
 accelerator.free_memory()
-from nbaccel.random import capture_rng_state
+from nbaccel.training.random import capture_rng_state
 capture_rng_state()
 out["after_helpers"] = fork_unsafe_reason()
 out["parent_calls"] = len(fake.calls)

@@ -96,3 +96,13 @@ def test_every_module_is_small_enough_to_read_in_one_sitting():
     too_long = {str(p.relative_to(root)): n for p in root.rglob("*.py")
                 if (n := len(p.read_text().splitlines())) > 420}
     assert too_long == {}
+
+
+def test_only_the_environment_module_writes_os_environ():
+    """Workers learn their settings from the environment: one module writes it, so a reader knows where."""
+    import re
+
+    root = Path(nbaccel.__file__).parent
+    writes = re.compile(r"os\.environ\[[^]]+\]\s*=|os\.environ\.(update|pop|setdefault|clear)\(|del os\.environ|os\.putenv")
+    writers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py") if writes.search(p.read_text()))
+    assert writers == ["environment.py"]

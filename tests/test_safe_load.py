@@ -7,10 +7,10 @@ import torch
 
 import nbaccel
 from nbaccel.config import load_config
-from nbaccel.plugins import ProjectConfiguration
-from nbaccel.prepared import PreparedObjects
 from nbaccel.safe_load import load_state_file
-from nbaccel.training_state import CheckpointContext, save_accelerator_state
+from nbaccel.training.plugins import ProjectConfiguration
+from nbaccel.training.prepared import PreparedObjects
+from nbaccel.training.training_state import CheckpointContext, save_accelerator_state
 from tests.training.helpers import TinyMLP
 
 
@@ -53,7 +53,7 @@ def _saved(tmp_path) -> tuple[PreparedObjects, CheckpointContext]:
 
 
 def test_a_model_file_that_is_not_a_state_dict_is_refused(tmp_path):
-    from nbaccel.state_loading import load_accelerator_state
+    from nbaccel.training.state_loading import load_accelerator_state
 
     prepared, context = _saved(tmp_path)
     torch.save([torch.ones(1)], tmp_path / "ckpt" / "pytorch_model.bin")
@@ -62,7 +62,7 @@ def test_a_model_file_that_is_not_a_state_dict_is_refused(tmp_path):
 
 
 def test_an_optimizer_file_without_optimizer_state_is_refused(tmp_path):
-    from nbaccel.state_loading import load_accelerator_state
+    from nbaccel.training.state_loading import load_accelerator_state
 
     prepared, context = _saved(tmp_path)
     torch.save({"lr": 0.1}, tmp_path / "ckpt" / "optimizer.bin")

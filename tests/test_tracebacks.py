@@ -14,7 +14,7 @@ WORKER_TRACEBACK = """Traceback (most recent call last):
     exec(code, namespace)
   File "/tmp/ipykernel_1/3141.py", line 4, in train
     accelerator.prepare(model, device_placement=[True, False])
-  File "/site/nbaccel/accelerator.py", line 250, in prepare
+  File "/site/nbaccel/training/accelerator.py", line 250, in prepare
     raise ConfigError(msg)
 nbaccel.errors.ConfigError: `device_placement` needs one entry per object
 """
@@ -25,7 +25,7 @@ def test_the_launchers_frames_are_dropped_and_the_libraries_kept():
     assert "runpy" not in text and "nbaccel/launch" not in text and "nbaccel/magics" not in text
     assert "result = function(*args)" not in text and "^^^" not in text  # a dropped frame's source lines go too
     assert 'File "/tmp/ipykernel_1/3141.py", line 4, in train' in text  # the user's code
-    assert 'File "/site/nbaccel/accelerator.py", line 250, in prepare\n    raise ConfigError(msg)' in text
+    assert 'File "/site/nbaccel/training/accelerator.py", line 250, in prepare\n    raise ConfigError(msg)' in text
     assert text.endswith("ConfigError: `device_placement` needs one entry per object")
 
 

@@ -23,7 +23,7 @@ from typing import Any, get_args
 from nbaccel.cli.slurm import read_slurm
 from nbaccel.cli.usage import UsageError
 from nbaccel.config import LaunchConfig, load_config
-from nbaccel.environment import MixedPrecision, single_process_environment
+from nbaccel.environment import MixedPrecision, apply_environment, single_process_environment
 from nbaccel.errors import ConfigError, NbaccelError, WorkerFailedError
 from nbaccel.tracebacks import clean_traceback
 
@@ -58,7 +58,7 @@ def run_script(target: str, script_args: Sequence[str], as_module: bool = False)
         as_module: run ``python -m target`` instead of a file.
     """
     if "WORLD_SIZE" not in os.environ:
-        os.environ.update(single_process_environment())  # so a script's init_process_group() works
+        apply_environment(single_process_environment())  # so a script's init_process_group() works
     sys.argv = [target, *script_args]
     if as_module:
         sys.path[0:1] = [os.getcwd()]

@@ -14,7 +14,12 @@ from typing import Literal
 from nbaccel.config import LaunchConfig, StartMethod
 from nbaccel.environment import WorkerSettings
 from nbaccel.errors import ConfigError, EnvironmentStateError
-from nbaccel.hardware import cpu_count, cuda_device_count, fork_unsafe_reason, tpu_detected
+from nbaccel.hardware import (
+    cpu_count,
+    cuda_device_count,
+    fork_unsafe_reason,
+    tpu_detected,
+)
 
 __all__ = ["LaunchPlan", "plan_launch"]
 
@@ -61,7 +66,9 @@ def _device_kind(config: LaunchConfig) -> tuple[DeviceKind, int]:
 
 
 def _gpu_ids(config: LaunchConfig, gpus: int) -> tuple[str | None, int, tuple[int, ...] | None]:
-    from nbaccel.cuda_probe import select_gpus  # numbers count the GPUs this process sees; UUIDs name one
+    from nbaccel.cuda_probe import (
+        select_gpus,  # numbers count the GPUs this process sees; UUIDs name one
+    )
 
     chosen = select_gpus(config.gpu_ids, gpus)
     return chosen.visible_devices, chosen.count, chosen.physical_ids
@@ -93,7 +100,7 @@ def plan_launch(config: LaunchConfig) -> LaunchPlan:
     kind, gpus = _device_kind(config)
     visible, usable, physical = _gpu_ids(config, gpus) if kind == "cuda" else (None, 0, None)
     if config.mixed_precision == "fp8":  # refused here, not by each worker's Accelerator() after N started
-        from nbaccel.fp8 import check_fp8_launch
+        from nbaccel.training.fp8 import check_fp8_launch
 
         check_fp8_launch(kind, physical)
     notes: list[str] = []

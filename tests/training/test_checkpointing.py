@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 import nbaccel
-from nbaccel.checkpointing import MARKER
+from nbaccel.training.checkpointing import MARKER
 from tests.training.helpers import (
     DropoutMLP,
     TiedLM,

@@ -211,11 +211,11 @@ def test_one_send_to_device_for_loaders_optimizers_and_big_model_hooks():
     from collections import namedtuple
 
     import nbaccel.big_modeling.hooks
-    import nbaccel.data_loader
-    import nbaccel.optimizer
+    import nbaccel.training.data_loader
+    import nbaccel.training.optimizer
 
     assert nbaccel.big_modeling.hooks.send_to_device is nbaccel.send_to_device
-    assert nbaccel.optimizer.send_to_device is nbaccel.send_to_device
+    assert nbaccel.training.optimizer.send_to_device is nbaccel.send_to_device
     Pair = namedtuple("Pair", "a b")
     data = {"x": [torch.ones(1), (Pair(torch.zeros(1), 3),)], "mask": torch.ones(1),
             "enc": _Encoding({"ids": torch.ones(2)})}

@@ -18,10 +18,10 @@ from torch.utils.data import DataLoader
 
 from nbaccel import Accelerator, FullyShardedDataParallelPlugin, ops
 from nbaccel.errors import ConfigError
-from nbaccel.fsdp import shard_model
 from nbaccel.state import ProcessState
-from nbaccel.loader_preparation import prepare_data_loader
-from nbaccel.random import synchronize_rng_states
+from nbaccel.training.fsdp import shard_model
+from nbaccel.training.loader_preparation import prepare_data_loader
+from nbaccel.training.random import synchronize_rng_states
 from tests.gpu_fakes import fake_cuda_world
 
 

@@ -7,9 +7,14 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
 import nbaccel
-from nbaccel.loader_preparation import prepare_data_loader, skip_first_batches
-from tests.training.helpers import (CountingStream, EpochRecordingDataset, EpochRecordingSampler,
-                                    EpochShuffledStream, launch)
+from nbaccel.training.loader_preparation import prepare_data_loader, skip_first_batches
+from tests.training.helpers import (
+    CountingStream,
+    EpochRecordingDataset,
+    EpochRecordingSampler,
+    EpochShuffledStream,
+    launch,
+)
 
 
 def _shards(n_items: int, batch_size: int, n: int, **kwargs) -> list[list[list[int]]]:

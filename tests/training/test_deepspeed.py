@@ -7,7 +7,13 @@ import torch
 from torch.utils.data import DataLoader
 
 import nbaccel
-from tests.training.helpers import flat_weights, launch, model_and_optimizer, regression_data, train_steps
+from tests.training.helpers import (
+    flat_weights,
+    launch,
+    model_and_optimizer,
+    regression_data,
+    train_steps,
+)
 
 pytest.importorskip("deepspeed")
 

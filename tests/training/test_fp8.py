@@ -7,7 +7,11 @@ import torch
 from torch import nn
 
 from nbaccel.errors import ConfigError
-from nbaccel.fp8 import check_fp8_device, convert_model_to_fp8, fp8_layer_filter
+from nbaccel.training.fp8 import (
+    check_fp8_device,
+    convert_model_to_fp8,
+    fp8_layer_filter,
+)
 
 
 def _model() -> nn.Sequential:
@@ -32,7 +36,7 @@ def test_convert_swaps_the_chosen_layers_for_float8linear():
 @pytest.mark.parametrize(("capability", "ok"), [((8, 6), False), ((8, 9), True)])
 def test_the_worker_checks_its_own_gpu(monkeypatch, capability, ok):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    monkeypatch.setattr("nbaccel.fp8.importlib.util.find_spec", lambda name: object())
+    monkeypatch.setattr("nbaccel.training.fp8.importlib.util.find_spec", lambda name: object())
     if ok:
         check_fp8_device(torch.device("cuda", 0))
     else:
@@ -43,7 +47,7 @@ def test_the_worker_checks_its_own_gpu(monkeypatch, capability, ok):
 def test_fp8_with_deepspeed_is_refused(monkeypatch):
     import nbaccel
 
-    monkeypatch.setattr("nbaccel.fp8.check_fp8_device", lambda device: None)
-    monkeypatch.setattr("nbaccel.accelerator.resolve_deepspeed_plugin", lambda plugin, settings: object())
+    monkeypatch.setattr("nbaccel.training.fp8.check_fp8_device", lambda device: None)
+    monkeypatch.setattr("nbaccel.training.accelerator.resolve_deepspeed_plugin", lambda plugin, settings: object())
     with pytest.raises(ConfigError, match="not supported with DeepSpeed"):
         nbaccel.Accelerator(mixed_precision="fp8")

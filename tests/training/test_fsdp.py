@@ -9,7 +9,13 @@ from torch.utils.data import DataLoader
 
 import nbaccel
 from nbaccel.config import LaunchConfig
-from tests.training.helpers import BlockStack, launch, model_and_optimizer, regression_data, train_steps
+from tests.training.helpers import (
+    BlockStack,
+    launch,
+    model_and_optimizer,
+    regression_data,
+    train_steps,
+)
 
 
 def _train(plugin: nbaccel.FullyShardedDataParallelPlugin | None, per_process_batch: int, folder: str | None = None
@@ -191,7 +197,7 @@ def test_fsdp_mixed_precision_policy_from_names_and_dicts():
 
 def test_fsdp_plugin_errors_name_the_setting_and_the_valid_values():
     from nbaccel.errors import ConfigError
-    from nbaccel.fsdp import _wrap_targets
+    from nbaccel.training.fsdp import _wrap_targets
 
     with pytest.raises(ConfigError) as info:
         nbaccel.FullyShardedDataParallelPlugin(mixed_precision_policy=3)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nbaccel.optimizer import AcceleratedOptimizer
+from nbaccel.training.optimizer import AcceleratedOptimizer
 from tests.gpu_fakes import fake_cuda_world
 
 

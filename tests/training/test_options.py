@@ -37,7 +37,7 @@ def test_deepspeed_chosen_by_the_launch_config_fails_in_the_workers_with_the_sam
 
 
 def test_deepspeed_auto_values_are_filled_from_nbaccel_settings():
-    from nbaccel.deepspeed_engine import build_config
+    from nbaccel.training.deepspeed_engine import build_config
 
     config = build_config({"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto",
                            "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 3}},
@@ -119,7 +119,7 @@ def test_cpu_true_after_the_state_chose_another_device_is_a_config_error(monkeyp
 
 
 def test_fp16_on_an_xla_device_is_a_config_error_naming_bf16():
-    from nbaccel.precision import make_grad_scaler
+    from nbaccel.training.precision import make_grad_scaler
 
     with pytest.raises(nbaccel.ConfigError, match="mixed_precision='bf16'") as info:
         make_grad_scaler("fp16", torch.device("xla", 0))
@@ -128,9 +128,9 @@ def test_fp16_on_an_xla_device_is_a_config_error_naming_bf16():
 
 
 def test_deepspeed_argument_checks_come_before_importing_deepspeed():
-    from nbaccel.deepspeed_engine import prepare_deepspeed
-    from nbaccel.gradient_state import GradientState
-    from nbaccel.prepared import PreparedObjects
+    from nbaccel.training.deepspeed_engine import prepare_deepspeed
+    from nbaccel.training.gradient_state import GradientState
+    from nbaccel.training.prepared import PreparedObjects
 
     models = (torch.nn.Linear(1, 1), torch.nn.Linear(1, 1))
     prepared = PreparedObjects()

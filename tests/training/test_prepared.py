@@ -10,11 +10,18 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 import nbaccel
-from nbaccel.plugins import ProjectConfiguration
-from nbaccel.prepared import PreparedObjects, is_prepared
-from nbaccel.state_loading import load_accelerator_state
-from nbaccel.training_state import CheckpointContext, save_accelerator_state
-from tests.training.helpers import TinyMLP, flat_weights, launch, model_and_optimizer, regression_data, train_steps
+from nbaccel.training.plugins import ProjectConfiguration
+from nbaccel.training.prepared import PreparedObjects, is_prepared
+from nbaccel.training.state_loading import load_accelerator_state
+from nbaccel.training.training_state import CheckpointContext, save_accelerator_state
+from tests.training.helpers import (
+    TinyMLP,
+    flat_weights,
+    launch,
+    model_and_optimizer,
+    regression_data,
+    train_steps,
+)
 
 
 def _prepare_twice_and_train(folder: str) -> dict:

@@ -206,7 +206,7 @@ def test_seeding_and_rng_snapshots():
     a = torch.rand(2)
     nbaccel.set_seed(3, device_specific=True)  # process 0: the same seed
     assert torch.equal(torch.rand(2), a)
-    from nbaccel.random import capture_rng_state, restore_rng_state
+    from nbaccel.training.random import capture_rng_state, restore_rng_state
 
     gen = torch.Generator().manual_seed(1)
     snap = capture_rng_state({"g": gen})

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from nbaccel.data_loader import DataLoaderDispatcher, DataLoaderShard
 from nbaccel.ops import send_to_device
+from nbaccel.training.data_loader import DataLoaderDispatcher, DataLoaderShard
 
 __all__ = ["XlaDeviceLoader"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nbaccel.plugins import GradientAccumulationPlugin
+from nbaccel.training.plugins import GradientAccumulationPlugin
 
 __all__ = ["GradientState"]
 

@@ -1,10 +1,10 @@
 """Prepared dataloaders: sharded across processes, moved to the device, aware of their last batch.
 
-:func:`~nbaccel.loader_preparation.prepare_data_loader` rebuilds a ``DataLoader`` around a
-:class:`~nbaccel.data_sharding.BatchSamplerShard` (map-style datasets) or an
-:class:`~nbaccel.data_sharding.IterableDatasetShard` (iterable ones), or, with
+:func:`~nbaccel.training.loader_preparation.prepare_data_loader` rebuilds a ``DataLoader`` around a
+:class:`~nbaccel.training.data_sharding.BatchSamplerShard` (map-style datasets) or an
+:class:`~nbaccel.training.data_sharding.IterableDatasetShard` (iterable ones), or, with
 ``dispatch_batches``, lets rank 0 read every batch and send each rank its slice. Iteration
-looks one batch ahead so the :class:`~nbaccel.gradient_state.GradientState` knows the last
+looks one batch ahead so the :class:`~nbaccel.training.gradient_state.GradientState` knows the last
 batch while it is being processed (``gather_for_metrics`` and accumulation rely on that).
 Shuffling draws what Accelerate draws: in one process a shuffling sampler takes its seed from
 torch's global RNG each pass, as a plain ``DataLoader`` does; across processes it gets a generator
@@ -21,8 +21,6 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
-from nbaccel.data_sharding import IterableDatasetShard
-from nbaccel.gradient_state import GradientState
 from nbaccel.ops import (
     broadcast_object_list,
     concatenate,
@@ -30,6 +28,8 @@ from nbaccel.ops import (
     send_to_device,
     slice_tensors,
 )
+from nbaccel.training.data_sharding import IterableDatasetShard
+from nbaccel.training.gradient_state import GradientState
 
 __all__ = ["DataLoaderDispatcher", "DataLoaderShard", "draw_seed"]
 

@@ -4,8 +4,8 @@ An :class:`~nbaccel.Accelerator` owns one :class:`PreparedObjects`. ``prepare`` 
 model, optimizer, scheduler and dataloader it returns there, in order, and marks each object
 (Accelerate's ``_is_accelerate_prepared`` attribute), so handing a prepared object to
 ``prepare`` again returns it unchanged instead of wrapping it twice (DDP inside DDP). Saving
-and loading (:mod:`nbaccel.training_state`) and the DeepSpeed path
-(:mod:`nbaccel.deepspeed_engine`) are given the registry explicitly; nothing else reaches into
+and loading (:mod:`nbaccel.training.training_state`) and the DeepSpeed path
+(:mod:`nbaccel.training.deepspeed_engine`) are given the registry explicitly; nothing else reaches into
 the Accelerator for it. Accelerate's private lists (``accelerator._models``, ...), which user
 code and libraries read, are views of the registry's lists.
 
@@ -24,10 +24,10 @@ from typing import Any, Literal, TypeVar
 import torch
 from torch.utils.data import DataLoader
 
-from nbaccel.data_loader import DataLoaderShard
-from nbaccel.xla_loader import XlaDeviceLoader
-from nbaccel.optimizer import AcceleratedOptimizer
-from nbaccel.scheduler import AcceleratedScheduler
+from nbaccel.training.data_loader import DataLoaderShard
+from nbaccel.training.optimizer import AcceleratedOptimizer
+from nbaccel.training.scheduler import AcceleratedScheduler
+from nbaccel.training.xla_loader import XlaDeviceLoader
 
 __all__ = ["LoadStatePreHook", "PreparedKind", "PreparedObjects", "RegistryView", "SaveStatePreHook", "is_prepared",
            "kind_of"]

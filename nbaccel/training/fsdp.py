@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from nbaccel.errors import ConfigError
-from nbaccel.fsdp_policy import make_mixed_precision_policy
-from nbaccel.plugins import FullyShardedDataParallelPlugin
+from nbaccel.training.fsdp_policy import make_mixed_precision_policy
+from nbaccel.training.plugins import FullyShardedDataParallelPlugin
 
 __all__ = ["full_model_state_dict", "full_optimizer_state_dict", "is_fsdp_model", "load_full_model_state_dict",
            "load_full_optimizer_state_dict", "shard_model"]
@@ -72,7 +72,12 @@ def shard_model(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin, 
         ``model`` itself, now an ``FSDPModule``.
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
 
     if plugin.cpu_offload and device.type == "cuda":
         _check_group_carries_cpu()
@@ -128,7 +133,10 @@ def full_model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def load_full_model_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
     """Load a full state dict (present on every rank) into a sharded model."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+    )
 
     set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True))
 
@@ -143,7 +151,10 @@ def full_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Opt
 def load_full_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                                    state_dict: dict[str, Any]) -> None:
     """Load a gathered optimizer state dict (present on every rank) into a sharded model's optimizer."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_optimizer_state_dict,
+    )
 
     if not state_dict.get("state"):
         # A stateless optimizer (plain SGD): torch cannot place an empty state; only hyperparameters remain.

@@ -6,7 +6,7 @@ A training state is a folder with Accelerate's file names: ``model.safetensors``
 writes into a temporary sibling folder; only when all have finished does the main process swap
 it into place, so a crash during a save leaves the previous checkpoint whole. The folder holds
 ``nbaccel_checkpoint.json`` once complete. What goes into the folder (the Accelerator's prepared
-objects) is :mod:`nbaccel.training_state`'s job.
+objects) is :mod:`nbaccel.training.training_state`'s job.
 """
 
 from __future__ import annotations

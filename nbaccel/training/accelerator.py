@@ -4,10 +4,10 @@ With no arguments it reads the job from the environment (:class:`~nbaccel.partia
 inside a 4-process CPU launch it trains as one 4-process gloo job. ``prepare`` places models
 (DDP across processes, FSDP2 when configured, autocast for mixed precision), wraps optimizers,
 schedulers and dataloaders, and returns them in the order given; what it prepared is kept in
-one registry (:class:`~nbaccel.prepared.PreparedObjects`, ``accelerator.prepared``), and an
-object prepared already comes back unchanged (:class:`~nbaccel.preparation.PrepareHelpers`).
-Collectives and per-process helpers come from :class:`~nbaccel.process_helpers.ProcessHelpers`;
-saving and loading from :class:`~nbaccel.checkpoint_helpers.CheckpointHelpers`.
+one registry (:class:`~nbaccel.training.prepared.PreparedObjects`, ``accelerator.prepared``), and an
+object prepared already comes back unchanged (:class:`~nbaccel.training.preparation.PrepareHelpers`).
+Collectives and per-process helpers come from :class:`~nbaccel.training.process_helpers.ProcessHelpers`;
+saving and loading from :class:`~nbaccel.training.checkpoint_helpers.CheckpointHelpers`.
 """
 
 from __future__ import annotations
@@ -19,20 +19,20 @@ from typing import Any
 
 import torch
 
-from nbaccel.checkpoint_helpers import CheckpointHelpers
 from nbaccel.distributed_type import DistributedType
 from nbaccel.environment import MixedPrecision
 from nbaccel.errors import ConfigError
-from nbaccel.gradient_state import GradientState
-from nbaccel.optimizer import AcceleratedOptimizer
 from nbaccel.partial_state import AcceleratorState
-from nbaccel.plugin_resolution import (
+from nbaccel.training.checkpoint_helpers import CheckpointHelpers
+from nbaccel.training.gradient_state import GradientState
+from nbaccel.training.optimizer import AcceleratedOptimizer
+from nbaccel.training.plugin_resolution import (
     collect_handlers,
     resolve_accumulation_plugin,
     resolve_dataloader_config,
     resolve_deepspeed_plugin,
 )
-from nbaccel.plugins import (
+from nbaccel.training.plugins import (
     AutocastKwargs,
     DataLoaderConfiguration,
     DeepSpeedPlugin,
@@ -44,15 +44,15 @@ from nbaccel.plugins import (
     KwargsHandler,
     ProjectConfiguration,
 )
-from nbaccel.precision import (
+from nbaccel.training.precision import (
     autocast_context,
     make_grad_scaler,
     validate_mixed_precision,
 )
-from nbaccel.preparation import PrepareHelpers
-from nbaccel.prepared import PreparedObjects, RegistryView
-from nbaccel.process_helpers import ProcessHelpers
-from nbaccel.unwrap import unwrap_model
+from nbaccel.training.preparation import PrepareHelpers
+from nbaccel.training.prepared import PreparedObjects, RegistryView
+from nbaccel.training.process_helpers import ProcessHelpers
+from nbaccel.training.unwrap import unwrap_model
 
 __all__ = ["Accelerator"]
 
@@ -115,7 +115,7 @@ class Accelerator(PrepareHelpers, ProcessHelpers, CheckpointHelpers):
         settings = self.state.settings
         self._mixed_precision = validate_mixed_precision(mixed_precision or self.state.mixed_precision)
         if self._mixed_precision == "fp8":
-            from nbaccel.fp8 import check_fp8_device
+            from nbaccel.training.fp8 import check_fp8_device
 
             check_fp8_device(self.state.device)
         self.device_placement = device_placement
@@ -260,7 +260,7 @@ class Accelerator(PrepareHelpers, ProcessHelpers, CheckpointHelpers):
             >>> accelerator.backward(loss)   # doctest: +SKIP
         """
         if self.deepspeed_engine is not None:
-            from nbaccel.deepspeed_engine import backward
+            from nbaccel.training.deepspeed_engine import backward
 
             backward(self.deepspeed_engine, loss, self.sync_gradients, **kwargs)
             return

@@ -11,7 +11,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from nbaccel.gradient_state import GradientState
+from nbaccel.training.gradient_state import GradientState
 
 __all__ = ["AcceleratedScheduler"]
 

@@ -260,7 +260,7 @@ class FullyShardedDataParallelPlugin:
         _check_choice("auto_wrap_policy", self.auto_wrap_policy, get_args(AutoWrapPolicy))
         _check_choice("state_dict_type", self.state_dict_type, get_args(StateDictType))
         if self.mixed_precision_policy is not None:
-            from nbaccel.fsdp_policy import make_mixed_precision_policy
+            from nbaccel.training.fsdp_policy import make_mixed_precision_policy
 
             self.mixed_precision_policy = make_mixed_precision_policy(self.mixed_precision_policy)
 
@@ -278,7 +278,7 @@ class FullyShardedDataParallelPlugin:
             torch.bfloat16
         """
         if override or self.mixed_precision_policy is None:
-            from nbaccel.fsdp_policy import make_mixed_precision_policy
+            from nbaccel.training.fsdp_policy import make_mixed_precision_policy
 
             self.mixed_precision_policy = make_mixed_precision_policy(mixed_precision)
 

@@ -21,12 +21,12 @@ from torch.utils.data import DataLoader
 
 from nbaccel.environment import apply_environment, single_process_environment
 from nbaccel.errors import ConfigError
-from nbaccel.gradient_state import GradientState
 from nbaccel.identity import current_identity
-from nbaccel.optimizer import AcceleratedOptimizer
-from nbaccel.prepared import PreparedObjects, is_prepared
-from nbaccel.scheduler import AcceleratedScheduler
 from nbaccel.state import ProcessState
+from nbaccel.training.gradient_state import GradientState
+from nbaccel.training.optimizer import AcceleratedOptimizer
+from nbaccel.training.prepared import PreparedObjects, is_prepared
+from nbaccel.training.scheduler import AcceleratedScheduler
 
 __all__ = ["CHECKPOINT_TAG", "DeepSpeedOptimizerWrapper", "DeepSpeedPrepared", "DeepSpeedSchedulerWrapper",
            "backward", "build_config", "is_deepspeed_engine", "prepare_deepspeed", "state_dict"]

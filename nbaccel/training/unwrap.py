@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from nbaccel.deepspeed_engine import is_deepspeed_engine
-from nbaccel.precision import unwrap_forward
+from nbaccel.training.deepspeed_engine import is_deepspeed_engine
+from nbaccel.training.precision import unwrap_forward
 
 __all__ = ["unwrap_model"]
 

@@ -1,9 +1,9 @@
 """The Accelerator's saving and loading: state dicts, `save_model`, `save`, `save_state` / `load_state`.
 
-Kept apart from :mod:`nbaccel.accelerator` so that module stays about training. A mixin: it
+Kept apart from :mod:`nbaccel.training.accelerator` so that module stays about training. A mixin: it
 needs the Accelerator's ``state``, ``project_configuration`` and ``prepared`` registry; the
-training state is written by :mod:`nbaccel.training_state`, the file formats are
-:mod:`nbaccel.checkpointing`'s.
+training state is written by :mod:`nbaccel.training.training_state`, the file formats are
+:mod:`nbaccel.training.checkpointing`'s.
 """
 
 from __future__ import annotations
@@ -14,12 +14,19 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from nbaccel import checkpointing, state_loading, training_state
+from nbaccel.training import checkpointing, state_loading, training_state
 from nbaccel.errors import ConfigError
 from nbaccel.file_size import convert_file_size_to_int
-from nbaccel.plugins import FullyShardedDataParallelPlugin, ProjectConfiguration
-from nbaccel.prepared import LoadStatePreHook, PreparedObjects, SaveStatePreHook
 from nbaccel.state import ProcessState
+from nbaccel.training.plugins import (
+    FullyShardedDataParallelPlugin,
+    ProjectConfiguration,
+)
+from nbaccel.training.prepared import (
+    LoadStatePreHook,
+    PreparedObjects,
+    SaveStatePreHook,
+)
 
 __all__ = ["CheckpointHelpers"]
 

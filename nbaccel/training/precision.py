@@ -18,7 +18,7 @@ import torch
 from nbaccel.environment import MixedPrecision
 from nbaccel.errors import ConfigError
 from nbaccel.ops import recursively_apply
-from nbaccel.plugins import AutocastKwargs, GradScalerKwargs
+from nbaccel.training.plugins import AutocastKwargs, GradScalerKwargs
 
 __all__ = ["autocast_context", "convert_outputs_to_fp32", "make_grad_scaler", "validate_mixed_precision"]
 
@@ -28,7 +28,7 @@ _VALID: tuple[MixedPrecision, ...] = get_args(MixedPrecision)
 
 
 def validate_mixed_precision(value: object) -> MixedPrecision:
-    """Check a ``mixed_precision`` value (whether fp8 can run here is :mod:`nbaccel.fp8`'s check).
+    """Check a ``mixed_precision`` value (whether fp8 can run here is :mod:`nbaccel.training.fp8`'s check).
 
     Raises:
         ConfigError: the value is not one of ``"no"``, ``"fp16"``, ``"bf16"``, ``"fp8"``.

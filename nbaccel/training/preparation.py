@@ -2,7 +2,7 @@
 
 A mixin of :class:`~nbaccel.Accelerator`, kept apart so that module stays about the training
 step. Everything made here is recorded in the Accelerator's one registry
-(:class:`~nbaccel.prepared.PreparedObjects`, ``self.prepared``) and marked, so an object that
+(:class:`~nbaccel.training.prepared.PreparedObjects`, ``self.prepared``) and marked, so an object that
 was prepared already comes back unchanged (no DDP inside DDP, nothing listed twice).
 """
 
@@ -14,21 +14,21 @@ import torch
 from torch.utils.data import DataLoader
 
 from nbaccel.errors import ConfigError
-from nbaccel.gradient_state import GradientState
-from nbaccel.loader_preparation import prepare_data_loader, skip_first_batches
-from nbaccel.optimizer import AcceleratedOptimizer
-from nbaccel.plugins import (
+from nbaccel.state import ProcessState
+from nbaccel.training.gradient_state import GradientState
+from nbaccel.training.loader_preparation import prepare_data_loader, skip_first_batches
+from nbaccel.training.optimizer import AcceleratedOptimizer
+from nbaccel.training.plugins import (
     AutocastKwargs,
     DataLoaderConfiguration,
     DeepSpeedPlugin,
     DistributedDataParallelKwargs,
     FullyShardedDataParallelPlugin,
 )
-from nbaccel.precision import wrap_forward
-from nbaccel.prepared import PreparedObjects, is_prepared, kind_of
-from nbaccel.scheduler import AcceleratedScheduler
-from nbaccel.state import ProcessState
-from nbaccel.xla_loader import XlaDeviceLoader
+from nbaccel.training.precision import wrap_forward
+from nbaccel.training.prepared import PreparedObjects, is_prepared, kind_of
+from nbaccel.training.scheduler import AcceleratedScheduler
+from nbaccel.training.xla_loader import XlaDeviceLoader
 
 __all__ = ["PrepareHelpers"]
 
@@ -89,7 +89,7 @@ class PrepareHelpers:
         return result[0] if len(result) == 1 else tuple(result)
 
     def _prepare_deepspeed(self, args: tuple[Any, ...]) -> list[Any]:
-        from nbaccel.deepspeed_engine import prepare_deepspeed
+        from nbaccel.training.deepspeed_engine import prepare_deepspeed
 
         made = prepare_deepspeed(args, self.prepared, base_config=self.deepspeed_plugin.deepspeed_config,
                                  process=self.state, gradient_state=self.gradient_state,
@@ -133,14 +133,14 @@ class PrepareHelpers:
                 _switch_parameters(before, list(model.parameters()),
                                    list(_optimizers or []) + [o.optimizer for o in self.prepared.optimizers])
         if self.mixed_precision == "fp8" and not evaluation_mode:
-            from nbaccel.fp8 import convert_model_to_fp8
+            from nbaccel.training.fp8 import convert_model_to_fp8
 
             convert_model_to_fp8(model)
         if self.mixed_precision != "no":
             wrap_forward(model, self.mixed_precision, self.device, self.autocast_handler)
         trainable = any(p.requires_grad for p in model.parameters())
         if self.fsdp_plugin is not None and not evaluation_mode:
-            from nbaccel.fsdp import shard_model
+            from nbaccel.training.fsdp import shard_model
 
             optimizers = list(_optimizers or []) + [o.optimizer for o in self.prepared.optimizers]
             model = shard_model(model, self.fsdp_plugin, self.device, self.num_processes, optimizers,
@@ -217,7 +217,7 @@ def _broadcast_xla_weights(model: torch.nn.Module) -> None:
     """
     import torch_xla.core.xla_model as xm
 
-    from nbaccel.optimizer import xla_sync
+    from nbaccel.training.optimizer import xla_sync
 
     xm.broadcast_master_param(model)
     xla_sync()

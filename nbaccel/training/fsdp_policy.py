@@ -1,6 +1,6 @@
 """FSDP2 mixed precision policies built from what users write: a policy, a precision name, or a dict.
 
-Kept apart from :mod:`nbaccel.fsdp` so that the plugin (:mod:`nbaccel.plugins`), which checks
+Kept apart from :mod:`nbaccel.training.fsdp` so that the plugin (:mod:`nbaccel.training.plugins`), which checks
 its policy when it is made, and the sharding code both use it without importing each other.
 """
 

@@ -19,15 +19,26 @@ from typing import Any
 
 import torch
 
-from nbaccel.checkpointing import MARKER, check_fits, load_into, numbered_name, resolve_checkpoint
-from nbaccel.deepspeed_engine import CHECKPOINT_TAG, is_deepspeed_engine
 from nbaccel.errors import CheckpointError, CheckpointMismatchError
-from nbaccel.prepared import PreparedObjects
-from nbaccel.random import restore_rng_state
 from nbaccel.safe_load import load_state_file
 from nbaccel.state import ProcessState
-from nbaccel.training_state import CheckpointContext, LoadedState, checkpoint_folder, engine_owned
-from nbaccel.unwrap import unwrap_model
+from nbaccel.training.checkpointing import (
+    MARKER,
+    check_fits,
+    load_into,
+    numbered_name,
+    resolve_checkpoint,
+)
+from nbaccel.training.deepspeed_engine import CHECKPOINT_TAG, is_deepspeed_engine
+from nbaccel.training.prepared import PreparedObjects
+from nbaccel.training.random import restore_rng_state
+from nbaccel.training.training_state import (
+    CheckpointContext,
+    LoadedState,
+    checkpoint_folder,
+    engine_owned,
+)
+from nbaccel.training.unwrap import unwrap_model
 
 __all__ = ["load_accelerator_state"]
 
@@ -62,7 +73,11 @@ def _read_weights(path: Path, load_kwargs: Mapping[str, Any]) -> dict[str, torch
 
 def _plan_models(prepared: PreparedObjects, source: Path, strict: bool, load_kwargs: Mapping[str, Any]
                  ) -> list[Step]:
-    from nbaccel.fsdp import is_fsdp_model, load_full_model_state_dict, sharded_load
+    from nbaccel.training.fsdp import (
+        is_fsdp_model,
+        load_full_model_state_dict,
+        sharded_load,
+    )
 
     engines: list[Step] = []
     plain = []
@@ -111,7 +126,7 @@ def _check_optimizer(optimizer: Any, state: Any, path: Path) -> None:
 
 def _plan_rest(prepared: PreparedObjects, context: CheckpointContext, source: Path, load_kwargs: Mapping[str, Any]
                ) -> list[Step]:
-    from nbaccel.fsdp import is_fsdp_model, load_full_optimizer_state_dict
+    from nbaccel.training.fsdp import is_fsdp_model, load_full_optimizer_state_dict
 
     def load(path: Path) -> Any:
         return load_state_file(_need(path), load_kwargs)
@@ -169,7 +184,7 @@ def _warn_on_other_process_count(process: ProcessState, source: Path) -> None:
 
 def load_accelerator_state(prepared: PreparedObjects, context: CheckpointContext, input_dir: str | Path | None,
                            strict: bool = True, load_kwargs: dict[str, Any] | None = None) -> LoadedState:
-    """Restore what :func:`~nbaccel.training_state.save_accelerator_state` wrote into the prepared objects.
+    """Restore what :func:`~nbaccel.training.training_state.save_accelerator_state` wrote into the prepared objects.
 
     Everything is read and checked before anything changes (see the module docstring).
 

@@ -12,7 +12,7 @@ import importlib.util
 from typing import Any
 
 from nbaccel.errors import ConfigError, MissingDependencyError
-from nbaccel.plugins import (
+from nbaccel.training.plugins import (
     AutocastKwargs,
     DataLoaderConfiguration,
     DeepSpeedPlugin,

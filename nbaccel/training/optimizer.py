@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from nbaccel.errors import EnvironmentStateError
-from nbaccel.gradient_state import GradientState
 from nbaccel.ops import send_to_device
+from nbaccel.training.gradient_state import GradientState
 
 __all__ = ["AcceleratedOptimizer"]
 

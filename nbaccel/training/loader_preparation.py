@@ -1,6 +1,6 @@
 """`prepare_data_loader` and `skip_first_batches`: a user's ``DataLoader`` rebuilt as this rank's loader.
 
-The loaders themselves (look-ahead, device placement, dispatching) are :mod:`nbaccel.data_loader`;
+The loaders themselves (look-ahead, device placement, dispatching) are :mod:`nbaccel.training.data_loader`;
 this module decides how a given loader is sharded, shuffled and resumed.
 """
 
@@ -11,16 +11,20 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 
-from nbaccel.data_loader import DataLoaderDispatcher, DataLoaderShard, draw_seed
-from nbaccel.data_sharding import (
+from nbaccel.ops import broadcast, broadcast_object_list
+from nbaccel.training.data_loader import (
+    DataLoaderDispatcher,
+    DataLoaderShard,
+    draw_seed,
+)
+from nbaccel.training.data_sharding import (
     BatchSamplerShard,
     IterableDatasetShard,
     SeedableRandomSampler,
     SkipBatchSampler,
 )
-from nbaccel.gradient_state import GradientState
-from nbaccel.ops import broadcast, broadcast_object_list
-from nbaccel.plugins import DataLoaderConfiguration
+from nbaccel.training.gradient_state import GradientState
+from nbaccel.training.plugins import DataLoaderConfiguration
 
 __all__ = ["prepare_data_loader", "skip_first_batches"]
 

@@ -1,6 +1,6 @@
 """The Accelerator's per-process helpers: collectives, printing, barriers, and main-process decorators.
 
-Kept apart from :mod:`nbaccel.accelerator` so that module stays about training. Everything
+Kept apart from :mod:`nbaccel.training.accelerator` so that module stays about training. Everything
 here needs only ``self.state`` (a :class:`~nbaccel.state.ProcessState`) and, for
 ``gather_for_metrics``, ``self.gradient_state``.
 """
@@ -16,8 +16,8 @@ import torch
 
 from nbaccel import ops
 from nbaccel.errors import ConfigError
-from nbaccel.gradient_state import GradientState
 from nbaccel.state import ProcessState
+from nbaccel.training.gradient_state import GradientState
 
 __all__ = ["ProcessHelpers"]
 

@@ -1,10 +1,10 @@
 """`save_state`: what an Accelerator prepared, written to a checkpoint folder (and where that folder is).
 
-The functions here are given everything they use: the :class:`~nbaccel.prepared.PreparedObjects`
+The functions here are given everything they use: the :class:`~nbaccel.training.prepared.PreparedObjects`
 registry and a :class:`CheckpointContext` (the process, the project configuration, the fp16
 scaler, the accumulation counter). They never reach into an Accelerator. The file layout
-(Accelerate's names) and the atomic folder swap are :mod:`nbaccel.checkpointing`'s; reading a
-folder back is :mod:`nbaccel.state_loading`'s.
+(Accelerate's names) and the atomic folder swap are :mod:`nbaccel.training.checkpointing`'s; reading a
+folder back is :mod:`nbaccel.training.state_loading`'s.
 """
 
 from __future__ import annotations
@@ -16,26 +16,26 @@ from typing import Any
 
 import torch
 
-from nbaccel.checkpointing import (
+from nbaccel.errors import CheckpointError, ConfigError, UnsafeCheckpointError
+from nbaccel.state import ProcessState
+from nbaccel.training.checkpointing import (
     numbered_name,
     remove_checkpoint,
     resolve_checkpoint,
     save_state_folder,
     write_weights,
 )
-from nbaccel.deepspeed_engine import (
+from nbaccel.training.deepspeed_engine import (
     CHECKPOINT_TAG,
     DeepSpeedOptimizerWrapper,
     DeepSpeedSchedulerWrapper,
     is_deepspeed_engine,
 )
-from nbaccel.deepspeed_engine import state_dict as deepspeed_state_dict
-from nbaccel.errors import CheckpointError, ConfigError, UnsafeCheckpointError
-from nbaccel.plugins import ProjectConfiguration
-from nbaccel.prepared import PreparedObjects
-from nbaccel.random import capture_rng_state
-from nbaccel.state import ProcessState
-from nbaccel.unwrap import unwrap_model
+from nbaccel.training.deepspeed_engine import state_dict as deepspeed_state_dict
+from nbaccel.training.plugins import ProjectConfiguration
+from nbaccel.training.prepared import PreparedObjects
+from nbaccel.training.random import capture_rng_state
+from nbaccel.training.unwrap import unwrap_model
 
 __all__ = ["CheckpointContext", "LoadedState", "checkpoint_folder", "engine_owned", "model_state_dict",
            "save_accelerator_state"]
@@ -69,7 +69,7 @@ class CheckpointContext:
 
 @dataclass(frozen=True)
 class LoadedState:
-    """What :func:`nbaccel.state_loading.load_accelerator_state` read besides the objects' states.
+    """What :func:`nbaccel.training.state_loading.load_accelerator_state` read besides the objects' states.
 
     Args:
         path: the checkpoint folder read.
@@ -82,7 +82,7 @@ class LoadedState:
 
 def model_state_dict(model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
     """The model's full state dict on CPU (gathered from the shards under FSDP: call on every rank)."""
-    from nbaccel.fsdp import full_model_state_dict, is_fsdp_model
+    from nbaccel.training.fsdp import full_model_state_dict, is_fsdp_model
 
     if is_fsdp_model(model):
         return full_model_state_dict(model)
@@ -141,7 +141,7 @@ def _prune(context: CheckpointContext) -> None:
 
 
 def _optimizer_state(prepared: PreparedObjects, context: CheckpointContext, index: int, optimizer: Any) -> Any:
-    from nbaccel.fsdp import full_optimizer_state_dict, is_fsdp_model
+    from nbaccel.training.fsdp import full_optimizer_state_dict, is_fsdp_model
 
     if index < len(prepared.models) and is_fsdp_model(prepared.models[index]):
         return full_optimizer_state_dict(prepared.models[index], optimizer.optimizer)
@@ -159,7 +159,7 @@ def engine_owned(obj: Any) -> bool:
 
 
 def _write_models(prepared: PreparedObjects, context: CheckpointContext, tmp: Path, safe_serialization: bool) -> None:
-    from nbaccel.fsdp import is_fsdp_model, sharded_save
+    from nbaccel.training.fsdp import is_fsdp_model, sharded_save
 
     weights = []
     for i, model in enumerate(prepared.models):
@@ -192,7 +192,7 @@ def _save_custom_state(obj: Any, path: Path) -> None:
 
 
 def _write_state(prepared: PreparedObjects, context: CheckpointContext, tmp: Path, safe_serialization: bool) -> None:
-    from nbaccel.fsdp import is_fsdp_model
+    from nbaccel.training.fsdp import is_fsdp_model
 
     writer = context.is_writer
     _write_models(prepared, context, tmp, safe_serialization)
@@ -219,7 +219,7 @@ def _write_state(prepared: PreparedObjects, context: CheckpointContext, tmp: Pat
 
 def save_accelerator_state(prepared: PreparedObjects, context: CheckpointContext, output_dir: str | Path | None,
                            safe_serialization: bool = True) -> Path:
-    """Write the training state into ``output_dir`` atomically (see :mod:`nbaccel.checkpointing`).
+    """Write the training state into ``output_dir`` atomically (see :mod:`nbaccel.training.checkpointing`).
 
     Raises:
         ConfigError: no folder was given and automatic naming is off.
