@@ -17,6 +17,8 @@ from pathlib import Path
 from nbaccel.environment import ASSUME_UNSAFE_FORK, FORCE_TPU, env_flag
 
 __all__ = [
+    "available_cpu_memory",
+    "open_file_budget",
     "TPU_ENV_SIGNS",
     "cpu_count",
     "cuda_device_count",
@@ -183,3 +185,30 @@ def fork_unsafe_reason() -> str | None:
     if xla_runtime_initialized():
         return "the XLA runtime is already initialized in this process"
     return None
+
+
+def available_cpu_memory() -> int:
+    """Bytes of memory the system can give without swapping (``MemAvailable``)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # pragma: no cover
+
+
+def open_file_budget() -> tuple[int, int] | None:
+    """``(descriptors this process may still open, its limit)``, or ``None`` when unlimited or unknown."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        in_use = len(os.listdir("/proc/self/fd"))
+    except OSError:  # pragma: no cover - no procfs
+        return None
+    return max(soft - in_use, 0), soft
+

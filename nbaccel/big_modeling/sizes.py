@@ -9,7 +9,6 @@ checked in a process that will fork later.
 
 from __future__ import annotations
 
-import os
 import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -125,14 +124,9 @@ def _free_gpu_memory(index: int) -> int:
 
 
 def _available_cpu_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:  # pragma: no cover - not Linux
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # pragma: no cover
+    from nbaccel.hardware import available_cpu_memory
+
+    return available_cpu_memory()
 
 
 def _device_key(key: object, gpus: int) -> int | str:

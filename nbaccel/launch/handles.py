@@ -10,7 +10,7 @@ from typing import Any
 from nbaccel.launch.events import RankState
 from nbaccel.launch.frames import FrameReader
 
-__all__ = ["WorkerHandle", "open_pidfd"]
+__all__ = ["WorkerHandle", "discard_workers", "open_pidfd"]
 
 
 @dataclass
@@ -63,6 +63,31 @@ class WorkerHandle:
             try:
                 os.kill(self.pid, sig)
             except ProcessLookupError:
+                pass
+
+
+def discard_workers(handles: list[WorkerHandle]) -> None:
+    """Kill and reap workers that will never be supervised, and close their pipes.
+
+    For a start that failed after some workers were running (a later fork refused, the
+    rendezvous store failing, an interrupt): nothing may outlive the launch.
+    """
+    import signal
+
+    for handle in handles:
+        handle.send(signal.SIGKILL)
+        if handle.popen is not None:
+            handle.popen.wait()
+        else:
+            try:
+                os.waitpid(handle.pid, 0)
+            except ChildProcessError:
+                pass
+        handle.exited = True
+        for fd in (handle.ctl_fd, handle.out_fd, handle.err_fd):
+            try:
+                os.close(fd)
+            except OSError:
                 pass
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from nbaccel.environment import DistributedEnv, worker_environment
+from nbaccel.launch.handles import discard_workers
 from nbaccel.launch.output import OutputRelay
 from nbaccel.launch.payload import dumps_payload
 from nbaccel.launch.rendezvous import LoopbackStore
@@ -61,7 +62,11 @@ class LocalLauncher:
                     handles = start_forked(function, args, kwargs, envs,
                                            inherited_fds=[store.listen_fd] if store is not None else [])
                 if store is not None:
-                    store.serve()  # only now: no store thread runs while the workers are forked
+                    try:
+                        store.serve()  # only now: no store thread runs while the workers are forked
+                    except BaseException:
+                        discard_workers(handles)
+                        raise
                 policy = SupervisorPolicy(timeout=request.config.timeout, hang_timeout=request.hang_timeout)
                 results = Supervisor(handles, relay, observer, policy=policy).run()
                 ok = True

@@ -15,9 +15,11 @@ from nbaccel.config import LaunchConfig, StartMethod
 from nbaccel.environment import WorkerSettings
 from nbaccel.errors import ConfigError, EnvironmentStateError
 from nbaccel.hardware import (
+    available_cpu_memory,
     cpu_count,
     cuda_device_count,
     fork_unsafe_reason,
+    open_file_budget,
     tpu_detected,
 )
 
@@ -25,6 +27,13 @@ __all__ = ["LaunchPlan", "plan_launch"]
 
 DeviceKind = Literal["cpu", "cuda", "xla"]
 _MAX_AUTO_CPU_WORKERS = 4
+# Descriptors the launching process holds per worker: three pipes (both ends while starting), a
+# pidfd, and the rendezvous store's connection; a few spare for the store and the caller.
+_FDS_PER_WORKER = 8
+_SPARE_FDS = 32
+# The least a CPU worker costs once it has touched torch and joined a gloo group; a request that
+# cannot get this much per worker would exhaust memory (or the OOM killer) rather than run.
+_MIN_CPU_WORKER_MEMORY = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,29 @@ def _gpu_ids(config: LaunchConfig, gpus: int) -> tuple[str | None, int, tuple[in
     return chosen.visible_devices, chosen.count, chosen.physical_ids
 
 
+def _check_capacity(n: int, kind: DeviceKind) -> None:
+    """Refuse, before anything is opened, a number of workers this process or machine cannot hold."""
+    budget = open_file_budget()
+    if budget is not None:
+        free, limit = budget
+        fit = max((free - _SPARE_FDS) // _FDS_PER_WORKER, 0)
+        if n > fit:
+            raise ConfigError(
+                f"num_processes={n} needs about {n * _FDS_PER_WORKER + _SPARE_FDS} file descriptors in this "
+                f"process, but it may open only {free} more (limit {limit}, `ulimit -n`). Fix: pass "
+                f"num_processes<={fit}, or raise the limit (resource.setrlimit(resource.RLIMIT_NOFILE, ...)).",
+                key="num_processes", value=n, valid=f"1..{fit}")
+    if kind == "cpu":
+        memory = available_cpu_memory()
+        fit = max(memory // _MIN_CPU_WORKER_MEMORY, 1)
+        if n > fit:
+            raise ConfigError(
+                f"num_processes={n} CPU workers need at least {n * _MIN_CPU_WORKER_MEMORY / 2**30:.1f} GiB "
+                f"(about {_MIN_CPU_WORKER_MEMORY // 2**20} MiB each), but {memory / 2**30:.1f} GiB is available. "
+                f"Fix: pass num_processes<={fit} (one per core, {cpu_count()} here, is usually fastest).",
+                key="num_processes", value=n, valid=f"1..{fit}")
+
+
 def _start_method(requested: StartMethod | None) -> tuple[StartMethod, str | None]:
     unsafe = fork_unsafe_reason()
     if requested == "spawn":
@@ -93,7 +125,8 @@ def plan_launch(config: LaunchConfig) -> LaunchPlan:
     """Decide how to run ``config`` on this machine.
 
     Raises:
-        ConfigError: the config asks for hardware that is not here (GPUs, or fp8-capable ones).
+        ConfigError: the config asks for hardware that is not here (GPUs, or fp8-capable ones), or for more
+            workers than this process has file descriptors or this machine has memory for.
         MissingDependencyError: ``mixed_precision="fp8"`` without torchao.
         EnvironmentStateError: fork was requested but is unsafe in this process.
     """
@@ -118,6 +151,8 @@ def plan_launch(config: LaunchConfig) -> LaunchPlan:
         raise ConfigError(f"num_processes={n} but only {usable} GPU(s) are usable. Fix: pass num_processes<="
                           f"{usable}, or use_cpu=True for CPU processes.", key="num_processes", value=n,
                           valid=f"1..{usable}")
+    if kind != "xla":
+        _check_capacity(n, kind)
     if kind == "xla":  # torch_xla.launch with fork, over 1 or every device the runtime reports
         from nbaccel.launch.xla_topology import check_xla_launch
 

@@ -19,15 +19,25 @@ from pathlib import Path
 from typing import Any
 
 from nbaccel.environment import child_base_environment
+from nbaccel.launch.handles import WorkerHandle, discard_workers
 from nbaccel.launch.payload import dumps_payload
-from nbaccel.launch.handles import WorkerHandle
 from nbaccel.launch.worker import WorkerSpec, run_worker
 
 __all__ = ["SpawnFiles", "start_forked", "start_spawned"]
 
 
 def _pipes(n: int) -> list[tuple[tuple[int, int], tuple[int, int], tuple[int, int]]]:
-    return [(os.pipe(), os.pipe(), os.pipe()) for _ in range(n)]
+    """``n`` trios of (read, write) pipes; on failure (EMFILE) the ones already opened are closed."""
+    opened: list[tuple[int, int]] = []
+    try:
+        for _ in range(3 * n):
+            opened.append(os.pipe())
+    except BaseException:
+        for read_end, write_end in opened:
+            os.close(read_end)
+            os.close(write_end)
+        raise
+    return [(opened[i], opened[i + 1], opened[i + 2]) for i in range(0, 3 * n, 3)]
 
 
 def start_forked(function: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
@@ -37,17 +47,24 @@ def start_forked(function: Callable[..., Any], args: Sequence[Any], kwargs: Mapp
     all_fds = [fd for trio in pipes for pair in trio for fd in pair]
     parent = os.getpid()
     handles: list[WorkerHandle] = []
-    for rank, env in enumerate(envs):
-        (ctl_r, ctl_w), (out_r, out_w), (err_r, err_w) = pipes[rank]
-        own = {ctl_w, out_w, err_w}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: fork with threads
-            pid = os.fork()
-        if pid == 0:  # the worker; never returns
-            spec = WorkerSpec(rank=rank, env=env, ctl_fd=ctl_w, parent_pid=parent, out_fd=out_w,
-                              err_fd=err_w, close_fds=[fd for fd in all_fds if fd not in own] + list(inherited_fds))
-            run_worker(spec, function, args, kwargs)
-        handles.append(WorkerHandle(rank=rank, pid=pid, ctl_fd=ctl_r, out_fd=out_r, err_fd=err_r))
+    try:
+        for rank, env in enumerate(envs):
+            (ctl_r, ctl_w), (out_r, out_w), (err_r, err_w) = pipes[rank]
+            own = {ctl_w, out_w, err_w}
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: fork with threads
+                pid = os.fork()
+            if pid == 0:  # the worker; never returns
+                spec = WorkerSpec(rank=rank, env=env, ctl_fd=ctl_w, parent_pid=parent, out_fd=out_w, err_fd=err_w,
+                                  close_fds=[fd for fd in all_fds if fd not in own] + list(inherited_fds))
+                run_worker(spec, function, args, kwargs)
+            handles.append(WorkerHandle(rank=rank, pid=pid, ctl_fd=ctl_r, out_fd=out_r, err_fd=err_r))
+    except BaseException:  # fork refused (EAGAIN, ENOMEM) or interrupted: nothing may stay behind
+        discard_workers(handles)
+        for fd in all_fds:
+            if not any(fd in (h.ctl_fd, h.out_fd, h.err_fd) for h in handles):
+                os.close(fd)
+        raise
     for trio in pipes:
         for _, write_end in trio:
             os.close(write_end)
@@ -93,23 +110,23 @@ def start_spawned(function: Callable[..., Any], args: Sequence[Any], kwargs: Map
     try:
         for rank, env in enumerate(envs):
             (ctl_r, ctl_w), (out_r, out_w), (err_r, err_w) = _pipes(1)[0]
-            spec = WorkerSpec(rank=rank, env=env, ctl_fd=ctl_w, parent_pid=os.getpid())
-            spec_path = files.write(f"spec-{rank}.pkl", pickle.dumps(spec))
             try:
+                spec = WorkerSpec(rank=rank, env=env, ctl_fd=ctl_w, parent_pid=os.getpid())
+                spec_path = files.write(f"spec-{rank}.pkl", pickle.dumps(spec))
                 popen = subprocess.Popen(
                     [sys.executable, "-m", "nbaccel.launch.trampoline", str(spec_path), str(payload_path)],
                     stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, pass_fds=(ctl_w,),
                     env={**base, **env}, close_fds=True)
+            except BaseException:
+                for fd in (ctl_r, out_r, err_r):
+                    os.close(fd)
+                raise
             finally:
                 for fd in (ctl_w, out_w, err_w):
                     os.close(fd)
             handles.append(WorkerHandle(rank=rank, pid=popen.pid, ctl_fd=ctl_r, out_fd=out_r, err_fd=err_r,
                                         popen=popen))
     except BaseException:
-        for handle in handles:
-            handle.popen.kill()  # type: ignore[union-attr]
-            handle.popen.wait()  # type: ignore[union-attr]
-            for fd in (handle.ctl_fd, handle.out_fd, handle.err_fd):
-                os.close(fd)
+        discard_workers(handles)
         raise
     return handles
