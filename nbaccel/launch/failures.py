@@ -72,9 +72,28 @@ class RemoteTraceback(Exception):
         return "\n" + self.text.rstrip()
 
 
+# What a collective or the rendezvous store raises in a rank whose peer is gone (gloo, NCCL, the
+# TCPStore): a consequence of another rank's failure, never its cause while that cause is known.
+_PEER_LOSS = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused",
+              "remote process exited", "communicator was aborted", "nccl error", "ncclremoteerror",
+              "failed to recv", "recv failed", "socket timeout", "timed out waiting for", "distbackenderror")
+
+
+def is_peer_loss(failure: WorkerFailure) -> bool:
+    """Whether ``failure`` is a rank's collective or store call failing because a peer went away."""
+    if not failure.exc_type:
+        return False
+    text = f"{failure.exc_type} {failure.message}".lower()
+    return any(sign in text for sign in _PEER_LOSS)
+
+
 def _sorted(failures: Sequence[WorkerFailure]) -> list[WorkerFailure]:
-    # A reported exception beats a bare exit at the same moment: the exit is often the echo.
-    return sorted(failures, key=lambda f: (f.time, 0 if f.exc_type else 1, f.rank))
+    # The root cause is the earliest failure that is not a consequence: a rank killed by a signal or
+    # exiting is noticed here only after its peers' collectives have already failed on it. A reported
+    # exception beats a bare exit at the same moment: the exit is often the echo.
+    causes = [f for f in failures if not is_peer_loss(f)]
+    consequence = {id(f): bool(causes) and is_peer_loss(f) for f in failures}
+    return sorted(failures, key=lambda f: (consequence[id(f)], f.time, 0 if f.exc_type else 1, f.rank))
 
 
 def format_report(failures: Sequence[WorkerFailure], stopped: Sequence[int] = ()) -> str:

@@ -31,6 +31,9 @@ from nbaccel.launch.handles import WorkerHandle, open_pidfd
 from nbaccel.launch.output import OutputRelay
 from nbaccel.launch.payload import loads
 
+# What the supervisor itself sends when it stops ranks; any other death of a stopped rank is its own.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGKILL, signal.SIGINT)
+
 __all__ = ["Supervisor", "SupervisorPolicy"]
 
 _READ_SIZE = 1 << 20
@@ -129,6 +132,13 @@ class Supervisor:
                 if not handle.exited and handle.result_at is not None and now - handle.result_at > grace + 2:
                     handle.send(signal.SIGKILL)
             if failures and stop_deadline is None:
+                # Ranks that already died (a SIGKILL, a segfault) are failures, not ranks we stopped:
+                # reap them before stopping the rest, whichever exit was read first.
+                for handle in self._handles:
+                    if not handle.exited and handle.poll():
+                        failure = self._on_exit(handle)
+                        if failure is not None:
+                            failures.append(failure)
                 stop_deadline = now + grace
                 self._terminate_running(signal.SIGTERM)
             elif stop_deadline is not None and now > stop_deadline:
@@ -214,7 +224,7 @@ class Supervisor:
         if handle.result is not None and handle.error is None and handle.rank not in self._stopped:
             self._set_state(handle, "finished")
             return None
-        if handle.rank in self._stopped and handle.error is None:
+        if handle.rank in self._stopped and handle.error is None and handle.signal in (None, *_STOP_SIGNALS):
             self._set_state(handle, "stopped")
             return None
         self._set_state(handle, "failed")
