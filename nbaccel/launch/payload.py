@@ -16,7 +16,7 @@ import cloudpickle
 
 from nbaccel.errors import PayloadPicklingError
 
-__all__ = ["dumps_payload", "dumps_result", "find_unpicklable", "loads", "to_cpu"]
+__all__ = ["dumps_by_reference_first", "dumps_payload", "dumps_result", "find_unpicklable", "loads", "to_cpu"]
 
 
 def to_cpu(value: Any) -> Any:
@@ -111,9 +111,23 @@ def dumps_payload(function: Callable[..., Any], args: Sequence[Any], kwargs: Map
         raise PayloadPicklingError(msg, object_path=path, object_type=type_name) from exc
 
 
+def dumps_by_reference_first(value: Any) -> bytes:
+    """Pickle ``value`` naming its classes by reference where they can be found, else by value.
+
+    A forked worker shares the launching process's classes, notebook-defined ones included:
+    naming them keeps ``isinstance`` and ``except MyError`` true in the caller. cloudpickle would
+    copy a ``__main__`` class by value, and the caller would get a look-alike class. Objects plain
+    pickle cannot name (lambdas, classes made inside a spawned worker) still travel by value.
+    """
+    try:
+        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - anything plain pickle refuses goes by value
+        return cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+
 def dumps_result(value: Any) -> bytes:
-    """Pickle a worker's return value (tensors moved to CPU first)."""
-    return cloudpickle.dumps(to_cpu(value), protocol=pickle.HIGHEST_PROTOCOL)
+    """Pickle a worker's return value (tensors moved to CPU first), classes by reference first."""
+    return dumps_by_reference_first(to_cpu(value))
 
 
 def loads(data: bytes) -> Any:

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from nbaccel.errors import LaunchTimeoutError
+from nbaccel.errors import LaunchError, LaunchTimeoutError
 from nbaccel.launch.events import LaunchObserver, RankState
 from nbaccel.launch.failures import WorkerFailure, raise_failures
 from nbaccel.launch.handles import WorkerHandle, open_pidfd
@@ -113,7 +113,7 @@ class Supervisor:
             self._close()
         if failures:
             raise_failures(failures, len(self.workers), [r for r in self._stopped if self._is_rank(r)])
-        return {h.rank: loads(h.result) for h in self.workers if h.result is not None}
+        return {h.rank: _load_result(h.rank, h.result) for h in self.workers if h.result is not None}
 
     # ------------------------------------------------------------------ loop
     def _watch(self, started: float) -> list[WorkerFailure]:
@@ -363,3 +363,17 @@ class Supervisor:
             except OSError:
                 pass
         self._selector.close()
+
+
+def _load_result(rank: int, data: bytes) -> Any:
+    """Unpickle rank ``rank``'s return value, or say plainly why it cannot live in this process."""
+    try:
+        return loads(data)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure gets the same explanation
+        missing = f" (module {exc.name!r} is not importable here)" if isinstance(exc, ImportError) and exc.name else ""
+        raise LaunchError(
+            f"rank {rank} finished, but its return value cannot be unpickled in this process{missing}: "
+            f"{type(exc).__name__}: {exc}. The workers ran to the end; only the value could not come back. "
+            "Fix: return plain data (numbers, strings, lists, dicts, tensors, numpy arrays), or import what "
+            "it is made of here before launching.") from exc
+

@@ -18,6 +18,7 @@ import faulthandler
 import gc
 import io
 import os
+import pickle
 import signal
 import sys
 import time
@@ -26,13 +27,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-import cloudpickle
 
 from nbaccel.environment import apply_environment, read_distributed_env
 from nbaccel.errors import PayloadPicklingError
 from nbaccel.identity import WorkerIdentity, clear_identity, set_identity
 from nbaccel.launch.frames import write_frame
-from nbaccel.launch.payload import dumps_result
+from nbaccel.launch.payload import dumps_by_reference_first, dumps_result
 
 __all__ = ["WorkerSpec", "describe_error", "die_with_parent", "report_error", "run_body", "run_worker"]
 
@@ -112,17 +112,21 @@ _BAD_FORK_NOTE = ("nbaccel: this worker was forked from a process where CUDA was
 
 def describe_error(exc: BaseException) -> dict[str, Any]:
     """What a worker reports about ``exc``: time, type, message, traceback, and ``exc`` pickled when it can travel."""
-    if _BAD_FORK in str(exc) and _BAD_FORK_NOTE not in getattr(exc, "__notes__", ()):
+    try:
+        message = str(exc)
+    except Exception as str_error:  # noqa: BLE001 - a broken __str__ must not hide the exception
+        message = f"<str() of this {type(exc).__name__} raised {type(str_error).__name__}: {str_error}>"
+    if _BAD_FORK in message and _BAD_FORK_NOTE not in getattr(exc, "__notes__", ()):
         exc.add_note(_BAD_FORK_NOTE)  # the last resort when the preflight's probe fork saw nothing
     try:
-        pickled: bytes | None = cloudpickle.dumps(exc)
-        cloudpickle.loads(pickled)
+        pickled: bytes | None = dumps_by_reference_first(exc)
+        pickle.loads(pickled)  # type: ignore[arg-type]
     except Exception:  # noqa: BLE001 - the parent then raises a generic error
         pickled = None
     return {
         "time": time.time(),
         "exc_type": f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
-        "message": str(exc),
+        "message": message,
         "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
         "exception": pickled,
     }
