@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,8 @@ class WorkerHandle:
     result_at: float | None = None
     frames: FrameReader = field(default_factory=FrameReader)
     pidfd: int | None = None
+    group: bool = False
+    """The worker leads its own process group, which holds what it starts (subprocesses, loader workers)."""
 
     def poll(self) -> bool:
         """Reap the process if it has exited; returns whether it has."""
@@ -58,11 +61,29 @@ class WorkerHandle:
         return True
 
     def send(self, sig: int) -> None:
-        """Send ``sig`` unless the process is already gone."""
+        """Send ``sig`` to the worker alone, unless it is already gone."""
         if not self.exited:
             try:
                 os.kill(self.pid, sig)
             except ProcessLookupError:
+                pass
+
+    def send_tree(self, sig: int) -> None:
+        """Send ``sig`` to the worker and everything it started (its process group), when it has one."""
+        if not self.group:
+            self.send(sig)
+        elif not self.exited:
+            try:
+                os.killpg(self.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                self.send(sig)
+
+    def kill_leftovers(self) -> None:
+        """SIGKILL what the worker started and left running (its process group outlives it)."""
+        if self.group:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
                 pass
 
 
@@ -72,10 +93,8 @@ def discard_workers(handles: list[WorkerHandle]) -> None:
     For a start that failed after some workers were running (a later fork refused, the
     rendezvous store failing, an interrupt): nothing may outlive the launch.
     """
-    import signal
-
     for handle in handles:
-        handle.send(signal.SIGKILL)
+        handle.send_tree(signal.SIGKILL)
         if handle.popen is not None:
             handle.popen.wait()
         else:
@@ -84,6 +103,7 @@ def discard_workers(handles: list[WorkerHandle]) -> None:
             except ChildProcessError:
                 pass
         handle.exited = True
+        handle.kill_leftovers()
         for fd in (handle.ctl_fd, handle.out_fd, handle.err_fd):
             try:
                 os.close(fd)

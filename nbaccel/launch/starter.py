@@ -26,6 +26,10 @@ from nbaccel.launch.worker import WorkerSpec, run_worker
 __all__ = ["SpawnFiles", "start_forked", "start_spawned"]
 
 
+# A spawned worker leads its own process group, as a forked one does (``process_group`` is 3.11+).
+_OWN_GROUP: dict[str, Any] = {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
+
+
 def _pipes(n: int) -> list[tuple[tuple[int, int], tuple[int, int], tuple[int, int]]]:
     """``n`` trios of (read, write) pipes; on failure (EMFILE) the ones already opened are closed."""
     opened: list[tuple[int, int]] = []
@@ -55,10 +59,16 @@ def start_forked(function: Callable[..., Any], args: Sequence[Any], kwargs: Mapp
                 warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: fork with threads
                 pid = os.fork()
             if pid == 0:  # the worker; never returns
+                os.setpgid(0, 0)  # its own group: what it starts is stopped with it, and a terminal's or
+                # Jupyter's interrupt reaches the launcher, which stops the workers in order
                 spec = WorkerSpec(rank=rank, env=env, ctl_fd=ctl_w, parent_pid=parent, out_fd=out_w, err_fd=err_w,
                                   close_fds=[fd for fd in all_fds if fd not in own] + list(inherited_fds))
                 run_worker(spec, function, args, kwargs)
-            handles.append(WorkerHandle(rank=rank, pid=pid, ctl_fd=ctl_r, out_fd=out_r, err_fd=err_r))
+            try:
+                os.setpgid(pid, pid)  # also here, so the group exists before the child has run
+            except (ProcessLookupError, PermissionError):
+                pass
+            handles.append(WorkerHandle(rank=rank, pid=pid, ctl_fd=ctl_r, out_fd=out_r, err_fd=err_r, group=True))
     except BaseException:  # fork refused (EAGAIN, ENOMEM) or interrupted: nothing may stay behind
         discard_workers(handles)
         for fd in all_fds:
@@ -116,7 +126,7 @@ def start_spawned(function: Callable[..., Any], args: Sequence[Any], kwargs: Map
                 popen = subprocess.Popen(
                     [sys.executable, "-m", "nbaccel.launch.trampoline", str(spec_path), str(payload_path)],
                     stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, pass_fds=(ctl_w,),
-                    env={**base, **env}, close_fds=True)
+                    env={**base, **env}, close_fds=True, **_OWN_GROUP)
             except BaseException:
                 for fd in (ctl_r, out_r, err_r):
                     os.close(fd)
@@ -125,7 +135,7 @@ def start_spawned(function: Callable[..., Any], args: Sequence[Any], kwargs: Map
                 for fd in (ctl_w, out_w, err_w):
                     os.close(fd)
             handles.append(WorkerHandle(rank=rank, pid=popen.pid, ctl_fd=ctl_r, out_fd=out_r, err_fd=err_r,
-                                        popen=popen))
+                                        popen=popen, group=True))
     except BaseException:
         discard_workers(handles)
         raise

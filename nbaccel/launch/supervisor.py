@@ -130,7 +130,7 @@ class Supervisor:
             now = time.monotonic()
             for handle in self._handles:  # returned, but stuck tearing down: its result stands
                 if not handle.exited and handle.result_at is not None and now - handle.result_at > grace + 2:
-                    handle.send(signal.SIGKILL)
+                    handle.send_tree(signal.SIGKILL)
             if failures and stop_deadline is None:
                 # Ranks that already died (a SIGKILL, a segfault) are failures, not ranks we stopped:
                 # reap them before stopping the rest, whichever exit was read first.
@@ -326,7 +326,7 @@ class Supervisor:
             if not handle.exited:
                 if handle.rank not in self._stopped:
                     self._stopped.append(handle.rank)
-                handle.send(sig)
+                handle.send_tree(sig)
 
     def _stop_all(self, interrupted: bool) -> None:
         """SIGTERM every live worker, SIGKILL after the grace period; a second interrupt skips the wait."""
@@ -348,10 +348,12 @@ class Supervisor:
     def _kill_remaining(self) -> None:
         for handle in self._handles:
             if not handle.exited:
-                handle.send(signal.SIGKILL)
+                handle.send_tree(signal.SIGKILL)
         for handle in self._handles:
             while not handle.poll():
                 time.sleep(0.005)
+        for handle in self._handles:  # a worker's subprocesses and loader workers end with the launch
+            handle.kill_leftovers()
             if handle.state in ("starting", "running"):
                 self._set_state(handle, "stopped")
 

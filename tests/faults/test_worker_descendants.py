@@ -1,0 +1,69 @@
+"""What a worker starts (subprocesses, DataLoader workers) ends with the launch, whichever way it ends."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from nbaccel import notebook_launcher
+from tests.launch.procs import alive, children
+
+
+def _start_a_sleeper_then(folder: str, then: str) -> int:
+    import subprocess
+
+    import torch
+    from torch.utils.data import DataLoader
+
+    rank = int(os.environ["RANK"])
+    sleeper = subprocess.Popen(["sleep", "300"])
+    Path(folder, f"sleeper-{rank}").write_text(str(sleeper.pid))
+    loader = iter(DataLoader(torch.arange(64), batch_size=4, num_workers=2, persistent_workers=True))
+    next(loader)  # the loader's worker processes are running now
+    for child in Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split():
+        Path(folder, f"child-{rank}-{child}").touch()
+    if then == "raise" and rank == 1:
+        raise RuntimeError("rank 1 fails with its subprocesses running")
+    if then == "hang" and rank == 1:
+        time.sleep(300)
+    return rank
+
+
+def _started(folder: Path) -> list[int]:
+    return [int(p.read_text()) for p in folder.glob("sleeper-*")] + [
+        int(p.name.rsplit("-", 1)[1]) for p in folder.glob("child-*")]
+
+
+def _still_alive(pids: list[int]) -> list[int]:
+    """The processes of ``pids`` still running a moment after the launch (SIGKILL takes a few ms)."""
+    deadline = time.monotonic() + 5
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_failing_rank_takes_its_subprocesses_and_loader_workers_with_it(tmp_path, start_method):
+    with pytest.raises(RuntimeError, match="rank 1 fails"):
+        notebook_launcher(_start_a_sleeper_then, args=(str(tmp_path), "raise"), num_processes=2,
+                          start_method=start_method)
+    started = _started(tmp_path)
+    assert len(list(tmp_path.glob("child-1-*"))) >= 3  # the failing rank's sleeper and two loader workers
+    assert _still_alive(started) == [] and children() == []
+
+
+def test_a_successful_launch_leaves_nothing_its_workers_started(tmp_path):
+    assert notebook_launcher(_start_a_sleeper_then, args=(str(tmp_path), "return"), num_processes=2) == 0
+    started = _started(tmp_path)
+    assert started and _still_alive(started) == []
+
+
+def test_a_timed_out_launch_stops_the_whole_tree(tmp_path):
+    from nbaccel import LaunchTimeoutError
+
+    with pytest.raises(LaunchTimeoutError):
+        notebook_launcher(_start_a_sleeper_then, args=(str(tmp_path), "hang"), num_processes=2, timeout=20)
+    assert _still_alive(_started(tmp_path)) == []
