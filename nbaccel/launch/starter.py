@@ -116,27 +116,31 @@ def start_spawned(function: Callable[..., Any], args: Sequence[Any], kwargs: Map
     payload_path = files.write("payload.pkl", payload)
     base = child_base_environment()
     base["PYTHONPATH"] = _python_path()
+    pipes = _pipes(len(envs))
+    all_fds = [fd for trio in pipes for pair in trio for fd in pair]
     handles: list[WorkerHandle] = []
     try:
+        # Every spec is written before any worker starts: the last worker to read the payload removes
+        # the folder (a launcher killed mid-run leaves nothing in /tmp), which it may only do once no
+        # spec is left to read.
+        spec_paths = [files.write(f"spec-{rank}.pkl", pickle.dumps(
+            WorkerSpec(rank=rank, env=env, ctl_fd=pipes[rank][0][1], parent_pid=os.getpid())))
+            for rank, env in enumerate(envs)]
         for rank, env in enumerate(envs):
-            (ctl_r, ctl_w), (out_r, out_w), (err_r, err_w) = _pipes(1)[0]
-            try:
-                spec = WorkerSpec(rank=rank, env=env, ctl_fd=ctl_w, parent_pid=os.getpid())
-                spec_path = files.write(f"spec-{rank}.pkl", pickle.dumps(spec))
-                popen = subprocess.Popen(
-                    [sys.executable, "-m", "nbaccel.launch.trampoline", str(spec_path), str(payload_path)],
-                    stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, pass_fds=(ctl_w,),
-                    env={**base, **env}, close_fds=True, **_OWN_GROUP)
-            except BaseException:
-                for fd in (ctl_r, out_r, err_r):
-                    os.close(fd)
-                raise
-            finally:
-                for fd in (ctl_w, out_w, err_w):
-                    os.close(fd)
+            (ctl_r, ctl_w), (out_r, out_w), (err_r, err_w) = pipes[rank]
+            popen = subprocess.Popen(
+                [sys.executable, "-m", "nbaccel.launch.trampoline", str(spec_paths[rank]), str(payload_path)],
+                stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, pass_fds=(ctl_w,),
+                env={**base, **env}, close_fds=True, **_OWN_GROUP)
             handles.append(WorkerHandle(rank=rank, pid=popen.pid, ctl_fd=ctl_r, out_fd=out_r, err_fd=err_r,
                                         popen=popen, group=True))
     except BaseException:
         discard_workers(handles)
+        for fd in all_fds:
+            if not any(fd in (h.ctl_fd, h.out_fd, h.err_fd) for h in handles):
+                os.close(fd)
         raise
+    for trio in pipes:
+        for _, write_end in trio:
+            os.close(write_end)
     return handles

@@ -59,7 +59,25 @@ def main(argv: list[str]) -> None:
         def function(*_: object, _exc: BaseException = exc) -> None:
             raise _exc
         args, kwargs = (), {}
+    release_spawn_files(spec_path, payload_path)
     run_worker(spec, function, args, kwargs)
+
+
+def release_spawn_files(spec_path: str, payload_path: str) -> None:
+    """Remove this worker's spec; the last worker to have read the payload removes it and the folder.
+
+    The launcher writes every spec before starting any worker, so no spec left means every worker
+    has read the payload. The launcher removes the folder too when the launch ends; this is for a
+    launcher killed while its workers run.
+    """
+    folder = os.path.dirname(spec_path)
+    try:
+        os.unlink(spec_path)
+        if not any(name.startswith("spec-") for name in os.listdir(folder)):
+            os.unlink(payload_path)
+            os.rmdir(folder)
+    except OSError:  # another worker got there first, or the launcher already cleaned up
+        pass
 
 
 if __name__ == "__main__":

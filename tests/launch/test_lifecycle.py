@@ -76,6 +76,24 @@ def test_sigkill_of_the_parent_takes_the_workers_with_it(tmp_path):
     assert _wait_for(lambda: not any(alive(p) for p in pids), 5), [p for p in pids if alive(p)]
 
 
+def test_sigkill_of_a_spawning_parent_leaves_no_temp_folder(tmp_path):
+    """The spawn payload's private folder goes as soon as every worker has read it, not only at the end."""
+    own_tmp = tmp_path / "tmp"
+    own_tmp.mkdir()
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    body = SLEEPERS.replace("num_processes=3)", "num_processes=3, start_method='spawn')")
+    proc = subprocess.Popen([PY, str(_script(tmp_path, body)), str(pid_dir)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "TMPDIR": str(own_tmp)})
+    assert _wait_for(lambda: len(os.listdir(pid_dir)) == 3, 90), proc.communicate(timeout=5)
+    pids = [int(p) for p in os.listdir(pid_dir)]
+    proc.kill()
+    proc.wait()
+    assert _wait_for(lambda: not any(alive(p) for p in pids), 5), [p for p in pids if alive(p)]
+    assert list(own_tmp.iterdir()) == []
+
+
 def _quick(x):
     return x + int(os.environ["RANK"])
 
