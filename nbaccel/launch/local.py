@@ -56,10 +56,11 @@ class LocalLauncher:
                 observer.on_launch(list(range(n)), plan.start_method)
             ok = False
             try:  # the observer hears the end even when starting fails or is interrupted
+                wanted = None if request.return_all else {0}  # the others' values are never pickled
                 if files is not None:
-                    handles = start_spawned(function, args, kwargs, envs, files, payload=payload)
+                    handles = start_spawned(function, args, kwargs, envs, files, payload=payload, result_ranks=wanted)
                 else:
-                    handles = start_forked(function, args, kwargs, envs,
+                    handles = start_forked(function, args, kwargs, envs, result_ranks=wanted,
                                            inherited_fds=[store.listen_fd] if store is not None else [])
                 if store is not None:
                     try:

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +45,12 @@ def _pipes(n: int) -> list[tuple[tuple[int, int], tuple[int, int], tuple[int, in
 
 
 def start_forked(function: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
-                 envs: Sequence[Mapping[str, str]], inherited_fds: Sequence[int] = ()) -> list[WorkerHandle]:
-    """Fork one worker per entry of ``envs`` (rank = index) and return their handles."""
+                 envs: Sequence[Mapping[str, str]], inherited_fds: Sequence[int] = (),
+                 result_ranks: Collection[int] | None = None) -> list[WorkerHandle]:
+    """Fork one worker per entry of ``envs`` (rank = index) and return their handles.
+
+    Only the ranks in ``result_ranks`` (all when ``None``) send their return value back.
+    """
     pipes = _pipes(len(envs))
     all_fds = [fd for trio in pipes for pair in trio for fd in pair]
     parent = os.getpid()
@@ -62,7 +66,8 @@ def start_forked(function: Callable[..., Any], args: Sequence[Any], kwargs: Mapp
                 os.setpgid(0, 0)  # its own group: what it starts is stopped with it, and a terminal's or
                 # Jupyter's interrupt reaches the launcher, which stops the workers in order
                 spec = WorkerSpec(rank=rank, env=env, ctl_fd=ctl_w, parent_pid=parent, out_fd=out_w, err_fd=err_w,
-                                  close_fds=[fd for fd in all_fds if fd not in own] + list(inherited_fds))
+                                  close_fds=[fd for fd in all_fds if fd not in own] + list(inherited_fds),
+                                  send_result=result_ranks is None or rank in result_ranks)
                 run_worker(spec, function, args, kwargs)
             try:
                 os.setpgid(pid, pid)  # also here, so the group exists before the child has run
@@ -106,8 +111,10 @@ def _python_path() -> str:
 
 def start_spawned(function: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
                   envs: Sequence[Mapping[str, str]], files: SpawnFiles,
-                  payload: bytes | None = None) -> list[WorkerHandle]:
+                  payload: bytes | None = None, result_ranks: Collection[int] | None = None) -> list[WorkerHandle]:
     """Start one fresh interpreter per entry of ``envs`` running the cloudpickled function.
+
+    Only the ranks in ``result_ranks`` (all when ``None``) send their return value back.
 
     Raises:
         PayloadPicklingError: the function or an argument cannot be pickled (nothing started).
@@ -124,7 +131,8 @@ def start_spawned(function: Callable[..., Any], args: Sequence[Any], kwargs: Map
         # the folder (a launcher killed mid-run leaves nothing in /tmp), which it may only do once no
         # spec is left to read.
         spec_paths = [files.write(f"spec-{rank}.pkl", pickle.dumps(
-            WorkerSpec(rank=rank, env=env, ctl_fd=pipes[rank][0][1], parent_pid=os.getpid())))
+            WorkerSpec(rank=rank, env=env, ctl_fd=pipes[rank][0][1], parent_pid=os.getpid(),
+                       send_result=result_ranks is None or rank in result_ranks)))
             for rank, env in enumerate(envs)]
         for rank, env in enumerate(envs):
             (ctl_r, ctl_w), (out_r, out_w), (err_r, err_w) = pipes[rank]

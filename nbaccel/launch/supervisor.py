@@ -113,7 +113,8 @@ class Supervisor:
             self._close()
         if failures:
             raise_failures(failures, len(self.workers), [r for r in self._stopped if self._is_rank(r)])
-        return {h.rank: _load_result(h.rank, h.result) for h in self.workers if h.result is not None}
+        # Ranks whose value was not asked for reported an empty result: only that they finished.
+        return {h.rank: _load_result(h.rank, h.result) for h in self.workers if h.result}
 
     # ------------------------------------------------------------------ loop
     def _watch(self, started: float) -> list[WorkerFailure]:

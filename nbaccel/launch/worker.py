@@ -34,7 +34,8 @@ from nbaccel.identity import WorkerIdentity, clear_identity, set_identity
 from nbaccel.launch.frames import write_frame
 from nbaccel.launch.payload import dumps_by_reference_first, dumps_result
 
-__all__ = ["WorkerSpec", "describe_error", "die_with_parent", "report_error", "run_body", "run_worker"]
+__all__ = ["FINISHED_WITHOUT_VALUE", "WorkerSpec", "describe_error", "die_with_parent", "report_error", "run_body",
+           "run_worker"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -51,6 +52,8 @@ class WorkerSpec:
         err_fd: write end of the stderr pipe (``None``: already fd 2).
         parent_pid: the supervisor's pid; the worker stops if it is gone.
         close_fds: inherited descriptors that belong to other workers or the parent.
+        send_result: whether the caller asked for this rank's return value; when not, it is never
+            pickled or sent (only that the rank finished).
     """
 
     rank: int
@@ -60,6 +63,7 @@ class WorkerSpec:
     out_fd: int | None = None
     err_fd: int | None = None
     close_fds: Sequence[int] = field(default_factory=tuple)
+    send_result: bool = True
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -104,6 +108,9 @@ def _setup_process(spec: WorkerSpec) -> None:
     clear_identity()  # the parent's (a notebook's, or a launcher's own worker's) is not this worker's
 
 
+FINISHED_WITHOUT_VALUE = b""
+"""The ``result`` frame of a rank whose return value the caller did not ask for."""
+
 _BAD_FORK = "Cannot re-initialize CUDA in forked subprocess"
 _BAD_FORK_NOTE = ("nbaccel: this worker was forked from a process where CUDA was already in use in a way the "
                   "fork check could not see (a library calling the CUDA driver directly, for example). Fix: "
@@ -145,7 +152,8 @@ def _teardown() -> None:
 
 
 def run_body(ctl_fd: int, rank: int, identity: WorkerIdentity | None, function: Callable[..., Any],
-             args: Sequence[Any], kwargs: Mapping[str, Any], *, per_thread: bool = False) -> BaseException | None:
+             args: Sequence[Any], kwargs: Mapping[str, Any], *, per_thread: bool = False,
+             send_result: bool = True) -> BaseException | None:
     """Be rank ``rank``: record its identity, run ``function``, report the result or the error.
 
     Args:
@@ -154,6 +162,8 @@ def run_body(ctl_fd: int, rank: int, identity: WorkerIdentity | None, function: 
         identity: who it is (``None``: a lone worker outside any process group).
         function: what it runs, with ``args`` and ``kwargs``.
         per_thread: the identity is the calling thread's only (replica threads sharing a process).
+        send_result: report the return value itself (else only that the rank finished: an empty
+            ``result`` frame, and the value is never pickled).
 
     Returns:
         ``None`` when the result was reported, else the exception that was reported instead.
@@ -167,6 +177,9 @@ def run_body(ctl_fd: int, rank: int, identity: WorkerIdentity | None, function: 
             if stop.code not in (None, 0):
                 raise
             result = None
+        if not send_result:
+            write_frame(ctl_fd, "result", FINISHED_WITHOUT_VALUE)
+            return None
         try:
             payload = dumps_result(result)
         except Exception as exc:  # noqa: BLE001
@@ -199,7 +212,7 @@ def run_worker(spec: WorkerSpec, function: Callable[..., Any], args: Sequence[An
             raise
         dist = read_distributed_env()  # what the launcher exported for this rank (torchrun's variables)
         identity = WorkerIdentity.from_distributed_env(dist) if dist is not None else None
-        failed = run_body(spec.ctl_fd, spec.rank, identity, function, args, kwargs)
+        failed = run_body(spec.ctl_fd, spec.rank, identity, function, args, kwargs, send_result=spec.send_result)
         if failed is not None:
             code = 130 if isinstance(failed, KeyboardInterrupt) else 1
         else:

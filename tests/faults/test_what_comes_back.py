@@ -81,3 +81,43 @@ def test_a_result_that_cannot_be_unpickled_here_says_why_and_what_to_return(tmp_
         notebook_launcher(_return_an_object_of_a_worker_only_module, args=(str(tmp_path),), num_processes=2)
     assert isinstance(info.value.__cause__, ModuleNotFoundError)
     assert "only_in_the_worker" not in sys.modules
+
+
+def _rank_1_returns_something_unpicklable():
+    import threading
+
+    return threading.Lock() if os.environ["RANK"] == "1" else "rank 0's value"
+
+
+def test_only_the_values_asked_for_are_pickled_and_sent():
+    from nbaccel import PayloadPicklingError
+
+    assert notebook_launcher(_rank_1_returns_something_unpicklable, num_processes=2) == "rank 0's value"
+    with pytest.raises(PayloadPicklingError, match="rank 1 returned a lock that cannot be pickled back"):
+        notebook_launcher(_rank_1_returns_something_unpicklable, num_processes=2, return_all=True)
+
+
+def test_large_results_cost_the_caller_a_small_multiple_of_what_it_keeps():
+    """Four ranks return 100 MB each; only rank 0's comes back, read without piling up copies."""
+    script = textwrap.dedent("""
+        import resource
+        from nbaccel import notebook_launcher
+
+        def big():
+            import torch
+            return torch.ones(25 * 2**20)  # 100 MB
+
+        notebook_launcher(lambda: 0, num_processes=2)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        value = notebook_launcher(big, num_processes=4)
+        grew = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+        print(f"grew {grew:.0f} MB for a {value.numel() * 4 / 2**20:.0f} MB result")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180, cwd=ROOT)
+    import re
+
+    found = re.search(r"grew (\d+) MB for a (\d+) MB result", result.stdout)
+    assert found, result.stdout + result.stderr[-2000:]
+    grew, size = float(found[1]), float(found[2])
+    assert size == 100, result.stderr[-2000:]
+    assert grew < 4 * size, result.stdout  # 9x before: every rank's value unpickled, each copied three times
