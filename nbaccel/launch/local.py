@@ -16,6 +16,7 @@ from nbaccel.environment import DistributedEnv, worker_environment
 from nbaccel.launch.handles import discard_workers
 from nbaccel.launch.output import OutputRelay
 from nbaccel.launch.payload import dumps_payload
+from nbaccel.launch.reaper import group_reaper
 from nbaccel.launch.rendezvous import LoopbackStore
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.starter import SpawnFiles, start_forked, start_spawned
@@ -41,6 +42,7 @@ class LocalLauncher:
         # Joined before anything else starts: the import must not run beside the rendezvous store's
         # threads, and no fork may happen in the middle of an import.
         finish_warmup()
+        reaper = group_reaper()  # before the store's thread exists: it forks
         observer = request.observer
         store = LoopbackStore(port=request.config.main_process_port or 0) if n > 1 else None
         files = SpawnFiles() if payload is not None else None
@@ -61,15 +63,23 @@ class LocalLauncher:
                     handles = start_spawned(function, args, kwargs, envs, files, payload=payload, result_ranks=wanted)
                 else:
                     handles = start_forked(function, args, kwargs, envs, result_ranks=wanted,
-                                           inherited_fds=[store.listen_fd] if store is not None else [])
+                                           inherited_fds=[reaper.fd] + ([store.listen_fd] if store else []))
+                for handle in handles:  # if this process is killed, the reaper stops what they started
+                    reaper.watch(handle.pid)
                 if store is not None:
                     try:
                         store.serve()  # only now: no store thread runs while the workers are forked
                     except BaseException:
                         discard_workers(handles)
+                        for handle in handles:
+                            reaper.forget(handle.pid)
                         raise
                 policy = SupervisorPolicy(timeout=request.config.timeout, hang_timeout=request.hang_timeout)
-                results = Supervisor(handles, relay, observer, policy=policy).run()
+                try:
+                    results = Supervisor(handles, relay, observer, policy=policy).run()
+                finally:  # run() has stopped every group by now
+                    for handle in handles:
+                        reaper.forget(handle.pid)
                 ok = True
             finally:
                 if observer is not None:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -67,3 +70,44 @@ def test_a_timed_out_launch_stops_the_whole_tree(tmp_path):
     with pytest.raises(LaunchTimeoutError):
         notebook_launcher(_start_a_sleeper_then, args=(str(tmp_path), "hang"), num_processes=2, timeout=20)
     assert _still_alive(_started(tmp_path)) == []
+
+
+def _processes_running(marker: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker in entry.joinpath("cmdline").read_bytes().decode(errors="replace") and alive(int(entry.name)):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_sigkilled_launcher_leaves_no_worker_subprocess_and_no_reaper(tmp_path, start_method):
+    """The kernel is SIGKILLed mid-launch: workers die with it, and so does what they started."""
+    script = tmp_path / "killed_launcher.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, subprocess, sys, time
+        from pathlib import Path
+        from nbaccel import notebook_launcher
+
+        def work(folder):
+            sleeper = subprocess.Popen(["sleep", "300"])
+            Path(folder, f"sleeper-{{os.environ['RANK']}}").write_text(str(sleeper.pid))
+            time.sleep(300)
+
+        notebook_launcher(work, args=(sys.argv[1],), num_processes=2, start_method={start_method!r})
+    """))
+    launcher = subprocess.Popen([sys.executable, str(script), str(tmp_path)], start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 90
+    while len(list(tmp_path.glob("sleeper-*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sleepers = _started(tmp_path)
+    assert len(sleepers) == 2
+    launcher.kill()
+    launcher.wait()
+    assert _still_alive(sleepers) == []
+    assert _still_alive(_processes_running(str(script))) == []  # workers and the reaper are gone too
