@@ -4,25 +4,49 @@ Workers die with their launcher (``PR_SET_PDEATHSIG``), but what *they* started 
 ``subprocess.Popen``, DataLoader worker processes) would not: those are the workers' children, and
 nothing signals them when the launching kernel is SIGKILLed. Every local worker leads its own
 process group, which holds everything it starts; the launcher tells this reaper which groups are
-live (``watch`` / ``forget``) over a pipe. When the pipe closes without a goodbye (the launcher
-died) the reaper SIGKILLs every group still watched, then exits.
+live (``watch`` / ``forget``) over a pipe. When the pipe closes (the launcher exited or died) the
+reaper SIGKILLs every group still watched, then exits.
 
-One reaper per launching process, forked at its first launch (before any worker, and before the
-rendezvous store's thread exists) and detached (double fork: it is not the launcher's child, so it
-never shows up among the launcher's children or needs reaping by it); it holds only the pipe's
-read end, ignores interrupts, and exits when the launcher exits, so no reaper is left behind.
+One reaper per launching process, started at its first launch as a small separate interpreter
+(``python -S``, a few milliseconds to start, not waited for: forking the kernel twice cost 40-190 ms
+here). It holds only the pipe's read end, ignores interrupts, sits in its own session, and exits
+when the launcher does, so no reaper is left behind. Its command line carries :data:`MARKER`.
 """
 
 from __future__ import annotations
 
 import os
-import signal
+import subprocess
+import sys
 import threading
 
-__all__ = ["GroupReaper", "group_reaper"]
+__all__ = ["MARKER", "GroupReaper", "group_reaper"]
+
+MARKER = "nbaccel-group-reaper"
+"""In the reaper's command line, so tools (and tests) can tell it from a worker."""
 
 _lock = threading.Lock()
 _reaper: GroupReaper | None = None
+
+# The reaper's program: read "+pgid" / "-pgid" lines until EOF, then SIGKILL the groups still live.
+_PROGRAM = f"""# {MARKER}
+import os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+fd, groups, pending = int(sys.argv[1]), set(), b""
+while True:
+    chunk = os.read(fd, 4096)
+    if not chunk:
+        break
+    pending += chunk
+    *lines, pending = pending.split(b"\\n")
+    for line in lines:
+        (groups.add if line[:1] == b"+" else groups.discard)(int(line[1:]))
+for pgid in groups:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        pass
+"""
 
 
 class GroupReaper:
@@ -30,15 +54,13 @@ class GroupReaper:
 
     def __init__(self) -> None:
         read_end, write_end = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # an intermediate child: the reaper is its child, so it is not the launcher's
-            try:
-                if os.fork() == 0:
-                    _reap(read_end, write_end)  # never returns
-            finally:
-                os._exit(0)
-        os.waitpid(pid, 0)
-        os.close(read_end)
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-S", "-c", _PROGRAM, str(read_end), MARKER], pass_fds=(read_end,),
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True, close_fds=True)
+        finally:
+            os.close(read_end)
         os.set_inheritable(write_end, False)
         self.owner = os.getpid()
         self.fd = write_end
@@ -56,29 +78,6 @@ class GroupReaper:
             os.write(self.fd, line)  # a few bytes: atomic on a pipe
         except OSError:  # the reaper is gone (someone killed it): nothing else to do
             pass
-
-
-def _reap(read_end: int, write_end: int) -> None:
-    try:
-        os.close(write_end)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Jupyter's interrupt is for the launcher
-        os.setpgid(0, 0)  # and a signal to the launcher's group does not end the reaper early
-        os.closerange(0, read_end)
-        os.closerange(read_end + 1, 1 << 16)
-        groups: set[int] = set()
-        pending = b""
-        while chunk := os.read(read_end, 4096):
-            pending += chunk
-            *lines, pending = pending.split(b"\n")
-            for line in lines:
-                (groups.add if line[:1] == b"+" else groups.discard)(int(line[1:]))
-        for pgid in groups:
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except OSError:
-                pass
-    finally:
-        os._exit(0)
 
 
 def group_reaper() -> GroupReaper:

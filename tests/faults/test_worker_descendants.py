@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from nbaccel import notebook_launcher
+from nbaccel.launch.reaper import MARKER
 from tests.launch.procs import alive, children
 
 
@@ -100,6 +101,7 @@ def test_a_sigkilled_launcher_leaves_no_worker_subprocess_and_no_reaper(tmp_path
 
         notebook_launcher(work, args=(sys.argv[1],), num_processes=2, start_method={start_method!r})
     """))
+    reapers_before = set(_processes_running(MARKER))
     launcher = subprocess.Popen([sys.executable, str(script), str(tmp_path)], start_new_session=True,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 90
@@ -110,4 +112,14 @@ def test_a_sigkilled_launcher_leaves_no_worker_subprocess_and_no_reaper(tmp_path
     launcher.kill()
     launcher.wait()
     assert _still_alive(sleepers) == []
-    assert _still_alive(_processes_running(str(script))) == []  # workers and the reaper are gone too
+    assert _still_alive(_processes_running(str(script))) == []  # the workers are gone
+    reapers = [p for p in _processes_running(MARKER) if p not in reapers_before]
+    assert _still_alive(reapers) == []  # and so is the launcher's reaper, its work done
+
+
+def test_the_reaper_leaves_with_a_launcher_that_exits_normally():
+    before = set(_processes_running(MARKER))
+    code = "from nbaccel import notebook_launcher\nprint(notebook_launcher(lambda: 7, num_processes=2))\n"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "7", result.stderr[-2000:]
+    assert _still_alive([p for p in _processes_running(MARKER) if p not in before]) == []

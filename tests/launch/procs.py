@@ -16,7 +16,17 @@ def children(pid: int | None = None) -> list[int]:
             out += [int(c) for c in (task / "children").read_text().split()]
         except FileNotFoundError:
             continue
-    return [c for c in out if alive(c)]
+    return [c for c in out if alive(c) and not _is_group_reaper(c)]
+
+
+def _is_group_reaper(pid: int) -> bool:
+    """The launcher's one long-lived helper process (nbaccel.launch.reaper), not a worker."""
+    from nbaccel.launch.reaper import MARKER
+
+    try:
+        return MARKER.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def alive(pid: int) -> bool:

@@ -75,7 +75,7 @@ def test_runtime_initialized_is_read_without_initializing_and_then_refuses_launc
     import torch_xla  # noqa: F401 - imported, not initialized
 
     assert xla_runtime_initialized() is False
-    code = ("import torch, torch_xla\nfrom nbaccel.environment import xla_runtime_initialized as f\n"
+    code = ("import torch, torch_xla\nfrom nbaccel.hardware import xla_runtime_initialized as f\n"
             "from nbaccel.errors import EnvironmentStateError\nfrom nbaccel.launch.xla_topology import check_xla_launch\n"
             "before = f(); torch.ones(1, device='xla').cpu(); print(before, f())\n"
             "try:\n    check_xla_launch(None, None)\nexcept EnvironmentStateError as e:\n    print('refused:', e)\n")
