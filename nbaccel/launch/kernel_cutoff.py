@@ -15,14 +15,17 @@ server's log). :func:`detach_from_kernel` makes all of it unreachable, in this o
 - ``ipykernel.zmqshell`` leaves ``sys.modules`` (``tqdm.auto`` tests for it to pick its widget
   bar), and a ``tqdm.auto`` imported in the notebook before the fork is pointed at the text bar.
 
-Nothing is imported here: each step applies only to what the worker already has loaded.
+Nothing is imported here: each step applies to what the worker has loaded, and the comm step
+also to a ``comm`` package imported later (:mod:`nbaccel.launch.import_hooks`).
 """
 
 from __future__ import annotations
 
 import sys
+from types import ModuleType
 from typing import Any
 
+from nbaccel.launch.import_hooks import when_imported
 from nbaccel.launch.worker_display import note_widget
 
 __all__ = ["detach_from_kernel"]
@@ -54,10 +57,7 @@ def _clear_kernel_singletons() -> None:
             cls.clear_instance()
 
 
-def _cut_comms() -> None:
-    comm = sys.modules.get("comm")
-    if comm is None:
-        return
+def _cut_comms(comm: ModuleType) -> None:
     manager = comm.base_comm.CommManager()
 
     def create_comm(*args: Any, **kwargs: Any) -> Any:
@@ -91,5 +91,5 @@ def detach_from_kernel() -> None:
     _clear_kernel_singletons()
     sys.displayhook = sys.__displayhook__
     sys.excepthook = sys.__excepthook__
-    _cut_comms()
+    when_imported("comm", _cut_comms)  # ipywidgets 8 builds its comms through this package
     _text_progress_bars()

@@ -19,16 +19,14 @@ where IPython is not imported yet (a spawned worker), an import hook that instal
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import os
 import sys
 import threading
-from collections.abc import MutableMapping, Sequence
-from types import ModuleType
+from collections.abc import MutableMapping
 from typing import Any
 
 from nbaccel.launch.frames import DISPLAY_MARK, write_frame
+from nbaccel.launch.import_hooks import when_imported
 
 __all__ = ["FIGURE_BACKEND", "WIDGET_MIME", "forward_displays", "note_widget", "route_figures", "show_open_figures"]
 
@@ -124,6 +122,7 @@ def _build_shell(formatter: Any = None) -> Any:
 
 
 def _install_shell() -> None:
+    """Put a :class:`WorkerShell` where ``get_ipython()`` and ``display()`` look, keeping the notebook's formatters."""
     from IPython.core.interactiveshell import InteractiveShell
 
     inherited = InteractiveShell._instance if InteractiveShell.initialized() else None
@@ -137,27 +136,6 @@ def _install_shell() -> None:
     InteractiveShell._instance = shell
 
 
-class _InstallOnImport(importlib.abc.MetaPathFinder):
-    """Installs the worker shell right after IPython's shell module is first imported."""
-
-    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None) -> Any:
-        if fullname != _SHELL_MODULE:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-        original = loader.exec_module
-
-        def exec_module(module: ModuleType) -> None:
-            original(module)
-            _install_shell()
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
-
-
 def forward_displays(ctl_fd: int, rank: int) -> None:
     """Route this worker's displays to its control pipe ``ctl_fd`` (call once, in the worker process).
 
@@ -165,10 +143,7 @@ def forward_displays(ctl_fd: int, rank: int) -> None:
     first is. A test drives it in a real worker: ``tests/launch/test_worker_display.py``.
     """
     _forwarding.update(ctl_fd=ctl_fd, rank=rank, lock=threading.Lock())
-    if _SHELL_MODULE in sys.modules:
-        _install_shell()
-    elif not any(isinstance(f, _InstallOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _InstallOnImport())
+    when_imported(_SHELL_MODULE, lambda _: _install_shell())
 
 
 def route_figures(environ: MutableMapping[str, str]) -> None:
