@@ -19,6 +19,7 @@ where IPython is not imported yet (a spawned worker), an import hook that instal
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -64,6 +65,7 @@ def _send(kind: str, body: dict[str, Any]) -> None:
         os.write(1, DISPLAY_MARK)  # fd 1 itself: a redirected sys.stdout must not swallow the mark
 
 
+@functools.cache
 def _publisher_class() -> type:
     from IPython.core.displaypub import DisplayPublisher
 
@@ -85,6 +87,7 @@ def _publisher_class() -> type:
     return ForwardingPublisher
 
 
+@functools.cache
 def _shell_class() -> type:
     from IPython.core.interactiveshell import InteractiveShell
 
@@ -107,33 +110,35 @@ def _png(figure: Any) -> bytes | None:
     return print_figure(figure, "png")
 
 
-def _build_shell(formatter: Any = None) -> Any:
+@functools.cache
+def _worker_shell() -> Any:
+    """The shell every worker of this process installs (built once: a traited class costs ~25 ms to create)."""
     from IPython.core.events import EventManager, available_events
-    from IPython.core.formatters import DisplayFormatter
 
     cls = _shell_class()
     shell = cls.__new__(cls)
     shell.events = EventManager(shell, available_events)
-    shell.display_formatter = formatter if formatter is not None else DisplayFormatter()
-    png = shell.display_formatter.formatters["image/png"]
-    png.for_type_by_name("matplotlib.figure", "Figure", _png)  # as the inline backend registers it
     shell.display_pub = _publisher_class()()
     return shell
 
 
 def _install_shell() -> None:
-    """Put a :class:`WorkerShell` where ``get_ipython()`` and ``display()`` look, keeping the notebook's formatters."""
+    """Put the worker's shell where ``get_ipython()`` and ``display()`` look, keeping the notebook's formatters."""
+    from IPython.core.formatters import DisplayFormatter
     from IPython.core.interactiveshell import InteractiveShell
 
     inherited = InteractiveShell._instance if InteractiveShell.initialized() else None
-    formatter = getattr(inherited, "display_formatter", None)  # keeps the notebook's own formatters
-    if inherited is not None:
+    shell = _worker_shell()
+    if inherited is not None and inherited is not shell:
+        shell.display_formatter = inherited.display_formatter  # this worker's copy of the notebook's
         type(inherited).clear_instance()
-    shell = _build_shell(formatter)
+    elif shell.display_formatter is None:
+        shell.display_formatter = DisplayFormatter()
+    png = shell.display_formatter.formatters["image/png"]
+    png.for_type_by_name("matplotlib.figure", "Figure", _png)  # as the inline backend registers it
     for cls in type(shell).mro():
         if isinstance(cls, type) and issubclass(cls, InteractiveShell):
             cls._instance = shell  # what SingletonConfigurable.instance() would have done
-    InteractiveShell._instance = shell
 
 
 def forward_displays(ctl_fd: int, rank: int) -> None:
@@ -175,3 +180,7 @@ def show_open_figures() -> None:
         return
     if pyplot.get_backend() == FIGURE_BACKEND and pyplot.get_fignums():
         sys.modules["nbaccel.launch.figure_backend"].show_open_figures()
+
+
+if _SHELL_MODULE in sys.modules:  # the caller is an IPython shell: build it here once, not in every forked worker
+    _worker_shell()
