@@ -13,7 +13,9 @@ server's log). :func:`detach_from_kernel` makes all of it unreachable, in this o
 - ``sys.displayhook`` / ``sys.excepthook`` are Python's own again;
 - ``comm.create_comm`` builds a comm that sends nothing, with the widget note;
 - ``ipykernel.zmqshell`` leaves ``sys.modules`` (``tqdm.auto`` tests for it to pick its widget
-  bar), and a ``tqdm.auto`` imported in the notebook before the fork is pointed at the text bar.
+  bar); a ``tqdm.auto`` imported in the notebook before the fork is pointed at the text bar, and
+  the worker's copy of ``tqdm.notebook``'s class loses its widget methods, so a bar class the
+  notebook's names already hold draws as text too.
 
 Nothing is imported here: each step applies to what the worker has loaded, and the comm step
 also to a ``comm`` package imported later (:mod:`nbaccel.launch.import_hooks`).
@@ -73,6 +75,9 @@ def _text_progress_bars() -> None:
     notebook = sys.modules.get("tqdm.notebook")
     if notebook is None:
         return
+    for name in ("__init__", "__iter__", "update", "close", "clear", "reset", "display", "status_printer", "colour"):
+        if name in vars(notebook.tqdm_notebook):  # a bar class the notebook already holds now draws as text
+            delattr(notebook.tqdm_notebook, name)
     std, asyncio = sys.modules.get("tqdm.std"), sys.modules.get("tqdm.asyncio")
     auto, autonotebook = sys.modules.get("tqdm.auto"), sys.modules.get("tqdm.autonotebook")
     if autonotebook is not None and std is not None and issubclass(autonotebook.tqdm, notebook.tqdm):
