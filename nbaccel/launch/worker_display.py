@@ -54,6 +54,10 @@ def note_widget(what: str) -> None:
 
 
 def _send(kind: str, body: dict[str, Any]) -> None:
+    if os.getpid() != _forwarding["pid"]:  # a process forked from the worker (a DataLoader worker, an XLA
+        if kind == "display":             # replica): the rank's pipe is its parent's alone; show the text
+            print(body["data"].get("text/plain", ""), flush=True)
+        return
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):  # what was printed goes first
         try:
             if stream is not None:
@@ -147,7 +151,7 @@ def forward_displays(ctl_fd: int, rank: int) -> None:
     Installs the :class:`WorkerShell` now when IPython is loaded (a forked worker), else when it
     first is. A test drives it in a real worker: ``tests/launch/test_worker_display.py``.
     """
-    _forwarding.update(ctl_fd=ctl_fd, rank=rank, lock=threading.Lock())
+    _forwarding.update(ctl_fd=ctl_fd, rank=rank, pid=os.getpid(), lock=threading.Lock())
     when_imported(_SHELL_MODULE, lambda _: _install_shell())
 
 

@@ -123,3 +123,25 @@ def test_label_bundle_puts_the_rank_on_images():
     assert labelled["text/html"].endswith('<img src="data:image/png;base64,iVBOR"/>')
     assert "[rank3]" in labelled["text/html"] and labelled["text/plain"] == "[rank3]: <Figure>"
     assert labelled["image/png"] == "iVBOR"  # the saved notebook keeps the image itself
+
+
+def test_a_process_forked_from_a_worker_prints_its_displays_as_text(tmp_path):
+    done = _run(tmp_path, """
+    import os
+    from nbaccel import notebook_launcher
+
+    def worker():
+        from IPython.display import HTML, display
+        pid = os.fork()  # what a DataLoader worker is: the rank's control pipe is not its to write
+        if pid == 0:
+            display(HTML("<i>from the child</i>"))
+            os._exit(0)
+        os.waitpid(pid, 0)
+        display("from the rank")
+        return "ok"
+
+    print("result", notebook_launcher(worker, num_processes=1))
+    """)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["[rank0]: <IPython.core.display.HTML object>", "[rank0]: 'from the rank'",
+                                        "result ok"]
