@@ -42,8 +42,9 @@ RICH_CELL = ("%%accel_launch -n 2 {flags}\n"
              "print('done', rank)\n")
 
 
-def test_rank0_html_and_figure_are_in_the_cell_in_order_with_its_lines(kernel):
-    cell = kernel.run(RICH_CELL.replace("{flags}", ""))
+@pytest.mark.parametrize("flags", ["", "--start_method spawn"], ids=["fork", "spawn"])
+def test_rank0_html_and_figure_are_in_the_cell_in_order_with_its_lines(kernel, flags):
+    cell = kernel.run(RICH_CELL.replace("{flags}", flags))
     assert error(cell) is None, cell.outputs
     assert shown(cell) == ["[rank0]: loss table for rank 0", "text/html", "[rank0]: curve next", "image/png",
                            "[rank0]: done 0"]
