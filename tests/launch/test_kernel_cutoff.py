@@ -124,3 +124,28 @@ def test_a_widget_built_in_a_worker_is_noted_once_and_never_sent(kernel):
     assert "[rank0]: shell WorkerShell" in streams(messages, "stdout")
     assert not [m for m in messages if m["msg_type"].startswith("comm") or m["msg_type"] == "display_data"]
     assert log_path.read_text() == log_before
+
+
+def test_the_kernels_own_shell_held_by_a_notebook_name_cannot_send_from_a_worker(kernel):
+    kc, log_path = kernel
+    run_all(kc, "import nbaccel")
+    log_before = log_path.read_text()
+    messages = run_all(kc, """
+        import os
+        from nbaccel import notebook_launcher
+        kernel_shell = get_ipython()   # the kernel's ZMQInteractiveShell, reachable from the worker's globals
+
+        def use_it():
+            kernel_shell.display_pub.publish({"text/plain": "through the kernel's socket"})
+            kernel_shell.display_pub.publish({"text/plain": "again"})
+            return os.getpid()
+
+        print("pid", notebook_launcher(use_it, num_processes=1))
+    """)
+    pid = int(streams(messages, "stdout").split("pid ")[1].split()[0])
+    err = streams(messages, "stderr")
+    assert err.count("through the Jupyter kernel's own channel, which only the kernel may use") == 1, err
+    assert "'display_data'" in err
+    assert from_pids(messages, [pid]) == []
+    assert not [m for m in messages if m["msg_type"] == "display_data"]
+    assert log_path.read_text() == log_before
