@@ -55,8 +55,8 @@ def _clear_kernel_singletons() -> None:
     for module_name, class_name in (("ipykernel.kernelapp", "IPKernelApp"), ("ipykernel.kernelbase", "Kernel")):
         module = sys.modules.get(module_name)
         cls = getattr(module, class_name, None) if module is not None else None
-        if cls is not None:
-            cls.clear_instance()
+        if cls is not None and cls.initialized():
+            type(cls.instance()).clear_instance()  # the subclass's own (IPythonKernel) goes too
 
 
 def _cut_comms(comm: ModuleType) -> None:

@@ -136,12 +136,16 @@ def test_the_kernels_own_shell_held_by_a_notebook_name_cannot_send_from_a_worker
         kernel_shell = get_ipython()   # the kernel's ZMQInteractiveShell, reachable from the worker's globals
 
         def use_it():
+            from ipykernel.ipkernel import IPythonKernel
+            from ipykernel.kernelapp import IPKernelApp
             kernel_shell.display_pub.publish({"text/plain": "through the kernel's socket"})
             kernel_shell.display_pub.publish({"text/plain": "again"})
+            print("singletons", IPythonKernel.initialized(), IPKernelApp.initialized())
             return os.getpid()
 
         print("pid", notebook_launcher(use_it, num_processes=1))
     """)
+    assert "[rank0]: singletons False False" in streams(messages, "stdout")
     pid = int(streams(messages, "stdout").split("pid ")[1].split()[0])
     err = streams(messages, "stderr")
     assert err.count("through the Jupyter kernel's own channel, which only the kernel may use") == 1, err
