@@ -23,6 +23,7 @@ import functools
 import os
 import sys
 import threading
+import traceback
 from collections.abc import MutableMapping
 from typing import Any
 
@@ -104,6 +105,11 @@ def _shell_class() -> type:
 
         def enable_gui(self, gui: str | None = None) -> None:  # matplotlib asks; a worker has no event loop
             return None
+
+        def showtraceback(self, exc_tuple: Any = None, *args: Any, **kwargs: Any) -> None:
+            """A formatter that raised (IPython reports it and shows the text form): Python's own traceback."""
+            etype, value, tb = exc_tuple if exc_tuple is not None else sys.exc_info()
+            traceback.print_exception(etype, value, tb, file=sys.stderr)
 
     return WorkerShell
 

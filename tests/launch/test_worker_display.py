@@ -145,3 +145,28 @@ def test_a_process_forked_from_a_worker_prints_its_displays_as_text(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["[rank0]: <IPython.core.display.HTML object>", "[rank0]: 'from the rank'",
                                         "result ok"]
+
+
+def test_a_failing_rich_repr_shows_its_traceback_and_the_text_form_as_in_a_notebook(tmp_path):
+    done = _run(tmp_path, """
+    from nbaccel import notebook_launcher
+
+    class Table:
+        def _repr_html_(self):
+            raise ValueError("broken html")
+
+        def __repr__(self):
+            return "Table()"
+
+    def show():
+        from IPython.display import display
+        display(Table())
+        print("still running")
+        return "ok"
+
+    print("result", notebook_launcher(show, num_processes=1))
+    """)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["[rank0]: Table()", "[rank0]: still running", "result ok"]
+    assert "[rank0]: ValueError: broken html" in done.stderr
+    assert "AttributeError" not in done.stderr
