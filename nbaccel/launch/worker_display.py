@@ -173,7 +173,7 @@ def route_figures(environ: MutableMapping[str, str]) -> None:
     matplotlib = sys.modules.get("matplotlib")
     if matplotlib is None:
         return
-    current = matplotlib.rcParams._get("backend")  # without resolving the automatic choice
+    current = dict.__getitem__(matplotlib.rcParams, "backend")  # without resolving the automatic choice
     if isinstance(current, str) and current.lower() not in _NOTEBOOK_BACKENDS:
         return
     pyplot = sys.modules.get("matplotlib.pyplot")
