@@ -17,12 +17,13 @@ from nbaccel.launch.rich_output import label_bundle
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(tmp_path: Path, body: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def _run(tmp_path: Path, body: str, timeout: float = 120, **extra_env: str) -> subprocess.CompletedProcess[str]:
     """Run ``body`` as a plain ``python`` script (a caller with no IPython shell)."""
     script = tmp_path / "launch.py"
     script.write_text(textwrap.dedent(body))
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     env.pop("MPLBACKEND", None)
+    env.update(extra_env)
     return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=timeout,
                           env=env, cwd=tmp_path)
 
@@ -107,6 +108,22 @@ def test_figures_are_shown_by_plt_show_and_when_the_function_ends(tmp_path):
     assert lines == ["[rank0]: <Figure size 640x480 with 1 Axes>", "[rank0]: between",
                      "[rank0]: <Figure size 200x200 with 1 Axes>"]
     assert "backend module://nbaccel.launch.figure_backend" in done.stdout
+
+
+def test_a_backend_chosen_on_purpose_stays(tmp_path):
+    done = _run(tmp_path, """
+    from nbaccel import notebook_launcher
+
+    def draw():
+        import matplotlib.pyplot as plt
+        plt.plot([1, 2])
+        plt.show()
+        return plt.get_backend()
+
+    print("backend", notebook_launcher(draw, num_processes=1))
+    """, MPLBACKEND="agg")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["backend agg"]  # saving files, not showing: nothing displayed
 
 
 def test_relay_publishes_a_display_at_its_mark_after_a_partial_line(capsys):
