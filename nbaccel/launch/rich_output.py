@@ -1,13 +1,12 @@
 """Publishing what workers displayed, in the caller: the cell's own outputs in a notebook, text elsewhere.
 
 The supervisor receives a worker's display as a mime bundle (``{"text/html": ..., "image/png":
-..., "text/plain": ...}``, as IPython formatted it in the worker) and the relay calls
-:func:`publish_display` once the rank's earlier lines are out. In an IPython shell (a Jupyter
+..., "text/plain": ...}``, as IPython formatted it in the worker) and the relay calls the launch's
+:class:`CellPublisher` once the rank's earlier lines are out. In an IPython shell (a Jupyter
 kernel above all) the bundle is published with ``IPython.display.display(..., raw=True)``, so a
-saved notebook holds the HTML and images like any cell's; ``update_display`` and ``clear_output``
-act on the cell as they would in the notebook (``clear_output`` clears the whole cell, the rank's
-printed lines included). Anywhere else (``nbaccel launch``, a plain ``python``), the text/plain
-part is printed with the rank's label.
+saved notebook holds the HTML and images like any cell's; ``update_display`` updates in place,
+and ``clear_output`` clears that rank's displays (see :class:`CellPublisher`). Anywhere else
+(``nbaccel launch``, a plain ``python``), the text/plain part is printed with the rank's label.
 
 With several ranks shown, each display says whose it is: an HTML rendering of the bundle opens
 with the rank's label, and the text/plain part starts with it.
@@ -17,11 +16,12 @@ from __future__ import annotations
 
 import html
 import sys
+import uuid
 from typing import Any
 
 from nbaccel.launch.output import DisplayKind
 
-__all__ = ["label_bundle", "publish_display"]
+__all__ = ["CellPublisher", "label_bundle"]
 
 _IMAGES = ("image/png", "image/jpeg")
 
@@ -63,32 +63,59 @@ def _print_text(rank: int, kind: DisplayKind, body: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def publish_display(rank: int, kind: DisplayKind, body: dict[str, Any], labelled: bool) -> None:
-    """Show in the caller what ``rank`` displayed (an :class:`~nbaccel.launch.output.OutputRelay` ``on_display``).
+class CellPublisher:
+    """Publishes one launch's worker displays in the caller (an :class:`~nbaccel.launch.output.OutputRelay` ``on_display``).
 
-    Args:
-        rank: the worker's rank.
-        kind: ``"display"`` (a new or updated display) or ``"clear_output"``.
-        body: the frame's body: ``data``, ``metadata``, ``transient`` and ``update`` for a display,
-            ``wait`` for ``clear_output``.
-        labelled: several ranks' displays are shown, so this one carries its rank.
+    ``clear_output`` from a worker clears what *that rank* displayed in this launch, not the whole
+    cell: the other ranks' output, the printed lines and the status panel stay (a notebook's own
+    ``clear_output`` would erase them all). With ``wait=True`` the rank's displays are cleared
+    when its next display arrives, so a live plot redrawn in a loop does not flicker.
 
     Example::
 
-        # outside IPython this prints "[rank0]: 0.93"
-        publish_display(0, "display", {"data": {"text/plain": "0.93"}}, labelled=False)
+        relay = OutputRelay(on_display=CellPublisher(), display_ranks=(0,))
+        # outside IPython, a rank-0 display of 0.93 prints "[rank0]: 0.93"
     """
-    if not _in_ipython():
-        _print_text(rank, kind, body)
-        return
-    from IPython.display import clear_output, display
 
-    if kind == "clear_output":
-        clear_output(wait=bool(body.get("wait", False)))
-        return
-    data = body.get("data", {})
-    update = bool(body.get("update", False))
-    if labelled:  # an update replaces a labelled display: it keeps the label
-        data = label_bundle(data, rank)
-    display(data, raw=True, metadata=body.get("metadata") or {}, transient=body.get("transient") or None,
-            update=update)
+    def __init__(self) -> None:
+        self._shown: dict[int, list[str]] = {}  # display ids this launch published, per rank
+        self._clear_pending: set[int] = set()
+
+    def __call__(self, rank: int, kind: DisplayKind, body: dict[str, Any], labelled: bool) -> None:
+        """Show what ``rank`` displayed.
+
+        Args:
+            rank: the worker's rank.
+            kind: ``"display"`` (a new or updated display) or ``"clear_output"``.
+            body: the frame's body: ``data``, ``metadata``, ``transient`` and ``update`` for a
+                display, ``wait`` for ``clear_output``.
+            labelled: several ranks' displays are shown, so this one carries its rank.
+        """
+        if not _in_ipython():
+            _print_text(rank, kind, body)
+        elif kind == "clear_output":
+            self._clear_pending.add(rank)
+            if not body.get("wait", False):
+                self._clear(rank)
+        else:
+            self._display(rank, body, labelled)
+
+    def _clear(self, rank: int) -> None:
+        from IPython.display import display
+
+        self._clear_pending.discard(rank)
+        for display_id in self._shown.pop(rank, []):
+            display({}, raw=True, display_id=display_id, update=True)
+
+    def _display(self, rank: int, body: dict[str, Any], labelled: bool) -> None:
+        from IPython.display import display
+
+        update = bool(body.get("update", False))
+        if rank in self._clear_pending and not update:
+            self._clear(rank)
+        data = label_bundle(body.get("data", {}), rank) if labelled else body.get("data", {})
+        transient = dict(body.get("transient") or {})
+        if not update:  # every display gets an id, so a later clear_output of this rank can blank it
+            transient.setdefault("display_id", f"nbaccel-{uuid.uuid4().hex}")
+            self._shown.setdefault(rank, []).append(transient["display_id"])
+        display(data, raw=True, metadata=body.get("metadata") or {}, transient=transient, update=update)

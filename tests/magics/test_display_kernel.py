@@ -65,17 +65,21 @@ def test_rank1_displays_appear_when_asked_for(kernel):
     assert any("[rank1]" in h and "rank 1</td>" in h for h in html)  # labelled with the rank that made it
 
 
-def test_update_display_and_clear_output_act_on_the_cell(kernel):
-    cell = kernel.run("%%accel_launch -n 2 --status none\n"
+def test_update_display_updates_in_place_and_clear_output_clears_only_the_ranks_displays(kernel):
+    cell = kernel.run("%%accel_launch -n 2\n"
                       "from IPython.display import clear_output, update_display\n"
-                      "print('old line')\n"
-                      "clear_output()\n"
+                      "print('a printed line')\n"
                       "handle = display('epoch 1', display_id='progress')\n"
-                      "update_display('epoch 2', display_id='progress')\n")
+                      "update_display('epoch 2', display_id='progress')\n"
+                      "for frame in range(3):\n"
+                      "    clear_output(wait=True)\n"
+                      "    display(HTML(f'<b>frame {frame}</b>'))\n")
     assert error(cell) is None, cell.outputs
-    texts = [o.data.get("text/plain") for o in cell.outputs if o.output_type == "display_data"]
-    assert texts == ["'epoch 2'"]  # updated in place (nbclient applies update_display_data)
-    assert "[rank0]: old line" not in "".join(o.get("text", "") for o in cell.outputs)
+    visible = [o.data for o in cell.outputs if o.output_type == "display_data" and o.data and WIDGET not in o.data]
+    assert [d.get("text/html", d.get("text/plain")) for d in visible] == ["<b>frame 2</b>"]
+    texts = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+    assert "[rank0]: a printed line" in texts and "[rank1]: a printed line" in texts  # other output stays
+    assert any(WIDGET in o.get("data", {}) for o in cell.outputs)  # and so does the status panel
 
 
 def test_fifty_launches_that_display_and_use_tqdm_auto_leave_the_kernel_responsive(kernel):
