@@ -18,6 +18,8 @@ EXPECTED = {
     "01_quickstart": ["[rank1]: worker 1 of 2 on cpu", "[rank0]: epoch 20: loss", "evaluated 512 samples (of 512)",
                       "caught: bad batch on rank 1 | root cause rank: 1"],
 }
+# Figures a worker draws must be in the saved notebook, as images.
+EXPECTED_IMAGES = {"01_quickstart": 1}
 
 
 def _text(nb) -> str:
@@ -52,3 +54,5 @@ def test_notebook_runs_in_a_real_kernel_under_two_minutes(path, monkeypatch, tmp
     shown = _text(nb)
     missing = [text for text in EXPECTED.get(path.stem, []) if text not in shown]
     assert not missing, f"{path.name}: outputs lack {missing}"
+    images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
+    assert len(images) == EXPECTED_IMAGES.get(path.stem, len(images)), f"{path.name}: {len(images)} images"

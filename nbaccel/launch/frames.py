@@ -1,4 +1,9 @@
-"""Length-prefixed message frames on the pipe between a worker and its supervisor."""
+"""Length-prefixed message frames on the pipe between a worker and its supervisor.
+
+A ``display`` or ``clear_output`` frame also leaves :data:`DISPLAY_MARK` in the rank's stdout,
+written just after the frame, so the supervisor publishes the display exactly between the lines
+the rank printed before it and those it printed after.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +13,10 @@ import struct
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["FrameReader", "write_frame"]
+__all__ = ["DISPLAY_MARK", "FrameReader", "write_frame"]
 
 _HEADER = struct.Struct("!Q")
+DISPLAY_MARK = b"\x00nbaccel:display\x00"  # under PIPE_BUF, so one write() puts it in the pipe whole
 
 
 def write_frame(fd: int, kind: str, body: Any) -> None:

@@ -88,7 +88,9 @@ def notebook_launcher(
             seconds, dump their stacks and stop them; ``None`` disables the watchdog. Single-machine
             launches only: a multi-machine launch runs under torch's elastic agent, which ignores
             this and refuses ``timeout``, ``output_ranks`` and ``observer``.
-        output_ranks: show only these ranks' output (results and errors still come back).
+        output_ranks: show only these ranks' output (results and errors still come back), and
+            publish these ranks' displays (``display()``, figures), labelled when several;
+            ``None``: every rank's output, rank 0's displays.
         return_all: return ``{rank: value}`` instead of rank 0's value.
         use_cpu: run on CPU processes even where GPUs exist.
         config: a :class:`LaunchConfig` supplying every value not given here.

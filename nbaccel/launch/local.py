@@ -18,6 +18,7 @@ from nbaccel.launch.output import OutputRelay
 from nbaccel.launch.payload import dumps_payload
 from nbaccel.launch.reaper import group_reaper
 from nbaccel.launch.rendezvous import LoopbackStore
+from nbaccel.launch.rich_output import CellPublisher
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.starter import SpawnFiles, start_forked, start_spawned
 from nbaccel.launch.supervisor import Supervisor, SupervisorPolicy
@@ -46,7 +47,8 @@ class LocalLauncher:
         observer = request.observer
         store = LoopbackStore(port=request.config.main_process_port or 0) if n > 1 else None
         files = SpawnFiles() if payload is not None else None
-        relay = OutputRelay(show=request.output_ranks, on_line=observer.on_output if observer is not None else None)
+        relay = OutputRelay(show=request.output_ranks, on_line=observer.on_output if observer is not None else None,
+                            on_display=CellPublisher(), display_ranks=request.output_ranks or (0,))
         try:
             envs = []
             for rank in range(n):

@@ -2,19 +2,26 @@
 
 Each worker's fd 1 and fd 2 are pipes the supervisor reads; bytes are split into lines here and
 written to the caller's ``sys.stdout`` / ``sys.stderr`` with a ``[rankN]: `` label. A line that is
-being redrawn with ``\\r`` (a progress bar) is shown live and redrawn in place.
+being redrawn with ``\\r`` (a progress bar) is shown live and redrawn in place. What a worker
+displays (rich output) is queued by :meth:`OutputRelay.queue_display` and published where its mark
+falls in the rank's stdout: after the text printed before it, before the text printed after.
 """
 
 from __future__ import annotations
 
 import codecs
 import sys
-from collections.abc import Callable, Container, Mapping
-from typing import Literal, TextIO
+from collections import deque
+from collections.abc import Callable, Collection, Container, Mapping
+from typing import Any, Literal, TextIO
 
-__all__ = ["OutputRelay"]
+from nbaccel.launch.frames import DISPLAY_MARK
+
+__all__ = ["DisplayKind", "OutputRelay"]
 
 Stream = Literal["stdout", "stderr"]
+DisplayKind = Literal["display", "clear_output"]
+_MARK = DISPLAY_MARK.decode("ascii")
 
 
 class OutputRelay:
@@ -25,14 +32,22 @@ class OutputRelay:
         on_line: called with ``(rank, stream, line)`` for every complete line of every rank.
         labels: fixed labels for pseudo-ranks that are not workers (torch_xla's host process:
             ``{-1: "xla"}``); their output is always shown and never passed to ``on_line``.
+        on_display: called with ``(rank, kind, body, labelled)`` for a display of a rank in
+            ``display_ranks`` (see :mod:`nbaccel.launch.rich_output`); ``labelled`` when there are several.
+        display_ranks: the ranks whose displays are published (rank 0's alone by default).
 
     Ranks in :attr:`capturing` also have their lines kept in :attr:`captured` (for stack dumps).
     """
 
     def __init__(self, show: Container[int] | None = None,
                  on_line: Callable[[int, Stream, str], None] | None = None,
-                 labels: Mapping[int, str] | None = None) -> None:
+                 labels: Mapping[int, str] | None = None,
+                 on_display: Callable[[int, DisplayKind, dict[str, Any], bool], None] | None = None,
+                 display_ranks: Collection[int] = (0,)) -> None:
         self._show = show
+        self._on_display = on_display
+        self._display_ranks = frozenset(display_ranks)
+        self._displays: dict[int, deque[tuple[DisplayKind, dict[str, Any]]]] = {}
         self._on_line = on_line
         self._labels = dict(labels or {})
         self._decoders: dict[tuple[int, Stream], codecs.IncrementalDecoder] = {}
@@ -61,6 +76,19 @@ class OutputRelay:
         if decoder is None:
             decoder = self._decoders[key] = codecs.getincrementaldecoder("utf-8")("replace")
         text = self._pending.get(key, "") + decoder.decode(data)
+        while _MARK in text:  # a display: the text before it is out first, even a partial line
+            before, text = text.split(_MARK, 1)
+            self._lines(rank, stream, before)
+            rest = self._pending.pop(key, "")
+            if "\r" in rest:
+                text = rest + text  # a bar being redrawn goes on after the display
+            elif rest:
+                self._emit(rank, stream, rest)
+            self._publish_display(rank)
+        self._lines(rank, stream, text)
+
+    def _lines(self, rank: int, stream: Stream, text: str) -> None:
+        key = (rank, stream)
         *lines, rest = text.split("\n")
         for line in lines:
             self._emit(rank, stream, line)
@@ -111,3 +139,19 @@ class OutputRelay:
             if rest:
                 self._emit(rank, stream, rest)  # type: ignore[arg-type]
         self._close_open_line()
+
+    def queue_display(self, rank: int, kind: DisplayKind, body: dict[str, Any]) -> None:
+        """Hold what ``rank`` displayed until its mark in the rank's stdout (see :mod:`nbaccel.launch.frames`)."""
+        self._displays.setdefault(rank, deque()).append((kind, body))
+
+    def _publish_display(self, rank: int) -> None:
+        queued = self._displays.get(rank)
+        if not queued:
+            return  # a mark without its frame: the worker died between the two writes
+        kind, body = queued.popleft()
+        if self._on_display is None or rank not in self._display_ranks:
+            return
+        self._close_open_line()
+        for target in (sys.stdout, sys.stderr):
+            target.flush()
+        self._on_display(rank, kind, body, len(self._display_ranks) > 1)

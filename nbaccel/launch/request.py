@@ -63,7 +63,8 @@ class LaunchRequest:
         plan: this machine's concrete choices (device kind, workers, start method, settings).
         launcher: the name of the launcher module that runs it (``"local"``, ``"xla"``, ``"elastic"``).
         hang_timeout: seconds of silence, after some ranks finished, before the rest are stopped.
-        output_ranks: the ranks whose output is shown (``None``: all).
+        output_ranks: the ranks whose output and displays are shown (``None``: every rank's
+            output, rank 0's displays).
         return_all: return ``{rank: value}`` instead of rank 0's value.
         observer: receives per-rank state and output events.
         rendezvous: how machines meet (multi-machine launches only).

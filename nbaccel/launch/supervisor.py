@@ -27,6 +27,7 @@ from typing import Any, Literal
 from nbaccel.errors import LaunchError, LaunchTimeoutError
 from nbaccel.launch.events import LaunchObserver, RankState
 from nbaccel.launch.failures import WorkerFailure, raise_failures
+from nbaccel.launch.frames import DISPLAY_MARK
 from nbaccel.launch.handles import WorkerHandle, open_pidfd
 from nbaccel.launch.output import OutputRelay
 from nbaccel.launch.payload import loads
@@ -171,6 +172,10 @@ class Supervisor:
         if kind == "ctl":
             for message in handle.frames.feed(data):
                 self._on_message(handle, *message)
+        elif kind == "stdout" and DISPLAY_MARK in data:
+            while handle.ctl_fd in self._selector.get_map() and self._read(handle, "ctl", handle.ctl_fd):
+                pass  # the display frame was written before its mark: it is in the control pipe
+            self.relay.feed(handle.rank, kind, data)
         else:
             self.relay.feed(handle.rank, kind, data)  # type: ignore[arg-type]
         return True
@@ -209,6 +214,8 @@ class Supervisor:
             handle.result_at = time.monotonic()
         elif kind == "error":
             handle.error = body
+        elif kind in ("display", "clear_output"):
+            self.relay.queue_display(handle.rank, kind, body)  # type: ignore[arg-type]
 
     def _set_state(self, handle: WorkerHandle, state: RankState) -> None:
         handle.state = state

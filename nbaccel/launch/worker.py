@@ -32,7 +32,9 @@ from nbaccel.environment import apply_environment, read_distributed_env
 from nbaccel.errors import PayloadPicklingError
 from nbaccel.identity import WorkerIdentity, clear_identity, set_identity
 from nbaccel.launch.frames import write_frame
+from nbaccel.launch.kernel_cutoff import detach_from_kernel
 from nbaccel.launch.payload import dumps_by_reference_first, dumps_result
+from nbaccel.launch.worker_display import forward_displays, route_figures, show_open_figures
 
 __all__ = ["FINISHED_WITHOUT_VALUE", "WorkerSpec", "describe_error", "die_with_parent", "report_error", "run_body",
            "run_worker"]
@@ -99,6 +101,9 @@ def _setup_process(spec: WorkerSpec) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
     apply_environment(spec.env)
+    detach_from_kernel()  # a forked kernel's sockets are the kernel's alone
+    forward_displays(spec.ctl_fd, spec.rank)
+    route_figures(os.environ)
     torch = sys.modules.get("torch")
     if torch is not None and "OMP_NUM_THREADS" in spec.env:  # the forked pool keeps the parent's size
         torch.set_num_threads(int(spec.env["OMP_NUM_THREADS"]))
@@ -216,6 +221,7 @@ def run_worker(spec: WorkerSpec, function: Callable[..., Any], args: Sequence[An
         if failed is not None:
             code = 130 if isinstance(failed, KeyboardInterrupt) else 1
         else:
+            show_open_figures()  # as the inline backend does when a cell ends
             _teardown()
     except BaseException as exc:  # noqa: BLE001 - the exit code tells the supervisor
         code = 130 if isinstance(exc, KeyboardInterrupt) else 1

@@ -93,7 +93,8 @@ class AccelMagics(Magics):
     @argument("--timeout", type=_positive_float, default=None, help="stop the launch after this many seconds")
     @argument("--hang_timeout", type=_hang_timeout, default=120.0,
               help="stop ranks silent this long after others finished ('none' to disable; default 120)")
-    @argument("--ranks", type=_ranks, default=None, help="show only these ranks' output, e.g. 0 or 0,1")
+    @argument("--ranks", type=_ranks, default=None, help="show only these ranks' output and displays, e.g. 0 or 0,1 "
+                   "(default: every rank's output, rank 0's displays)")
     @argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
     @argument("--num_nodes", type=int, default=None, help="machines taking part (multi-node)")
     @argument("--node_rank", type=int, default=None, help="this machine's rank (multi-node)")
