@@ -1,0 +1,230 @@
+"""Starting a warm pool's workers and tearing them down: the pool's processes, sockets and store.
+
+::
+
+    LaunchRequest ─► start_pool
+                       ├─ private Unix socket (a 0700 folder), one connection per rank
+                       ├─ loopback rendezvous store (several workers), kept for the pool's life
+                       ├─ start_forked / start_spawned ──► worker × N running pool_worker.serve
+                       └─ wait for every rank's "ready" (it joined the process group), or the first failure
+
+:meth:`PoolProcesses.shutdown` ends them: the sockets close (each worker leaves its loop and
+exits), and whoever is still there after ``grace`` seconds is killed. Nothing is left running,
+bound or on disk.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+from nbaccel.environment import DistributedEnv, worker_environment
+from nbaccel.errors import LaunchError
+from nbaccel.launch.failures import WorkerFailure, raise_failures
+from nbaccel.launch.frames import FrameReader
+from nbaccel.launch.handles import WorkerHandle
+from nbaccel.launch.pool_channels import PoolChannels, PoolMember
+from nbaccel.launch.pool_worker import serve
+from nbaccel.launch.rendezvous import LoopbackStore
+from nbaccel.launch.request import LaunchRequest
+from nbaccel.launch.starter import SpawnFiles, start_forked, start_spawned
+from nbaccel.launch.warmup import finish_warmup, start_warmup
+
+__all__ = ["PoolProcesses", "exit_failure", "start_pool"]
+
+_START_TIMEOUT = 300.0
+
+
+def exit_failure(member: PoolMember, error: dict | None = None) -> WorkerFailure:
+    """The failure record of a member that exited (or reported ``error``)."""
+    handle, error = member.handle, error or {}
+    if error:
+        message = error.get("message", "")
+    elif handle.signal is not None:
+        message = ""
+    else:
+        message = "the worker process exited without reporting an exception (os._exit, a crash in native code, "
+        message += "or an OOM kill)"
+    return WorkerFailure(rank=member.rank, pid=handle.pid, time=error.get("time", time.time()),
+                         exitcode=handle.exitcode, signal=handle.signal, exc_type=error.get("exc_type", ""),
+                         message=message, traceback=error.get("traceback", ""), exception=error.get("exception"))
+
+
+class PoolProcesses:
+    """A started pool: its members, the channels to them, its store and its private folder."""
+
+    def __init__(self, members: list[PoolMember], channels: PoolChannels, store: LoopbackStore | None,
+                 folder: Path) -> None:
+        self.members = members
+        self.channels = channels
+        self.store = store
+        self.folder = folder
+        self.closed = False
+
+    def kill(self, members: list[PoolMember] | None = None) -> None:
+        """SIGKILL ``members`` (default: all) and reap them."""
+        for member in members if members is not None else self.members:
+            member.handle.send(signal.SIGKILL)
+        for member in members if members is not None else self.members:
+            while not member.handle.poll():
+                time.sleep(0.005)
+
+    def shutdown(self, grace: float = 3.0) -> None:
+        """End every worker (their sockets close; SIGKILL after ``grace``), free the port and the folder."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            for member in self.members:
+                if member.sock is not None:
+                    try:
+                        member.sock.shutdown(socket.SHUT_RDWR)  # EOF now, even if a child still holds a copy
+                    except OSError:
+                        pass
+            deadline = time.monotonic() + grace
+            while any(not m.handle.poll() for m in self.members) and time.monotonic() < deadline:
+                self.channels.pump(0.02)
+        finally:
+            self.kill()
+            self.channels.close()
+            if self.store is not None:
+                self.store.close()
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _environments(request: LaunchRequest, store: LoopbackStore | None) -> list[dict[str, str]]:
+    plan, n = request.plan, request.num_processes
+    envs = []
+    for rank in range(n):
+        dist = DistributedEnv(rank=rank, local_rank=rank, world_size=n, local_world_size=n, node_rank=0,
+                              master_addr="127.0.0.1", master_port=store.port if store else 0) if n > 1 else None
+        envs.append(worker_environment(plan.settings, dist, agent_store=store is not None, loopback_only=True,
+                                       threads=plan.threads, visible_gpus=plan.visible_gpus))
+    return envs
+
+
+def _start_processes(request: LaunchRequest, path: Path, listener: socket.socket,
+                     store: LoopbackStore | None, files: SpawnFiles | None) -> list[WorkerHandle]:
+    envs = _environments(request, store)
+    if files is not None:
+        return start_spawned(serve, (str(path),), {}, envs, files)
+    if request.warm_imports is not False:
+        start_warmup()  # warm workers build models: pay torch._dynamo's import once, here, not in each
+    finish_warmup()
+    inherited = [listener.fileno()] + ([store.listen_fd] if store is not None else [])
+    return start_forked(serve, (str(path),), {}, envs, inherited_fds=inherited)
+
+
+def start_pool(request: LaunchRequest) -> PoolProcesses:
+    """Start ``request.num_processes`` pool workers and wait until each has joined the process group.
+
+    Raises:
+        WorkerFailedError: a worker failed while starting (every worker was stopped).
+        LaunchError: the workers did not all start within the start timeout.
+        KeyboardInterrupt: the caller was interrupted (every worker was stopped).
+    """
+    n = request.num_processes
+    folder = Path(tempfile.mkdtemp(prefix="nbaccel-pool-"))  # mode 0700: only this user reaches the socket
+    path = folder / "pool.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(n)
+    store = LoopbackStore(port=request.config.main_process_port or 0) if n > 1 else None
+    processes: PoolProcesses | None = None
+    files = SpawnFiles() if request.plan.start_method == "spawn" else None
+    try:
+        handles = _start_processes(request, path, listener, store, files)
+        members = [PoolMember(rank=h.rank, handle=h) for h in handles]
+        processes = PoolProcesses(members, PoolChannels(members), store, folder)
+        if store is not None:
+            store.serve()  # only now: no store thread runs while the workers are forked
+        _accept(processes, listener)
+        _wait_ready(processes)
+        return processes
+    except BaseException:
+        if processes is not None:
+            processes.shutdown(grace=0)
+        else:
+            if store is not None:
+                store.close()
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+    finally:
+        listener.close()
+        if files is not None:
+            files.remove()  # every worker read its spec and payload before it said hello (or it is gone)
+
+
+def _start_failure(processes: PoolProcesses, failures: list[WorkerFailure]) -> None:
+    processes.kill()
+    raise_failures(failures, len(processes.members))
+
+
+def _accept(processes: PoolProcesses, listener: socket.socket) -> None:
+    """Take one connection per rank; each starts with a ``hello`` frame naming the rank."""
+    listener.settimeout(0.05)
+    by_rank = {m.rank: m for m in processes.members}
+    deadline = time.monotonic() + _START_TIMEOUT
+    waiting = set(by_rank)
+    while waiting:
+        if time.monotonic() > deadline:
+            raise LaunchError(f"pool workers {sorted(waiting)} did not connect within {_START_TIMEOUT:g}s. Fix: "
+                              "look at their output above; restart the kernel if a fork left them stuck.")
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            _check_starting(processes, 0)
+            continue
+        conn.settimeout(30)
+        reader, frames = FrameReader(), []
+        while not frames:
+            data = conn.recv(4096)
+            if not data:
+                break
+            frames = list(reader.feed(data))
+        conn.settimeout(None)
+        if not frames or frames[0][0] != "hello" or frames[0][1] not in waiting:
+            conn.close()
+            continue
+        member = by_rank[frames[0][1]]
+        member.frames = reader  # frames after the hello stay in its buffer
+        processes.channels.add_socket(member, conn)
+        waiting.discard(member.rank)
+        for kind, body in frames[1:]:
+            _on_start_event(processes, member, kind, body)
+
+
+def _check_starting(processes: PoolProcesses, wait: float) -> None:
+    failures = []
+    for member, kind, body in processes.channels.pump(wait):
+        failure = _on_start_event(processes, member, kind, body)
+        if failure is not None:
+            failures.append(failure)
+    if failures:
+        _start_failure(processes, failures)
+
+
+def _on_start_event(processes: PoolProcesses, member: PoolMember, kind: str, body: object) -> WorkerFailure | None:
+    if kind == "ready":
+        member.ready, member.device = True, body["device"]  # type: ignore[index]
+    elif kind == "ctl:error":
+        member.handle.error = body  # type: ignore[assignment]
+    elif kind == "exit":
+        processes.channels.drain(member)
+        return exit_failure(member, member.handle.error)
+    return None
+
+
+def _wait_ready(processes: PoolProcesses) -> None:
+    deadline = time.monotonic() + _START_TIMEOUT
+    while not all(m.ready for m in processes.members):
+        if time.monotonic() > deadline:
+            late = [m.rank for m in processes.members if not m.ready]
+            raise LaunchError(f"pool workers {late} did not join the process group within {_START_TIMEOUT:g}s. "
+                              "Fix: look at their output above, or start the pool with fewer processes.")
+        _check_starting(processes, 0.05)
