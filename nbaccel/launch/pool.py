@@ -247,6 +247,11 @@ class WorkerPool:
         try:
             return run_task(processes.channels, processes.members, payload, observer=observer, grace=self.grace,
                             timeout=self._request.config.timeout, outcome=outcome)
+        except Exception as exc:
+            if outcome.dead:
+                exc.add_note(f"[nbaccel] the WorkerPool is dead ({outcome.dead}); every worker was stopped. "
+                             "Fix: pool.restart() (or %accel_workers restart).")
+            raise
         finally:
             if outcome.dead:
                 self._dead = outcome.dead
