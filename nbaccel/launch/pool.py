@@ -93,11 +93,13 @@ class WorkerPool:
         output_ranks: show only these ranks' output.
         timeout: cancel a run after this many seconds (raises ``LaunchTimeoutError``; the pool stays).
         grace: seconds a cancelled rank has to stop before it is killed (and the pool with it).
+        start_timeout: seconds the workers have to start and join the process group.
         config: a :class:`LaunchConfig` supplying every value not given here.
 
     Raises:
         ConfigError: an option is invalid, or asks for several machines or XLA devices.
         WorkerFailedError: a worker failed while starting (nothing is left running).
+        LaunchError: the workers did not start within ``start_timeout`` (nothing is left running).
 
     Example:
         >>> with WorkerPool(num_processes=2, use_cpu=True) as pool:    # doctest: +SKIP
@@ -110,16 +112,19 @@ class WorkerPool:
     def __init__(self, num_processes: int | None = None, mixed_precision: MixedPrecision | None = None,
                  use_port: int | str | None = None, *, start_method: StartMethod | None = None,
                  use_cpu: bool | None = None, output_ranks: Iterable[int] | int | None = None,
-                 timeout: float | None = None, grace: float = 3.0, config: LaunchConfig | None = None) -> None:
-        if not grace > 0:
-            raise ConfigError(f"grace must be a positive number of seconds (got {grace!r}). Fix: grace=3.0",
-                              key="grace", value=grace, valid="> 0")
+                 timeout: float | None = None, grace: float = 3.0, start_timeout: float = 300.0,
+                 config: LaunchConfig | None = None) -> None:
+        for key, value, example in (("grace", grace, 3.0), ("start_timeout", start_timeout, 300.0)):
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ConfigError(f"{key} must be a positive number of seconds (got {value!r}). Fix: {key}={example}",
+                                  key=key, value=value, valid="> 0")
         self._request = build_request(
             _pool_placeholder, config=config, output_ranks=output_ranks, use_port=use_port, launcher="pool",
             num_processes=num_processes, mixed_precision=mixed_precision, use_cpu=use_cpu,
             start_method=start_method, timeout=timeout)
         _refuse_unsupported(self._request)
         self.grace = grace
+        self.start_timeout = start_timeout
         self._processes: PoolProcesses | None = None
         self._finalizer: weakref.finalize | None = None
         self._dead = ""
@@ -129,7 +134,7 @@ class WorkerPool:
     # ------------------------------------------------------------------ lifecycle
     def _start(self) -> None:
         say(self._request.plan.note)
-        processes = start_pool(self._request)
+        processes = start_pool(self._request, self.start_timeout)
         self._processes, self._dead, self._closed = processes, "", False
         self._finalizer = weakref.finalize(self, processes.shutdown, 1.0)  # also at interpreter exit
 

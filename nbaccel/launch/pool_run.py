@@ -14,9 +14,11 @@ the next task, or the pool is dead (``TaskOutcome.dead``) and every worker has b
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +58,8 @@ class _Collector:
         self.results: dict[int, bytes] = {}
         self.errors: dict[int, dict[str, Any]] = {}
         self.deaths: list[WorkerFailure] = []
+        self.started: set[int] = set()
+        self.cancelling = False
 
     def replied(self, member: PoolMember) -> bool:
         return member.rank in self.results or member.rank in self.errors
@@ -69,7 +73,10 @@ class _Collector:
 
     def on_event(self, member: PoolMember, kind: str, body: Any) -> None:
         if kind == "started":
+            self.started.add(member.rank)
             self._state(member.rank, "running")
+            if self.cancelling:
+                member.handle.send(signal.SIGINT)
         elif kind == "result" and not self.replied(member):
             self.results[member.rank] = body
             self._state(member.rank, "finished")
@@ -90,10 +97,13 @@ class _Collector:
             self.observer.on_state(rank, state)
 
     def cancel(self) -> None:
+        """``SIGINT`` every rank still running; a rank that has not said ``started`` yet gets it when it does."""
+        self.cancelling = True
         for member in self.waiting():
             if member.rank not in self.outcome.cancelled:
                 self.outcome.cancelled.append(member.rank)
-            member.handle.send(signal.SIGINT)
+            if member.rank in self.started:
+                member.handle.send(signal.SIGINT)
 
     def wait(self, seconds: float) -> bool:
         """Collect replies for up to ``seconds``; whether every rank replied (no death)."""
@@ -130,8 +140,9 @@ def run_task(channels: PoolChannels, members: Sequence[PoolMember], payload: byt
         observer.on_launch([m.rank for m in members], "pool")
     ok = False
     try:
-        for member in members:
-            write_frame(member.sock.fileno(), "task", payload)  # type: ignore[union-attr]
+        with _interrupts_deferred():  # half a frame on a socket would break that rank's stream for good
+            for member in members:
+                write_frame(member.sock.fileno(), "task", payload)  # type: ignore[union-attr]
         _collect(run, timeout)
         ok = True
     except KeyboardInterrupt:
@@ -146,6 +157,22 @@ def run_task(channels: PoolChannels, members: Sequence[PoolMember], payload: byt
     if failures:
         raise_failures(failures, len(members), run.outcome.cancelled)
     return {rank: loads(data) for rank, data in sorted(run.results.items())}
+
+
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """Hold a ``SIGINT`` that lands inside the block until it ends (main thread only; elsewhere none arrive)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught and previous is not signal.SIG_IGN:
+            raise KeyboardInterrupt
 
 
 def _settle(run: _Collector, why: str) -> None:

@@ -37,8 +37,6 @@ from nbaccel.launch.warmup import finish_warmup, start_warmup
 
 __all__ = ["PoolProcesses", "exit_failure", "start_pool"]
 
-_START_TIMEOUT = 300.0
-
 
 def exit_failure(member: PoolMember, error: dict | None = None) -> WorkerFailure:
     """The failure record of a member that exited (or reported ``error``)."""
@@ -120,12 +118,12 @@ def _start_processes(request: LaunchRequest, path: Path, listener: socket.socket
     return start_forked(serve, (str(path),), {}, envs, inherited_fds=inherited)
 
 
-def start_pool(request: LaunchRequest) -> PoolProcesses:
+def start_pool(request: LaunchRequest, start_timeout: float = 300.0) -> PoolProcesses:
     """Start ``request.num_processes`` pool workers and wait until each has joined the process group.
 
     Raises:
         WorkerFailedError: a worker failed while starting (every worker was stopped).
-        LaunchError: the workers did not all start within the start timeout.
+        LaunchError: the workers did not all start within ``start_timeout`` seconds.
         KeyboardInterrupt: the caller was interrupted (every worker was stopped).
     """
     n = request.num_processes
@@ -143,8 +141,9 @@ def start_pool(request: LaunchRequest) -> PoolProcesses:
         processes = PoolProcesses(members, PoolChannels(members), store, folder)
         if store is not None:
             store.serve()  # only now: no store thread runs while the workers are forked
-        _accept(processes, listener)
-        _wait_ready(processes)
+        deadline = time.monotonic() + start_timeout
+        _accept(processes, listener, deadline, start_timeout)
+        _wait_ready(processes, deadline, start_timeout)
         return processes
     except BaseException:
         if processes is not None:
@@ -165,16 +164,21 @@ def _start_failure(processes: PoolProcesses, failures: list[WorkerFailure]) -> N
     raise_failures(failures, len(processes.members))
 
 
-def _accept(processes: PoolProcesses, listener: socket.socket) -> None:
+def _check_deadline(processes: PoolProcesses, deadline: float, start_timeout: float) -> None:
+    if time.monotonic() > deadline:
+        late = [m.rank for m in processes.members if not m.ready]
+        raise LaunchError(f"pool workers {late} did not start (connect and join the process group) within "
+                          f"start_timeout={start_timeout:g}s; every worker was stopped. Fix: look at their output "
+                          "above, or pass a larger start_timeout= when many workers share few cores.")
+
+
+def _accept(processes: PoolProcesses, listener: socket.socket, deadline: float, start_timeout: float) -> None:
     """Take one connection per rank; each starts with a ``hello`` frame naming the rank."""
     listener.settimeout(0.05)
     by_rank = {m.rank: m for m in processes.members}
-    deadline = time.monotonic() + _START_TIMEOUT
     waiting = set(by_rank)
     while waiting:
-        if time.monotonic() > deadline:
-            raise LaunchError(f"pool workers {sorted(waiting)} did not connect within {_START_TIMEOUT:g}s. Fix: "
-                              "look at their output above; restart the kernel if a fork left them stuck.")
+        _check_deadline(processes, deadline, start_timeout)
         try:
             conn, _ = listener.accept()
         except TimeoutError:
@@ -215,16 +219,14 @@ def _on_start_event(processes: PoolProcesses, member: PoolMember, kind: str, bod
     elif kind == "ctl:error":
         member.handle.error = body  # type: ignore[assignment]
     elif kind == "exit":
-        processes.channels.drain(member)
+        for _, later, error in processes.channels.drain(member):
+            if later == "ctl:error":  # the report may still have been in the pipe
+                member.handle.error = error
         return exit_failure(member, member.handle.error)
     return None
 
 
-def _wait_ready(processes: PoolProcesses) -> None:
-    deadline = time.monotonic() + _START_TIMEOUT
+def _wait_ready(processes: PoolProcesses, deadline: float, start_timeout: float) -> None:
     while not all(m.ready for m in processes.members):
-        if time.monotonic() > deadline:
-            late = [m.rank for m in processes.members if not m.ready]
-            raise LaunchError(f"pool workers {late} did not join the process group within {_START_TIMEOUT:g}s. "
-                              "Fix: look at their output above, or start the pool with fewer processes.")
+        _check_deadline(processes, deadline, start_timeout)
         _check_starting(processes, 0.05)

@@ -32,7 +32,12 @@ from nbaccel.launch.worker import run_body
 __all__ = ["serve", "worker_namespace"]
 
 _namespace: dict[str, Any] = {"__name__": "__main__"}
+# A task is armed from when it is loaded until its worker body returns, and cancellable while its
+# function runs. An interrupt that lands while armed but not cancellable (the owner cancels a rank
+# as soon as it said "started", a moment before the function is entered) is kept for the function.
+_armed = False
 _cancellable = False
+_pending = False
 
 
 def worker_namespace() -> dict[str, Any]:
@@ -52,15 +57,21 @@ def worker_namespace() -> dict[str, Any]:
 
 
 def _on_sigint(signum: int, frame: Any) -> None:
+    global _pending
     if _cancellable:
         raise KeyboardInterrupt("interrupted by the pool's owner")
+    if _armed:
+        _pending = True
 
 
 def _cancellable_call(function: Callable[..., Any]) -> Callable[..., Any]:
     def call(*args: Any, **kwargs: Any) -> Any:
-        global _cancellable
+        global _cancellable, _pending
         _cancellable = True
         try:
+            if _pending:
+                _pending = False
+                raise KeyboardInterrupt("interrupted by the pool's owner")
             return function(*args, **kwargs)
         finally:
             _cancellable = False
@@ -118,5 +129,10 @@ def serve(socket_path: str) -> None:
         if message is None or message[0] == "close":
             sock.close()
             return
+        global _armed, _pending
         function, args, kwargs = _load_task(message[1])
-        run_body(fd, rank, identity, _cancellable_call(function), args, kwargs)
+        _armed = True
+        try:
+            run_body(fd, rank, identity, _cancellable_call(function), args, kwargs)
+        finally:
+            _armed = _pending = False

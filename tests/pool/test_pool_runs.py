@@ -102,6 +102,7 @@ def test_spawned_workers_run_task_after_task():
 
 @pytest.mark.parametrize("kwargs, key", [
     ({"grace": 0}, "grace"),
+    ({"start_timeout": "soon"}, "start_timeout"),
     ({"config": LaunchConfig(num_machines=2, main_process_ip="10.0.0.1", main_process_port=29400)}, "num_machines"),
     ({"num_processes": 0}, "num_processes"),
 ])
@@ -126,3 +127,27 @@ def test_a_closed_pool_refuses_to_run_until_restarted():
         assert pool.alive and pool.run(lambda: 3) == 3 and set(pool.pids).isdisjoint(pids)
     finally:
         pool.close()
+
+
+def test_xla_devices_are_refused_with_a_way_out(monkeypatch):
+    import dataclasses
+
+    from nbaccel.launch import request as request_module
+
+    real = request_module.plan_launch
+    monkeypatch.setattr(request_module, "plan_launch", lambda cfg: dataclasses.replace(real(cfg), device_kind="xla"))
+    with pytest.raises(ConfigError) as info:  # as a TPU machine would plan it (torch_xla is not installed here)
+        WorkerPool(num_processes=2, use_cpu=True)
+    assert info.value.value == "XLA" and "notebook_launcher" in str(info.value)
+
+
+def test_workers_that_do_not_start_in_time_are_stopped_with_a_clear_error():
+    from nbaccel import LaunchError
+
+    from ..launch.procs import children
+
+    before = children()
+    with pytest.raises(LaunchError) as info:
+        WorkerPool(num_processes=2, use_cpu=True, start_timeout=0.001)
+    assert "start_timeout=0.001" in str(info.value) and "Fix:" in str(info.value)
+    assert children() == before
