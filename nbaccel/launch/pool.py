@@ -23,6 +23,7 @@ dies with the thread that started it (``PR_SET_PDEATHSIG``) or when its socket c
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from typing import Any
 from nbaccel.config import LaunchConfig, StartMethod
 from nbaccel.environment import MixedPrecision
 from nbaccel.errors import ConfigError, WorkerPoolError
+from nbaccel.launch.events import LaunchObserver
 from nbaccel.launch.output import OutputRelay
 from nbaccel.launch.payload import dumps_payload
 from nbaccel.launch.pool_run import TaskOutcome, run_task
@@ -241,6 +243,25 @@ class WorkerPool:
         """
         ranks = request.output_ranks if request.output_ranks is not None else self._request.output_ranks
         return self._dispatch(request.function, request.args, request.kwargs, ranks, request.observer)
+
+    def request(self, function: Callable[..., Any], args: Iterable[Any] = (), kwargs: Mapping[str, Any] | None = None,
+                *, output_ranks: Iterable[int] | int | None = None, return_all: bool = False,
+                observer: LaunchObserver | None = None) -> LaunchRequest:
+        """A :class:`LaunchRequest` for :meth:`launch`: this pool's settings, with ``function`` to run.
+
+        Raises:
+            ConfigError: ``output_ranks`` names a rank the pool does not have.
+        """
+        ranks = None if output_ranks is None else frozenset([output_ranks] if isinstance(output_ranks, int)
+                                                             else output_ranks)
+        bad = sorted(r for r in ranks or () if r not in range(self.num_processes))
+        if bad:
+            raise ConfigError(f"output_ranks names rank {bad[0]!r}, but this pool's ranks run from 0 to "
+                              f"{self.num_processes - 1}. Fix: pass ranks in that range, or None for all.",
+                              key="output_ranks", value=sorted(ranks or ()), valid=list(range(self.num_processes)))
+        return dataclasses.replace(self._request, function=function, args=tuple(args), kwargs=dict(kwargs or {}),
+                                   output_ranks=ranks if ranks is not None else self._request.output_ranks,
+                                   return_all=return_all, observer=observer)
 
     def _dispatch(self, function: Callable[..., Any], args: Any, kwargs: Mapping[str, Any],
                   output_ranks: Any, observer: Any) -> dict[int, Any]:

@@ -11,7 +11,7 @@ from typing import Any
 
 __all__ = ["load_ipython_extension", "unload_ipython_extension"]
 
-_NAMES = {"cell": ("accel_launch",), "line": ("accel_config", "accel_env")}
+_NAMES = {"cell": ("accel_launch",), "line": ("accel_config", "accel_env", "accel_workers")}
 
 
 def load_ipython_extension(ipython: Any) -> None:
