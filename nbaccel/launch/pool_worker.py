@@ -131,6 +131,7 @@ def serve(socket_path: str) -> None:
             return
         global _armed, _pending
         function, args, kwargs = _load_task(message[1])
+        signal.signal(signal.SIGINT, _on_sigint)  # an earlier task may have installed its own handler
         _armed = True
         try:
             run_body(fd, rank, identity, _cancellable_call(function), args, kwargs)

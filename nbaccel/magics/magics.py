@@ -26,7 +26,7 @@ from nbaccel.launch.request import LaunchRequest
 from nbaccel.magics.cell import CellProgram, CellResult, run_cell_program
 from nbaccel.magics.render import attach_renderer, render_interrupt
 from nbaccel.magics.session import SessionDefaults
-from nbaccel.magics.workers import NotebookPool
+from nbaccel.magics.workers import NotebookPool, plain_interrupt
 
 __all__ = ["AccelMagics"]
 
@@ -227,7 +227,9 @@ class AccelMagics(Magics):
 
         try:
             return launch(request)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
+            if request.launcher == "pool":  # the pool's own words: whether it is still up
+                raise plain_interrupt(str(exc)) from None
             raise render_interrupt(request.observer) from None
         except PayloadPicklingError as exc:
             cause = exc.__cause__ if isinstance(exc.__cause__, PayloadPicklingError) else exc

@@ -18,7 +18,8 @@ from nbaccel.errors import ConfigError, EnvironmentStateError
 from nbaccel.launch.pool import WorkerPool
 from nbaccel.launch.request import LaunchRequest
 
-__all__ = ["NotebookPool", "defined_names", "format_status", "launch_flags_given", "persisted_launch"]
+__all__ = ["NotebookPool", "defined_names", "format_status", "launch_flags_given", "persisted_launch",
+           "plain_interrupt"]
 
 # %%accel_launch flags that say how workers start: a persisted cell runs on workers started already.
 _LAUNCH_FLAGS = {"num_processes": None, "mixed_precision": None, "cpu": None, "config_file": None,
@@ -120,3 +121,10 @@ def persisted_launch(pool: WorkerPool) -> Any:
         results = pool.launch(request)
         return results if request.return_all else results.get(0)
     return launch
+
+
+def plain_interrupt(message: str) -> KeyboardInterrupt:
+    """The ``KeyboardInterrupt`` a persisted cell shows: the pool's message, no traceback."""
+    exc = KeyboardInterrupt(message)
+    exc._render_traceback_ = lambda: [f"KeyboardInterrupt: {message}"]  # type: ignore[attr-defined]
+    return exc

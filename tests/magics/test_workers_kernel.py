@@ -74,6 +74,7 @@ def test_an_exception_in_a_cell_keeps_the_workers(kernel):
 
 def test_the_stop_button_cancels_the_cell_and_keeps_the_workers(kernel, tmp_path):
     pids = _pids(kernel)
+    assert error(kernel.run("%%accel_launch --persist\nkept = 'before the interrupt'")) is None
 
     def interrupt_when_running() -> None:
         deadline = time.monotonic() + 60
@@ -89,9 +90,10 @@ def test_the_stop_button_cancels_the_cell_and_keeps_the_workers(kernel, tmp_path
     thread.join()
     err = error(cell)
     assert err is not None and err.ename == "KeyboardInterrupt", cell.outputs
-    again = kernel.run("%%accel_launch --persist\n(os.getpid(), type(model).__name__)")
+    assert "cancelled in every rank" in err.evalue and "still up" in err.evalue
+    again = kernel.run("%%accel_launch --persist\n(os.getpid(), kept)")
     assert error(again) is None, again.outputs
-    assert result_text(again) == repr((pids[0], "DistributedDataParallel"))
+    assert result_text(again) == repr((pids[0], "before the interrupt"))
     assert _pids(kernel) == pids
 
 
