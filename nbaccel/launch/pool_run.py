@@ -41,6 +41,7 @@ class TaskOutcome:
 
     Attributes:
         dead: why the pool is dead (``""``: it is alive).
+        cancelled: the ranks sent ``SIGINT`` (an interrupt, the timeout, or another rank's failure).
     """
 
     dead: str = ""
@@ -118,11 +119,22 @@ class _Collector:
         for member in self.members:
             member.handle.send(signal.SIGKILL)
 
+    def end_after_deaths(self) -> None:
+        """A worker died: the pool is dead (its process group is broken); stop the others."""
+        self.outcome.dead = "; ".join(f.summary for f in self.deaths)
+        for member in self.members:
+            member.handle.send(signal.SIGKILL)
+
     def failures(self) -> list[WorkerFailure]:
-        own = [WorkerFailure(rank=r, pid=m.handle.pid, time=e["time"], exc_type=e["exc_type"], message=e["message"],
-                             traceback=e["traceback"], exception=e["exception"])
-               for m in self.members for r, e in self.errors.items() if r == m.rank
-               and not (r in self.outcome.cancelled and e["exc_type"] == "KeyboardInterrupt")]
+        """Every rank's failure: its reported exception (not the interrupt it was cancelled with), or its death."""
+        own = []
+        for member in self.members:
+            error = self.errors.get(member.rank)
+            if error is None or (member.rank in self.outcome.cancelled and error["exc_type"] == "KeyboardInterrupt"):
+                continue
+            own.append(WorkerFailure(rank=member.rank, pid=member.handle.pid, time=error["time"],
+                                     exc_type=error["exc_type"], message=error["message"],
+                                     traceback=error["traceback"], exception=error["exception"]))
         return own + self.deaths
 
 
@@ -179,11 +191,12 @@ def _settle(run: _Collector, why: str) -> None:
     """Cancel whoever still runs, give them ``grace`` to reply, kill the pool if they do not."""
     run.cancel()
     try:
-        if run.wait(run.grace):
-            return
+        run.wait(run.grace)
     except KeyboardInterrupt:  # a second interrupt: stop waiting
         pass
-    if not run.deaths:
+    if run.deaths:
+        run.end_after_deaths()
+    elif run.waiting():
         run.kill_stragglers(why.format(grace=run.grace))
 
 
@@ -206,6 +219,4 @@ def _collect(run: _Collector, timeout: float | None) -> None:
             raise LaunchTimeoutError(f"the task ran past timeout={timeout:g}s.{dead} {report}".rstrip(),
                                      stacks={}, reason="timeout")
     if run.deaths:
-        run.outcome.dead = "; ".join(f.summary for f in run.deaths)
-        for member in run.members:
-            member.handle.send(signal.SIGKILL)
+        run.end_after_deaths()

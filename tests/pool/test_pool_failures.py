@@ -40,6 +40,7 @@ def _interrupt_me_when(marker_dir, count: int) -> threading.Thread:
 
 def test_an_interrupt_cancels_the_task_in_every_rank_and_keeps_the_pool(pool, tmp_path):
     pids = pool.pids
+    pool.run(signal.signal, signal.SIGINT, signal.SIG_IGN)  # an earlier task's handler does not stick
     _interrupt_me_when(tmp_path, 2)
     with pytest.raises(KeyboardInterrupt) as info:
         pool.run(sleep_until_cancelled, str(tmp_path))
@@ -135,3 +136,26 @@ def test_a_worker_that_dies_between_runs_is_reported_at_the_next_run():
         assert refused.value.state == "dead" and "rank 0" in refused.value.reason and "idle" in refused.value.reason
     finally:
         idle.close()
+
+
+def _exit_when_cancelled(marker_dir):
+    import time
+    open(os.path.join(marker_dir, f"running-{os.environ['RANK']}"), "w").close()
+    try:
+        time.sleep(60)
+    except KeyboardInterrupt:
+        if os.environ["RANK"] == "1":
+            os._exit(3)
+        raise
+
+
+def test_a_rank_that_dies_while_being_cancelled_ends_the_pool_and_says_so(tmp_path):
+    fragile = WorkerPool(num_processes=2, use_cpu=True, grace=2.0)
+    try:
+        _interrupt_me_when(tmp_path, 2)
+        with pytest.raises(KeyboardInterrupt) as info:
+            fragile.run(_exit_when_cancelled, str(tmp_path))
+        assert "rank 1" in str(info.value) and "exited with code 3" in str(info.value)
+        assert "pool is dead" in str(info.value) and not fragile.alive
+    finally:
+        fragile.close()
