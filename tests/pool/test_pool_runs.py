@@ -151,3 +151,25 @@ def test_workers_that_do_not_start_in_time_are_stopped_with_a_clear_error():
         WorkerPool(num_processes=2, use_cpu=True, start_timeout=0.001)
     assert "start_timeout=0.001" in str(info.value) and "Fix:" in str(info.value)
     assert children() == before
+
+
+
+def _kept_layer_weight() -> list[float]:
+    from nbaccel import worker_namespace
+
+    return worker_namespace()["layer"].weight.flatten().tolist()
+
+
+def test_a_returned_module_comes_back_and_the_worker_keeps_its_own(pool):
+    def build():
+        import torch
+
+        from nbaccel import worker_namespace
+        torch.manual_seed(0)
+        worker_namespace()["layer"] = torch.nn.Linear(2, 2)
+        return worker_namespace()["layer"]
+
+    layer = pool.run(build)
+    assert layer.weight.flatten().tolist() == pool.run(_kept_layer_weight)
+    layer.weight.data.zero_()  # the notebook's copy is its own
+    assert pool.run(_kept_layer_weight) != [0.0] * 4
