@@ -1,10 +1,12 @@
-"""The ``%%accel_launch``, ``%accel_config`` and ``%accel_env`` magics, in one ``Magics`` class.
+"""The ``%%accel_launch``, ``%accel_workers``, ``%accel_config`` and ``%accel_env`` magics, in one ``Magics`` class.
 
 ``%%accel_launch`` runs its cell on N workers through :func:`nbaccel.notebook_launcher`: the
 settings are layered config file < session defaults (``%accel_config``'s "Use for this session")
 < the cell's flags; a bad flag is a ``UsageError`` and nothing starts; the last expression of
 rank 0 is the cell's value and ``-o`` names come back into the notebook; a worker's failure is
-shown as that rank's traceback through the cell's own lines.
+shown as that rank's traceback through the cell's own lines. ``%%accel_launch --persist`` runs the
+cell on the warm workers ``%accel_workers start`` started (:mod:`nbaccel.magics.workers`), in a
+namespace per rank that lasts between cells (:mod:`nbaccel.magics.persist`).
 """
 
 from __future__ import annotations
