@@ -1,4 +1,5 @@
-"""IPython magics: ``%load_ext nbaccel`` registers ``%%accel_launch``, ``%accel_workers``, ``%accel_config``, ``%accel_env``.
+"""IPython magics: ``%load_ext nbaccel`` registers ``%%accel_launch``, ``%accel_workers``, ``%accel_config``,
+``%accel_env``.
 
 Loading imports only IPython and nbaccel's config (no torch, no ipywidgets, no device). Once a
 cell has imported torch, what DDP needs is imported in a background thread while the user types

@@ -1,4 +1,4 @@
-"""The ``%%accel_launch``, ``%accel_workers``, ``%accel_config`` and ``%accel_env`` magics, in one ``Magics`` class.
+"""The ``%%accel_launch``, ``%accel_workers``, ``%accel_config`` and ``%accel_env`` magics: one ``Magics`` class.
 
 ``%%accel_launch`` runs its cell on N workers through :func:`nbaccel.notebook_launcher`: the
 settings are layered config file < session defaults (``%accel_config``'s "Use for this session")
@@ -267,7 +267,8 @@ class AccelMagics(Magics):
     @argument("--config_file", default=None, help="config file to read instead of the default one (start only)")
     @argument("--start_method", choices=get_args(StartMethod), default=None, help="(start only)")
     @argument("--port", type=int, default=None, help="rendezvous port (start only; default: a free one)")
-    @argument("--timeout", type=_positive_float, default=None, help="cancel a cell after this many seconds (start only)")
+    @argument("--timeout", type=_positive_float, default=None,
+              help="cancel a cell after this many seconds (start only)")
     @argument("--grace", type=_positive_float, default=3.0,
               help="seconds a cancelled rank has to stop before the pool is killed (start only)")
     @line_magic

@@ -35,7 +35,8 @@ def defined_names() -> list[str]:
 
     from nbaccel.launch.pool_worker import worker_namespace
 
-    return sorted(n for n, v in worker_namespace().items() if not n.startswith("_") and not isinstance(v, types.ModuleType))
+    return sorted(n for n, v in worker_namespace().items()
+                  if not n.startswith("_") and not isinstance(v, types.ModuleType))
 
 
 def _megabytes(size: int | None) -> str:

@@ -82,3 +82,17 @@ def test_restart_empties_the_namespaces_and_stop_ends_the_workers(workers, capsy
     capsys.readouterr()
     ip.run_line_magic("accel_workers", "")
     assert "no warm workers" in capsys.readouterr().out
+
+
+def test_restart_without_workers_and_bad_start_flags_are_usage_errors(ip):
+    with pytest.raises(UsageError, match="accel_workers start -n 2"):
+        ip.run_line_magic("accel_workers", "restart")
+    with pytest.raises(UsageError, match="num_processes"):
+        ip.run_line_magic("accel_workers", "start -n 0")
+    with pytest.raises(UsageError):
+        ip.run_line_magic("accel_workers", "launch")  # not an action
+
+
+def test_persist_refuses_ranks_the_workers_lack(workers):
+    with pytest.raises(UsageError, match="output_ranks"):
+        workers.run_cell_magic("accel_launch", "--persist --ranks 5", "1")

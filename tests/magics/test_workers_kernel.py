@@ -43,7 +43,8 @@ def test_names_workers_and_the_process_group_last_across_cells(kernel):
                        "type(model).__name__\n")
     assert error(first) is None, first.outputs
     assert result_text(first) == "'DistributedDataParallel'"
-    assert f"[rank0]: loaded on {pids[0]}" in stream_text(first) and f"[rank1]: loaded on {pids[1]}" in stream_text(first)
+    out = stream_text(first)
+    assert f"[rank0]: loaded on {pids[0]}" in out and f"[rank1]: loaded on {pids[1]}" in out
     second = kernel.run("%%accel_launch --persist -o same\n"
                         "same = (id(dist.group.WORLD) == group, Accelerator().num_processes, os.getpid())\n"
                         "accelerator.backward(model(torch.ones(2, 3)).sum())\n"

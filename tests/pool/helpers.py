@@ -45,3 +45,14 @@ def sleep_until_cancelled(marker_dir: str, seconds: float = 60) -> None:
     except KeyboardInterrupt:
         open(os.path.join(marker_dir, f"cancelled-{rank}"), "w").close()
         raise
+
+
+def _explode() -> None:
+    raise ValueError("this object cannot be rebuilt in a worker")
+
+
+class LoadsNowhere:
+    """Pickles fine; unpickling raises (as an object of a module the workers lack would)."""
+
+    def __reduce__(self):
+        return (_explode, ())

@@ -10,7 +10,7 @@ from nbaccel import ConfigError, LaunchConfig, PayloadPicklingError, WorkerPool,
 from nbaccel.launch.base import Launcher
 from nbaccel.launch.request import build_request
 
-from .helpers import pid_and_rank, recall, remember
+from .helpers import LoadsNowhere, pid_and_rank, recall, remember
 
 
 def test_runs_return_rank_0s_value_or_every_rank_in_the_same_workers(pool):
@@ -173,3 +173,27 @@ def test_a_returned_module_comes_back_and_the_worker_keeps_its_own(pool):
     assert layer.weight.flatten().tolist() == pool.run(_kept_layer_weight)
     layer.weight.data.zero_()  # the notebook's copy is its own
     assert pool.run(_kept_layer_weight) != [0.0] * 4
+
+
+def test_a_task_that_cannot_be_rebuilt_in_the_workers_fails_and_the_pool_stays(pool):
+    with pytest.raises(ValueError, match="cannot be rebuilt") as info:
+        pool.run(print, LoadsNowhere())
+    assert sorted(f.rank for f in info.value.failures) == [0, 1]
+    assert pool.alive and pool.run(lambda: 2) == 2
+
+
+def test_a_request_for_ranks_the_pool_lacks_is_refused(pool):
+    with pytest.raises(ConfigError) as info:
+        pool.request(print, output_ranks=[0, 5])
+    assert info.value.key == "output_ranks" and info.value.valid == [0, 1]
+
+
+def test_workers_that_fail_to_join_the_group_stop_the_start(monkeypatch):
+    from ..launch.procs import children
+
+    before = children()
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "nbaccel-no-such-interface")  # the user's choice wins; gloo refuses
+    with pytest.raises(RuntimeError, match="nbaccel-no-such-interface") as info:  # gloo's own error, as raised
+        WorkerPool(num_processes=2, use_cpu=True)
+    assert info.value.launch_failures[0].exc_type.endswith("Error")
+    assert children() == before
