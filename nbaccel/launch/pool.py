@@ -138,7 +138,7 @@ class WorkerPool:
         say(self._request.plan.note)
         processes = start_pool(self._request, self.start_timeout)
         self._processes, self._dead, self._closed = processes, "", False
-        self._finalizer = weakref.finalize(self, processes.shutdown, 1.0)  # also at interpreter exit
+        self._finalizer = weakref.finalize(self, processes.shutdown)  # also at interpreter exit
 
     def close(self) -> None:
         """Stop every worker and free what the pool holds; safe to call again.

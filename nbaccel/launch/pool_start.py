@@ -8,9 +8,8 @@
                        ├─ start_forked / start_spawned ──► worker × N running pool_worker.serve
                        └─ wait for every rank's "ready" (it joined the process group), or the first failure
 
-:meth:`PoolProcesses.shutdown` ends them: the sockets close (each worker leaves its loop and
-exits), and whoever is still there after ``grace`` seconds is killed. Nothing is left running,
-bound or on disk.
+:meth:`PoolProcesses.shutdown` ends them: each worker's process group (the worker and whatever it
+started) is killed. Nothing is left running, bound or on disk.
 """
 
 from __future__ import annotations
@@ -65,30 +64,36 @@ class PoolProcesses:
         self.closed = False
 
     def kill(self, members: list[PoolMember] | None = None) -> None:
-        """SIGKILL ``members`` (default: all) and reap them."""
-        for member in members if members is not None else self.members:
+        """SIGKILL ``members`` (default: all) with whatever they started, and reap them.
+
+        A connected worker leads its own process group (it left the caller's), so the signal goes
+        to the group: a child it started (a DataLoader worker, a subprocess) goes with it.
+        """
+        targets = members if members is not None else self.members
+        for member in targets:
+            if member.sock is not None and not member.handle.exited:
+                try:
+                    os.killpg(member.handle.pid, signal.SIGKILL)
+                    continue
+                except (ProcessLookupError, PermissionError):
+                    pass
             member.handle.send(signal.SIGKILL)
-        for member in members if members is not None else self.members:
+        for member in targets:
             while not member.handle.poll():
                 time.sleep(0.005)
 
-    def shutdown(self, grace: float = 3.0) -> None:
-        """End every worker (their sockets close; SIGKILL after ``grace``), free the port and the folder."""
+    def shutdown(self) -> None:
+        """End every worker and what it started, free the port and the folder; safe to call again.
+
+        Idle workers hold nothing that needs a clean exit (their results are sent, their output
+        flushed line by line), so they are killed at once rather than asked to leave.
+        """
         if self.closed:
             return
         self.closed = True
         try:
-            for member in self.members:
-                if member.sock is not None:
-                    try:
-                        member.sock.shutdown(socket.SHUT_RDWR)  # EOF now, even if a child still holds a copy
-                    except OSError:
-                        pass
-            deadline = time.monotonic() + grace
-            while any(not m.handle.poll() for m in self.members) and time.monotonic() < deadline:
-                self.channels.pump(0.02)
-        finally:
             self.kill()
+        finally:
             self.channels.close()
             if self.store is not None:
                 self.store.close()
@@ -147,7 +152,7 @@ def start_pool(request: LaunchRequest, start_timeout: float = 300.0) -> PoolProc
         return processes
     except BaseException:
         if processes is not None:
-            processes.shutdown(grace=0)
+            processes.shutdown()
         else:
             if store is not None:
                 store.close()

@@ -11,8 +11,10 @@ group, the ``Accelerator``'s shared state, imported modules, and :func:`worker_n
 Signals: the worker leaves the caller's process group, so a terminal's or Jupyter's interrupt
 reaches only the pool's owner, which forwards it. ``SIGINT`` raises ``KeyboardInterrupt`` only
 while a task's own code runs; elsewhere (reporting, waiting) it is ignored, so a cancelled task
-never leaves half a message on the socket. The worker exits when its socket closes (the pool
-closed, or its owner died), and dies with its owner anyway (``PR_SET_PDEATHSIG``).
+never leaves half a message on the socket. Leaving the caller's group also makes the worker the
+leader of its own, so the pool ends the worker and whatever it started with one ``killpg``. The
+worker exits when its socket reaches EOF (its owner is gone), and dies with its owner anyway
+(``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations

@@ -44,6 +44,18 @@ def test_close_leaves_no_process_port_or_folder_behind():
     assert not listening(sockets & socket_inodes(os.getpid()))
 
 
+def _start_a_child() -> int:
+    return subprocess.Popen(["sleep", "120"]).pid
+
+
+def test_what_a_worker_started_ends_with_the_pool():
+    pool = WorkerPool(num_processes=2, use_cpu=True)
+    grandchildren = list(pool.run(_start_a_child, return_all=True).values())
+    assert all(alive(p) for p in grandchildren)
+    pool.close()
+    assert wait_for(lambda: not any(alive(p) for p in grandchildren), 5)
+
+
 def _owner(tmp_path: Path, method: str, then: str) -> tuple[subprocess.Popen, list[int]]:
     script = tmp_path / "owner.py"
     script.write_text(textwrap.dedent(OWNER.format(method=method, then=then)))
