@@ -27,8 +27,11 @@ _EXPORTS: dict[str, str] = {
     "save_config": "nbaccel.config",
     # launching
     "WorkerFailure": "nbaccel.launch.failures",
+    "WorkerPool": "nbaccel.launch.pool",
+    "WorkerPoolError": "nbaccel.errors",
     "debug_launcher": "nbaccel.launch.launcher",
     "notebook_launcher": "nbaccel.launch.launcher",
+    "worker_namespace": "nbaccel.launch.pool_worker",
     # process state
     "AcceleratorState": "nbaccel.partial_state",
     "DistributedType": "nbaccel.distributed_type",

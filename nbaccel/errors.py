@@ -13,8 +13,10 @@
     │   │                                  family of every failed launch; a worker's own exception
     │   │                                  type is joined in when it re-raises here)
     │   │   └── ProcessExitedError         ... without reporting an exception (os._exit, signal)
-    │   └── LaunchTimeoutError (also TimeoutError)
-    │                                      the launch ran past ``timeout`` or hung
+    │   ├── LaunchTimeoutError (also TimeoutError)
+    │   │                                  the launch ran past ``timeout`` or hung
+    │   └── WorkerPoolError                a warm pool cannot run: it is closed, or dead
+    │                                      (a worker died); ``restart()`` it
     ├── MissingDependencyError (also ImportError)
     │                                      an optional package a setting needs is not installed
     └── DistributedOperationError (also RuntimeError)
@@ -52,6 +54,7 @@ __all__ = [
     "ProcessExitedError",
     "UnsafeCheckpointError",
     "WorkerFailedError",
+    "WorkerPoolError",
 ]
 
 
@@ -159,6 +162,20 @@ class LaunchTimeoutError(LaunchError, TimeoutError):
     def __init__(self, msg: str, *, stacks: dict[int, str], reason: str) -> None:
         super().__init__(msg)
         self.stacks = stacks
+        self.reason = reason
+
+
+class WorkerPoolError(LaunchError):
+    """A :class:`~nbaccel.WorkerPool` cannot run tasks: it was closed, or it is dead.
+
+    Attributes:
+        state: ``"closed"`` (``close()`` was called) or ``"dead"`` (a worker died or had to be killed).
+        reason: why, in one line (the dead worker's rank and exit, say).
+    """
+
+    def __init__(self, msg: str, *, state: str, reason: str) -> None:
+        super().__init__(msg)
+        self.state = state
         self.reason = reason
 
 

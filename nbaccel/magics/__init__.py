@@ -1,4 +1,5 @@
-"""IPython magics: ``%load_ext nbaccel`` registers ``%%accel_launch``, ``%accel_config``, ``%accel_env``.
+"""IPython magics: ``%load_ext nbaccel`` registers ``%%accel_launch``, ``%accel_workers``, ``%accel_config``,
+``%accel_env``.
 
 Loading imports only IPython and nbaccel's config (no torch, no ipywidgets, no device). Once a
 cell has imported torch, what DDP needs is imported in a background thread while the user types
@@ -11,7 +12,7 @@ from typing import Any
 
 __all__ = ["load_ipython_extension", "unload_ipython_extension"]
 
-_NAMES = {"cell": ("accel_launch",), "line": ("accel_config", "accel_env")}
+_NAMES = {"cell": ("accel_launch",), "line": ("accel_config", "accel_env", "accel_workers")}
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -169,11 +169,15 @@ class CellProgram:
         self._code, _ = _compile(self.source, self.filename, self.first_line)
 
     # ------------------------------------------------------------------ worker
+    def shipped_values(self) -> dict[str, Any]:
+        """In a worker that received this program by pickling: the notebook names that came with it."""
+        return cloudpickle.loads(self._shipped) if self._shipped else {}
+
     def namespace(self) -> dict[str, Any]:
         """Where the cell runs: the notebook's namespace (fork), or the names shipped with it (spawn)."""
         if self._user_ns is not None:
             return self._user_ns
-        shipped = cloudpickle.loads(self._shipped) if self._shipped else {}
+        shipped = self.shipped_values()
         ns = _shared_globals(shipped)
         ns.update(shipped)
         return ns

@@ -1,17 +1,19 @@
-"""The ``%%accel_launch``, ``%accel_config`` and ``%accel_env`` magics, in one ``Magics`` class.
+"""The ``%%accel_launch``, ``%accel_workers``, ``%accel_config`` and ``%accel_env`` magics: one ``Magics`` class.
 
 ``%%accel_launch`` runs its cell on N workers through :func:`nbaccel.notebook_launcher`: the
 settings are layered config file < session defaults (``%accel_config``'s "Use for this session")
 < the cell's flags; a bad flag is a ``UsageError`` and nothing starts; the last expression of
 rank 0 is the cell's value and ``-o`` names come back into the notebook; a worker's failure is
-shown as that rank's traceback through the cell's own lines.
+shown as that rank's traceback through the cell's own lines. ``%%accel_launch --persist`` runs the
+cell on the warm workers ``%accel_workers start`` started (:mod:`nbaccel.magics.workers`), in a
+namespace per rank that lasts between cells (:mod:`nbaccel.magics.persist`).
 """
 
 from __future__ import annotations
 
 import argparse
 import linecache
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, get_args
 
 from IPython.core.displayhook import DisplayHook
@@ -27,6 +29,7 @@ from nbaccel.launch.request import LaunchRequest
 from nbaccel.magics.cell import CellProgram, CellResult, run_cell_program
 from nbaccel.magics.render import attach_renderer, render_interrupt
 from nbaccel.magics.session import SessionDefaults
+from nbaccel.magics.workers import NotebookPool, plain_interrupt
 
 __all__ = ["AccelMagics"]
 
@@ -78,6 +81,7 @@ class AccelMagics(Magics):
     def __init__(self, shell: Any = None) -> None:
         super().__init__(shell)
         self.session = SessionDefaults()
+        self.workers = NotebookPool()
 
     # ------------------------------------------------------------------ %%accel_launch
     @magic_arguments()
@@ -105,6 +109,8 @@ class AccelMagics(Magics):
               help="set each -o name to a {rank: value} dict from every rank")
     @argument("--status", choices=_STATUS_MODES, default="auto",
               help="live status panel: a widget, plain text at the end, or none (default: auto)")
+    @argument("--persist", action="store_true",
+              help="run on the warm workers of %%accel_workers start, in a namespace per rank that lasts between cells")
     @cell_magic
     def accel_launch(self, line: str, cell: str) -> Any:
         """Run this cell on several worker processes, like ``notebook_launcher`` would run a function.
@@ -123,6 +129,8 @@ class AccelMagics(Magics):
         """
         args = parse_argstring(self.accel_launch, line)
         out_names = _out_names(args.out)
+        if args.persist:
+            return self._persisted(line, cell, args, out_names)
         config = self._config(args)
         program = self._program(line, cell, out_names, args.all_ranks)
         request = self._request(program, config, args)  # also fails early on what this machine cannot run
@@ -130,9 +138,27 @@ class AccelMagics(Magics):
         results = self._launch(request)
         return self._finish(results, out_names, args.all_ranks, cell)
 
+    def _persisted(self, line: str, cell: str, args: argparse.Namespace, out_names: Sequence[str]) -> Any:
+        from nbaccel.magics.persist import PersistentCellProgram
+        from nbaccel.magics.workers import launch_flags_given, persisted_launch
+
+        pool = self.workers.required("%%accel_launch --persist")
+        given = launch_flags_given(args)
+        if given:
+            raise UsageError(f"%%accel_launch --persist runs on the workers started already, so --{given[0]} has no "
+                             f"effect here. Fix: drop --{given[0]}, or pass it to %accel_workers start (or restart).")
+        program = self._program(line, cell, out_names, args.all_ranks, kind=PersistentCellProgram)
+        try:
+            request = pool.request(run_cell_program, (program,), output_ranks=args.ranks, return_all=args.all_ranks)
+        except ConfigError as exc:
+            raise _usage(exc) from None
+        request = request.with_observer(self._observer(args.status, request))
+        results = self._launch(request, persisted_launch(pool))
+        return self._finish(results, out_names, args.all_ranks, cell)
+
     def _config(self, args: argparse.Namespace) -> LaunchConfig:
         endpoint_host, endpoint_port = None, None
-        if args.rdzv_endpoint:
+        if getattr(args, "rdzv_endpoint", ""):
             host, _, port = args.rdzv_endpoint.rpartition(":")
             if not host or not port.isdigit():
                 raise UsageError(f"%%accel_launch: --rdzv_endpoint must be host:port (got {args.rdzv_endpoint!r}). "
@@ -144,7 +170,8 @@ class AccelMagics(Magics):
                 num_processes=args.num_processes, mixed_precision=args.mixed_precision, use_cpu=args.cpu,
                 start_method=args.start_method, timeout=args.timeout,
                 main_process_port=args.port if args.port is not None else endpoint_port,
-                num_machines=args.num_nodes, machine_rank=args.node_rank, main_process_ip=endpoint_host)
+                num_machines=getattr(args, "num_nodes", None), machine_rank=getattr(args, "node_rank", None),
+                main_process_ip=endpoint_host)
         except ConfigError as exc:
             raise _usage(exc) from None
 
@@ -163,7 +190,8 @@ class AccelMagics(Magics):
         except (ConfigError, EnvironmentStateError) as exc:
             raise _usage(exc) from None
 
-    def _program(self, line: str, cell: str, out_names: Sequence[str], all_ranks: bool) -> CellProgram:
+    def _program(self, line: str, cell: str, out_names: Sequence[str], all_ranks: bool,
+                 kind: type[CellProgram] = CellProgram) -> CellProgram:
         shell = self.shell
         first = f"%%accel_launch {line}".rstrip()
         cell_lines = [first + "\n"] + [text + "\n" for text in cell.splitlines()]
@@ -173,7 +201,7 @@ class AccelMagics(Magics):
         mapped = getattr(shell.compile, "_filename_map", {})
         sources = {name: linecache.cache[name] for name in mapped if name in linecache.cache and name != filename}
         try:
-            return CellProgram(shell.transform_cell(cell), filename=filename, first_line=2, cell_lines=cell_lines,
+            return kind(shell.transform_cell(cell), filename=filename, first_line=2, cell_lines=cell_lines,
                                user_ns=shell.user_ns, hidden=shell.user_ns_hidden, out_names=out_names,
                                all_ranks=all_ranks, sources=sources)
         except SyntaxError:
@@ -197,12 +225,15 @@ class AccelMagics(Magics):
         return status_observer(n, prefer="widget" if mode != "text" else "text",
                                title=f"%%accel_launch: {n} process{'es' if n != 1 else ''}")
 
-    def _launch(self, request: LaunchRequest) -> Any:
-        from nbaccel.launch.registry import launch
+    def _launch(self, request: LaunchRequest, launch: Callable[[LaunchRequest], Any] | None = None) -> Any:
+        if launch is None:
+            from nbaccel.launch.registry import launch
 
         try:
             return launch(request)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
+            if request.launcher == "pool":  # the pool's own words: whether it is still up
+                raise plain_interrupt(str(exc)) from None
             raise render_interrupt(request.observer) from None
         except PayloadPicklingError as exc:
             cause = exc.__cause__ if isinstance(exc.__cause__, PayloadPicklingError) else exc
@@ -227,6 +258,51 @@ class AccelMagics(Magics):
         if root is None or DisplayHook.semicolon_at_end_of_expression(cell):
             return None
         return root.value
+
+    # ------------------------------------------------------------------ %accel_workers
+    @magic_arguments()
+    @argument("action", nargs="?", default="status", choices=("start", "status", "restart", "stop"),
+              help="start the warm workers, show them (the default), restart them, or stop them")
+    @argument("-n", "--num_processes", type=int, default=None, help="workers (start only; as for %%accel_launch)")
+    @argument("--mixed_precision", choices=get_args(MixedPrecision), default=None, help="(start only)")
+    @argument("--cpu", action=argparse.BooleanOptionalAction, default=None, help="CPU workers (start only)")
+    @argument("--config_file", default=None, help="config file to read instead of the default one (start only)")
+    @argument("--start_method", choices=get_args(StartMethod), default=None, help="(start only)")
+    @argument("--port", type=int, default=None, help="rendezvous port (start only; default: a free one)")
+    @argument("--timeout", type=_positive_float, default=None,
+              help="cancel a cell after this many seconds (start only)")
+    @argument("--grace", type=_positive_float, default=3.0,
+              help="seconds a cancelled rank has to stop before the pool is killed (start only)")
+    @line_magic
+    def accel_workers(self, line: str) -> None:
+        """Warm workers that live across cells: ``start``, show (``status``), ``restart``, ``stop``.
+
+        Cells starting ``%%accel_launch --persist`` run on them, in a namespace per rank that lasts.
+
+        Example::
+
+            %accel_workers start -n 2 --cpu
+            %accel_workers
+            %accel_workers stop
+        """
+        args = parse_argstring(self.accel_workers, line)
+        flags = [n for n, default in (("num_processes", None), ("mixed_precision", None), ("cpu", None),
+                                      ("config_file", None), ("start_method", None), ("port", None),
+                                      ("timeout", None), ("grace", 3.0)) if getattr(args, n) != default]
+        if flags and args.action != "start":
+            raise UsageError(f"%accel_workers {args.action} takes no launch flags (got --{flags[0]}); they apply "
+                             f"when the workers start. Fix: %accel_workers start --{flags[0]} ...")
+        if args.action == "start":
+            pool = self.workers.start(self._config(args), args.grace)
+            print(f"nbaccel: {pool.num_processes} warm workers started ({pool.start_method}); run cells on them with "
+                  "%%accel_launch --persist")
+        elif args.action == "restart":
+            self.workers.required("%accel_workers restart").restart()
+            print("nbaccel: warm workers restarted; their namespaces start empty")
+        elif args.action == "stop":
+            print("nbaccel: warm workers stopped" if self.workers.stop() else "nbaccel: no warm workers were running")
+        else:
+            print(self.workers.status())
 
     # ------------------------------------------------------------------ %accel_config
     @magic_arguments()

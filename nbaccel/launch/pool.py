@@ -1,0 +1,299 @@
+"""`WorkerPool`: N warm workers that stay up between runs, with their process group and their state.
+
+A launch (:func:`~nbaccel.notebook_launcher`, ``%%accel_launch``) starts workers, runs one function
+and ends them; everything they built dies with them. A pool starts its workers once (fork when
+safe, else spawn, as a launch would), each joins the process group once, and then every
+:meth:`WorkerPool.run` is a message to live workers: what a run leaves behind (a loaded model, an
+``Accelerator``, anything in :func:`~nbaccel.launch.pool_worker.worker_namespace`) is there for
+the next one. Accelerate has no counterpart; ipyparallel keeps engines alive but knows nothing of
+ranks or process groups.
+
+::
+
+    WorkerPool(...) ─► build_request (the options of notebook_launcher) ─► start_pool
+       run(fn) ─► run_task ─► "task" frame to every rank ─► run_body in each ─► replies
+       close() / restart() / interpreter exit ─► PoolProcesses.shutdown
+
+What always holds: after a run returns or raises, the pool is either alive with every rank
+waiting, or dead with every worker gone; a dead or closed pool refuses to run
+(:class:`~nbaccel.errors.WorkerPoolError`) until :meth:`WorkerPool.restart`. Nothing outlives the
+pool's owner: ``close()``, garbage collection and interpreter exit shut it down, and each worker
+dies with the thread that started it (``PR_SET_PDEATHSIG``) or when its socket closes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nbaccel.config import LaunchConfig, StartMethod
+from nbaccel.environment import MixedPrecision
+from nbaccel.errors import ConfigError, WorkerPoolError
+from nbaccel.launch.events import LaunchObserver
+from nbaccel.launch.output import OutputRelay
+from nbaccel.launch.payload import dumps_payload
+from nbaccel.launch.pool_run import TaskOutcome, run_task
+from nbaccel.launch.pool_start import PoolProcesses, start_pool
+from nbaccel.launch.preflight import say
+from nbaccel.launch.request import LaunchRequest, build_request
+
+__all__ = ["WorkerInfo", "WorkerPool"]
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """One pool worker, as :meth:`WorkerPool.workers` reports it.
+
+    Attributes:
+        rank: global rank.
+        pid: process id.
+        alive: whether the process is running.
+        device: the device it uses (``"cpu"``, ``"cuda:1"``).
+        memory_bytes: its resident memory (``None`` where ``/proc`` is not available).
+    """
+
+    rank: int
+    pid: int
+    alive: bool
+    device: str
+    memory_bytes: int | None
+
+
+def _resident_bytes(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _pool_placeholder() -> None:
+    """The function of the request a pool is planned from (each run sends its own)."""
+
+
+class WorkerPool:
+    """Warm workers that live across runs (and notebook cells): load a model once, use it many times.
+
+    Takes :func:`~nbaccel.notebook_launcher`'s options and starts the workers at once. Each joins
+    the process group when it starts, so ``Accelerator()`` in any run finds it, and a model
+    prepared in one run is still prepared in the next. Where nbaccel differs from a launch: the
+    workers leave the caller's process group, so an interrupt reaches them only through the pool,
+    which cancels the running task (``KeyboardInterrupt`` in every rank) and keeps the workers.
+
+    Args:
+        num_processes: workers; ``None`` as in ``notebook_launcher`` (the GPUs, or up to 4 CPUs).
+        mixed_precision: ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"``; ``None`` takes the config's.
+        use_port: the rendezvous port; ``None`` picks a free one.
+        start_method: ``"fork"``, ``"spawn"`` or ``None`` (fork when safe).
+        use_cpu: run on CPU processes even where GPUs exist.
+        output_ranks: show only these ranks' output.
+        timeout: cancel a run after this many seconds (raises ``LaunchTimeoutError``; the pool stays).
+        grace: seconds a cancelled rank has to stop before it is killed (and the pool with it).
+        start_timeout: seconds the workers have to start and join the process group.
+        config: a :class:`LaunchConfig` supplying every value not given here.
+
+    Raises:
+        ConfigError: an option is invalid, or asks for several machines or XLA devices.
+        WorkerFailedError: a worker failed while starting (nothing is left running).
+        LaunchError: the workers did not start within ``start_timeout`` (nothing is left running).
+
+    Example:
+        >>> with WorkerPool(num_processes=2, use_cpu=True) as pool:    # doctest: +SKIP
+        ...     pool.run(load_model)                                   # minutes, once
+        ...     pool.run(generate, "Hello")                            # seconds, many times
+    """
+
+    name = "pool"
+
+    def __init__(self, num_processes: int | None = None, mixed_precision: MixedPrecision | None = None,
+                 use_port: int | str | None = None, *, start_method: StartMethod | None = None,
+                 use_cpu: bool | None = None, output_ranks: Iterable[int] | int | None = None,
+                 timeout: float | None = None, grace: float = 3.0, start_timeout: float = 300.0,
+                 config: LaunchConfig | None = None) -> None:
+        for key, value, example in (("grace", grace, 3.0), ("start_timeout", start_timeout, 300.0)):
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ConfigError(f"{key} must be a positive number of seconds (got {value!r}). Fix: {key}={example}",
+                                  key=key, value=value, valid="> 0")
+        self._request = build_request(
+            _pool_placeholder, config=config, output_ranks=output_ranks, use_port=use_port, launcher="pool",
+            num_processes=num_processes, mixed_precision=mixed_precision, use_cpu=use_cpu,
+            start_method=start_method, timeout=timeout)
+        _refuse_unsupported(self._request)
+        self.grace = grace
+        self.start_timeout = start_timeout
+        self._processes: PoolProcesses | None = None
+        self._finalizer: weakref.finalize | None = None
+        self._dead = ""
+        self._closed = False
+        self._start()
+
+    # ------------------------------------------------------------------ lifecycle
+    def _start(self) -> None:
+        say(self._request.plan.note)
+        processes = start_pool(self._request, self.start_timeout)
+        self._processes, self._dead, self._closed = processes, "", False
+        self._finalizer = weakref.finalize(self, processes.shutdown)  # also at interpreter exit
+
+    def close(self) -> None:
+        """Stop every worker and free what the pool holds; safe to call again.
+
+        Example:
+            >>> pool.close(); pool.close(); pool.alive                  # doctest: +SKIP
+            False
+        """
+        self._closed = True
+        if self._finalizer is not None:
+            self._finalizer()  # runs processes.shutdown once
+        self._processes = None
+
+    def restart(self) -> None:
+        """Stop the workers (alive or dead) and start fresh ones with the same options.
+
+        Their state is gone: the next runs start from an empty namespace and a new process group.
+        """
+        self.close()
+        self._start()
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ state
+    @property
+    def num_processes(self) -> int:
+        """The number of workers (ranks)."""
+        return self._request.num_processes
+
+    @property
+    def start_method(self) -> str:
+        """How the workers were started: ``"fork"`` or ``"spawn"``."""
+        return self._request.plan.start_method
+
+    @property
+    def alive(self) -> bool:
+        """Whether the pool can run tasks: started, not closed, and no worker died."""
+        if self._processes is None or self._closed or self._dead:
+            return False
+        return not any(m.handle.poll() for m in self._processes.members)
+
+    def workers(self) -> list[WorkerInfo]:
+        """Each worker's rank, pid, liveness, device and resident memory (empty once closed)."""
+        if self._processes is None:
+            return []
+        return [WorkerInfo(rank=m.rank, pid=m.handle.pid, alive=not m.handle.poll(), device=m.device,
+                           memory_bytes=None if m.handle.exited else _resident_bytes(m.handle.pid))
+                for m in self._processes.members]
+
+    @property
+    def pids(self) -> list[int]:
+        """The workers' process ids, by rank."""
+        return [w.pid for w in self.workers()]
+
+    def _usable(self) -> PoolProcesses:
+        if self._closed or self._processes is None:
+            raise WorkerPoolError("this WorkerPool was closed, so it runs nothing. Fix: pool.restart() to start "
+                                  "fresh workers, or create a new WorkerPool.", state="closed", reason="close()")
+        if not self._dead:
+            died = [m for m in self._processes.members if m.handle.poll()]
+            if died:
+                self._dead = "; ".join(f"rank {m.rank} (pid {m.handle.pid}) exited while idle" for m in died)
+        if self._dead:
+            raise WorkerPoolError(f"this WorkerPool is dead: {self._dead}. Its process group is gone with it. Fix: "
+                                  "pool.restart() (or %accel_workers restart), then load your state again.",
+                                  state="dead", reason=self._dead)
+        return self._processes
+
+    # ------------------------------------------------------------------ running
+    def run(self, function: Callable[..., Any], *args: Any, return_all: bool = False, **kwargs: Any) -> Any:
+        """Run ``function(*args, **kwargs)`` on every worker; rank 0's value (``{rank: value}`` with ``return_all``).
+
+        Output is shown live, labelled ``[rankN]:``; a failure raises the root-cause rank's exception
+        (the :class:`~nbaccel.errors.WorkerFailedError` family) and keeps the pool; an interrupt
+        cancels the run in every rank and keeps the pool.
+
+        Raises:
+            WorkerPoolError: the pool is closed or dead (restart it).
+            PayloadPicklingError: the function or an argument cannot be sent to the workers.
+            WorkerFailedError: a rank raised, or a worker died (then the pool is dead).
+            LaunchTimeoutError: the run passed the pool's ``timeout`` (it was cancelled).
+            KeyboardInterrupt: the caller was interrupted (the run was cancelled).
+
+        Example:
+            >>> pool.run(lambda: __import__("os").getpid(), return_all=True)   # doctest: +SKIP
+            {0: 4711, 1: 4712}
+        """
+        results = self._dispatch(function, args, kwargs, self._request.output_ranks, None)
+        if return_all:
+            return results
+        return results.get(0)
+
+    def launch(self, request: LaunchRequest) -> dict[int, Any]:
+        """The :class:`~nbaccel.launch.base.Launcher` protocol: run ``request``'s function on this pool.
+
+        Only the function, its arguments, ``output_ranks`` and ``observer`` are taken from the
+        request; where and how the workers run was settled when the pool started.
+        """
+        ranks = request.output_ranks if request.output_ranks is not None else self._request.output_ranks
+        return self._dispatch(request.function, request.args, request.kwargs, ranks, request.observer)
+
+    def request(self, function: Callable[..., Any], args: Iterable[Any] = (), kwargs: Mapping[str, Any] | None = None,
+                *, output_ranks: Iterable[int] | int | None = None, return_all: bool = False,
+                observer: LaunchObserver | None = None) -> LaunchRequest:
+        """A :class:`LaunchRequest` for :meth:`launch`: this pool's settings, with ``function`` to run.
+
+        Raises:
+            ConfigError: ``output_ranks`` names a rank the pool does not have.
+        """
+        ranks = None if output_ranks is None else frozenset([output_ranks] if isinstance(output_ranks, int)
+                                                             else output_ranks)
+        bad = sorted(r for r in ranks or () if r not in range(self.num_processes))
+        if bad:
+            raise ConfigError(f"output_ranks names rank {bad[0]!r}, but this pool's ranks run from 0 to "
+                              f"{self.num_processes - 1}. Fix: pass ranks in that range, or None for all.",
+                              key="output_ranks", value=sorted(ranks or ()), valid=list(range(self.num_processes)))
+        return dataclasses.replace(self._request, function=function, args=tuple(args), kwargs=dict(kwargs or {}),
+                                   output_ranks=ranks if ranks is not None else self._request.output_ranks,
+                                   return_all=return_all, observer=observer)
+
+    def _dispatch(self, function: Callable[..., Any], args: Any, kwargs: Mapping[str, Any],
+                  output_ranks: Any, observer: Any) -> dict[int, Any]:
+        processes = self._usable()
+        payload = dumps_payload(function, args, kwargs)
+        processes.channels.relay = OutputRelay(show=output_ranks,
+                                               on_line=observer.on_output if observer is not None else None)
+        outcome = TaskOutcome()
+        try:
+            return run_task(processes.channels, processes.members, payload, observer=observer, grace=self.grace,
+                            timeout=self._request.config.timeout, outcome=outcome)
+        except Exception as exc:
+            if outcome.dead:
+                exc.add_note(f"[nbaccel] the WorkerPool is dead ({outcome.dead}); every worker was stopped. "
+                             "Fix: pool.restart() (or %accel_workers restart).")
+            raise
+        finally:
+            if outcome.dead:
+                self._dead = outcome.dead
+                processes.kill()
+
+    def __repr__(self) -> str:
+        state = "alive" if self.alive else "closed" if self._closed else "dead"
+        return f"WorkerPool(num_processes={self.num_processes}, start_method={self.start_method!r}, {state})"
+
+
+def _refuse_unsupported(request: LaunchRequest) -> None:
+    if request.config.num_machines > 1:
+        raise ConfigError(f"a WorkerPool runs on one machine (got num_machines={request.config.num_machines}). Fix: "
+                          "leave num_machines at 1, or use notebook_launcher for multi-machine launches.",
+                          key="num_machines", value=request.config.num_machines, valid=1)
+    if request.plan.device_kind == "xla":
+        raise ConfigError("a WorkerPool cannot keep XLA workers: torch_xla starts and ends its replicas itself. Fix: "
+                          "use notebook_launcher (or %%accel_launch without --persist) on TPUs, or pass use_cpu=True.",
+                          key="distributed_type", value="XLA", valid=("MULTI_CPU", "MULTI_GPU", "NO"))

@@ -1,0 +1,237 @@
+"""Starting a warm pool's workers and tearing them down: the pool's processes, sockets and store.
+
+::
+
+    LaunchRequest ─► start_pool
+                       ├─ private Unix socket (a 0700 folder), one connection per rank
+                       ├─ loopback rendezvous store (several workers), kept for the pool's life
+                       ├─ start_forked / start_spawned ──► worker × N running pool_worker.serve
+                       └─ wait for every rank's "ready" (it joined the process group), or the first failure
+
+:meth:`PoolProcesses.shutdown` ends them: each worker's process group (the worker and whatever it
+started) is killed. Nothing is left running, bound or on disk.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+from nbaccel.environment import DistributedEnv, worker_environment
+from nbaccel.errors import LaunchError
+from nbaccel.launch.failures import WorkerFailure, raise_failures
+from nbaccel.launch.frames import FrameReader
+from nbaccel.launch.handles import WorkerHandle
+from nbaccel.launch.pool_channels import PoolChannels, PoolMember
+from nbaccel.launch.pool_worker import serve
+from nbaccel.launch.rendezvous import LoopbackStore
+from nbaccel.launch.request import LaunchRequest
+from nbaccel.launch.starter import SpawnFiles, start_forked, start_spawned
+from nbaccel.launch.warmup import finish_warmup, start_warmup
+
+__all__ = ["PoolProcesses", "exit_failure", "start_pool"]
+
+
+def exit_failure(member: PoolMember, error: dict | None = None) -> WorkerFailure:
+    """The failure record of a member that exited (or reported ``error``)."""
+    handle, error = member.handle, error or {}
+    if error:
+        message = error.get("message", "")
+    elif handle.signal is not None:
+        message = ""
+    else:
+        message = "the worker process exited without reporting an exception (os._exit, a crash in native code, "
+        message += "or an OOM kill)"
+    return WorkerFailure(rank=member.rank, pid=handle.pid, time=error.get("time", time.time()),
+                         exitcode=handle.exitcode, signal=handle.signal, exc_type=error.get("exc_type", ""),
+                         message=message, traceback=error.get("traceback", ""), exception=error.get("exception"))
+
+
+class PoolProcesses:
+    """A started pool: its members, the channels to them, its store and its private folder."""
+
+    def __init__(self, members: list[PoolMember], channels: PoolChannels, store: LoopbackStore | None,
+                 folder: Path) -> None:
+        self.members = members
+        self.channels = channels
+        self.store = store
+        self.folder = folder
+        self.closed = False
+
+    def kill(self, members: list[PoolMember] | None = None) -> None:
+        """SIGKILL ``members`` (default: all) with whatever they started, and reap them.
+
+        A connected worker leads its own process group (it left the caller's), so the signal goes
+        to the group: a child it started (a DataLoader worker, a subprocess) goes with it.
+        """
+        targets = members if members is not None else self.members
+        for member in targets:
+            if member.sock is not None and not member.handle.exited:
+                try:
+                    os.killpg(member.handle.pid, signal.SIGKILL)
+                    continue
+                except (ProcessLookupError, PermissionError):
+                    pass
+            member.handle.send(signal.SIGKILL)
+        for member in targets:
+            while not member.handle.poll():
+                time.sleep(0.005)
+
+    def shutdown(self) -> None:
+        """End every worker and what it started, free the port and the folder; safe to call again.
+
+        Idle workers hold nothing that needs a clean exit (their results are sent, their output
+        flushed line by line), so they are killed at once rather than asked to leave.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.kill()
+        finally:
+            self.channels.close()
+            if self.store is not None:
+                self.store.close()
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _environments(request: LaunchRequest, store: LoopbackStore | None) -> list[dict[str, str]]:
+    plan, n = request.plan, request.num_processes
+    envs = []
+    for rank in range(n):
+        dist = DistributedEnv(rank=rank, local_rank=rank, world_size=n, local_world_size=n, node_rank=0,
+                              master_addr="127.0.0.1", master_port=store.port if store else 0) if n > 1 else None
+        envs.append(worker_environment(plan.settings, dist, agent_store=store is not None, loopback_only=True,
+                                       threads=plan.threads, visible_gpus=plan.visible_gpus))
+    return envs
+
+
+def _start_processes(request: LaunchRequest, path: Path, listener: socket.socket,
+                     store: LoopbackStore | None, files: SpawnFiles | None) -> list[WorkerHandle]:
+    envs = _environments(request, store)
+    if files is not None:
+        return start_spawned(serve, (str(path),), {}, envs, files)
+    if request.warm_imports is not False:
+        start_warmup()  # warm workers build models: pay torch._dynamo's import once, here, not in each
+    finish_warmup()
+    inherited = [listener.fileno()] + ([store.listen_fd] if store is not None else [])
+    return start_forked(serve, (str(path),), {}, envs, inherited_fds=inherited)
+
+
+def start_pool(request: LaunchRequest, start_timeout: float = 300.0) -> PoolProcesses:
+    """Start ``request.num_processes`` pool workers and wait until each has joined the process group.
+
+    Raises:
+        WorkerFailedError: a worker failed while starting (every worker was stopped).
+        LaunchError: the workers did not all start within ``start_timeout`` seconds.
+        KeyboardInterrupt: the caller was interrupted (every worker was stopped).
+    """
+    n = request.num_processes
+    folder = Path(tempfile.mkdtemp(prefix="nbaccel-pool-"))  # mode 0700: only this user reaches the socket
+    path = folder / "pool.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(n)
+    store = LoopbackStore(port=request.config.main_process_port or 0) if n > 1 else None
+    processes: PoolProcesses | None = None
+    files = SpawnFiles() if request.plan.start_method == "spawn" else None
+    try:
+        handles = _start_processes(request, path, listener, store, files)
+        members = [PoolMember(rank=h.rank, handle=h) for h in handles]
+        processes = PoolProcesses(members, PoolChannels(members), store, folder)
+        if store is not None:
+            store.serve()  # only now: no store thread runs while the workers are forked
+        deadline = time.monotonic() + start_timeout
+        _accept(processes, listener, deadline, start_timeout)
+        _wait_ready(processes, deadline, start_timeout)
+        return processes
+    except BaseException:
+        if processes is not None:
+            processes.shutdown()
+        else:
+            if store is not None:
+                store.close()
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+    finally:
+        listener.close()
+        if files is not None:
+            files.remove()  # every worker read its spec and payload before it said hello (or it is gone)
+
+
+def _start_failure(processes: PoolProcesses, failures: list[WorkerFailure]) -> None:
+    processes.kill()
+    raise_failures(failures, len(processes.members))
+
+
+def _check_deadline(processes: PoolProcesses, deadline: float, start_timeout: float) -> None:
+    if time.monotonic() > deadline:
+        late = [m.rank for m in processes.members if not m.ready]
+        raise LaunchError(f"pool workers {late} did not start (connect and join the process group) within "
+                          f"start_timeout={start_timeout:g}s; every worker was stopped. Fix: look at their output "
+                          "above, or pass a larger start_timeout= when many workers share few cores.")
+
+
+def _accept(processes: PoolProcesses, listener: socket.socket, deadline: float, start_timeout: float) -> None:
+    """Take one connection per rank; each starts with a ``hello`` frame naming the rank."""
+    listener.settimeout(0.05)
+    by_rank = {m.rank: m for m in processes.members}
+    waiting = set(by_rank)
+    while waiting:
+        _check_deadline(processes, deadline, start_timeout)
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            _check_starting(processes, 0)
+            continue
+        conn.settimeout(30)
+        reader, frames = FrameReader(), []
+        while not frames:
+            data = conn.recv(4096)
+            if not data:
+                break
+            frames = list(reader.feed(data))
+        conn.settimeout(None)
+        if not frames or frames[0][0] != "hello" or frames[0][1] not in waiting:
+            conn.close()
+            continue
+        member = by_rank[frames[0][1]]
+        member.frames = reader  # frames after the hello stay in its buffer
+        processes.channels.add_socket(member, conn)
+        waiting.discard(member.rank)
+        for kind, body in frames[1:]:
+            _on_start_event(processes, member, kind, body)
+
+
+def _check_starting(processes: PoolProcesses, wait: float) -> None:
+    failures = []
+    for member, kind, body in processes.channels.pump(wait):
+        failure = _on_start_event(processes, member, kind, body)
+        if failure is not None:
+            failures.append(failure)
+    if failures:
+        _start_failure(processes, failures)
+
+
+def _on_start_event(processes: PoolProcesses, member: PoolMember, kind: str, body: object) -> WorkerFailure | None:
+    if kind == "ready":
+        member.ready, member.device = True, body["device"]  # type: ignore[index]
+    elif kind == "ctl:error":
+        member.handle.error = body  # type: ignore[assignment]
+    elif kind == "exit":
+        for _, later, error in processes.channels.drain(member):
+            if later == "ctl:error":  # the report may still have been in the pipe
+                member.handle.error = error
+        return exit_failure(member, member.handle.error)
+    return None
+
+
+def _wait_ready(processes: PoolProcesses, deadline: float, start_timeout: float) -> None:
+    while not all(m.ready for m in processes.members):
+        _check_deadline(processes, deadline, start_timeout)
+        _check_starting(processes, 0.05)

@@ -1,0 +1,180 @@
+"""The worker side of a warm pool: join the process group once, then run task after task.
+
+A pool worker is an ordinary worker process (:func:`~nbaccel.launch.worker.run_worker`, forked or
+spawned by :mod:`nbaccel.launch.starter`) whose function is :func:`serve`: it connects to its
+pool's private Unix socket, joins the process group once (``ProcessState``), says ``ready``, and
+then waits. Each task (a cloudpickled ``(function, args, kwargs)``) runs through the same worker
+body as every launch (:func:`~nbaccel.launch.worker.run_body`: ``started``, then ``result`` or
+``error``), with the socket as its control channel. What a task leaves behind stays: the process
+group, the ``Accelerator``'s shared state, imported modules, and :func:`worker_namespace`.
+
+Signals: the worker leaves the caller's process group, so a terminal's or Jupyter's interrupt
+reaches only the pool's owner, which forwards it. ``SIGINT`` raises ``KeyboardInterrupt`` only
+while a task's own code runs; elsewhere (reporting, waiting) it is ignored, so a cancelled task
+never leaves half a message on the socket. Leaving the caller's group also makes the worker the
+leader of its own, so the pool ends the worker and whatever it started with one ``killpg``. The
+worker exits when its socket reaches EOF (its owner is gone), and dies with its owner anyway
+(``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import cloudpickle
+
+from nbaccel.identity import current_identity
+from nbaccel.launch.frames import FrameReader, write_frame
+from nbaccel.launch.worker import run_body
+
+__all__ = ["cpu_copies", "serve", "worker_namespace"]
+
+_namespace: dict[str, Any] = {"__name__": "__main__"}
+# A task is armed from when it is loaded until its worker body returns, and cancellable while its
+# function runs. An interrupt that lands while armed but not cancellable (the owner cancels a rank
+# as soon as it said "started", a moment before the function is entered) is kept for the function.
+_armed = False
+_cancellable = False
+_pending = False
+
+
+def worker_namespace() -> dict[str, Any]:
+    """This worker's namespace that persists between a pool's runs (``%%accel_launch --persist`` cells run in it).
+
+    In a process that is not a pool worker it is simply a dict private to this process.
+
+    Example:
+        >>> def load():
+        ...     worker_namespace()["model"] = "weights"   # in one run
+        >>> def use():
+        ...     return worker_namespace()["model"]        # in a later run, same worker
+        >>> load(); use()
+        'weights'
+    """
+    return _namespace
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    global _pending
+    if _cancellable:
+        raise KeyboardInterrupt("interrupted by the pool's owner")
+    if _armed:
+        _pending = True
+
+
+def cpu_copies(value: Any) -> Any:
+    """``value`` with every module on an accelerator replaced by a CPU copy; the worker's own stays where it is.
+
+    A launch's worker is about to exit, so its results move modules to CPU in place
+    (:func:`~nbaccel.launch.payload.to_cpu`); a pool's worker keeps using them (``-o model`` must
+    not pull every later cell's ``model`` off its GPU). Copies are made tensor by tensor, straight
+    to CPU, so the accelerator never holds two copies.
+
+    Example:
+        >>> import torch
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> cpu_copies({"m": layer})["m"] is layer      # already on CPU: sent as it is
+        True
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return value
+    if isinstance(value, torch.nn.Module):
+        tensors = [*value.parameters(), *value.buffers()]
+        if all(t.device.type == "cpu" for t in tensors):
+            return value
+        memo: dict[int, Any] = {}
+        for tensor in tensors:
+            copy_ = tensor.detach().cpu()
+            memo[id(tensor)] = (torch.nn.Parameter(copy_, requires_grad=tensor.requires_grad)
+                                if isinstance(tensor, torch.nn.Parameter) else copy_)
+        return copy.deepcopy(value, memo)
+    if isinstance(value, dict):
+        return {k: cpu_copies(v) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a NamedTuple (a cell's CellResult)
+        return type(value)(*(cpu_copies(v) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(cpu_copies(v) for v in value)
+    return value
+
+
+def _cancellable_call(function: Callable[..., Any]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        global _cancellable, _pending
+        _cancellable = True
+        try:
+            if _pending:
+                _pending = False
+                raise KeyboardInterrupt("interrupted by the pool's owner")
+            result = function(*args, **kwargs)
+        finally:
+            _cancellable = False
+        return cpu_copies(result)
+    return call
+
+
+def _next_message(sock: socket.socket, reader: FrameReader, pending: list[tuple[str, Any]]) -> tuple[str, Any] | None:
+    while not pending:
+        data = sock.recv(1 << 20)
+        if not data:
+            return None  # the pool closed its end, or its owner is gone
+        pending.extend(reader.feed(data))
+    return pending.pop(0)
+
+
+def _load_task(payload: bytes) -> tuple[Callable[..., Any], tuple, dict]:
+    """The task's ``(function, args, kwargs)``; a payload that does not load becomes a task that raises why."""
+    try:
+        return cloudpickle.loads(payload)
+    except BaseException as exc:  # noqa: BLE001 - reported like the function's own failure, the pool stays
+        def fail(_exc: BaseException = exc) -> None:
+            raise _exc
+        return fail, (), {}
+
+
+def _join_group() -> str:
+    """Join the process group now (once for the pool's life); returns this worker's device."""
+    from nbaccel.state import ProcessState
+
+    return str(ProcessState().device)
+
+
+def serve(socket_path: str) -> None:
+    """Be this worker's rank of the pool listening at ``socket_path`` until the pool closes.
+
+    Raises:
+        BaseException: joining the process group failed (reported as a start failure).
+    """
+    try:
+        os.setpgid(0, 0)  # interrupts reach the owner only; it decides which ranks to cancel
+    except OSError:
+        pass
+    signal.signal(signal.SIGINT, _on_sigint)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(socket_path)
+    fd = sock.fileno()
+    identity = current_identity()
+    write_frame(fd, "hello", identity.rank if identity is not None else 0)
+    device = _join_group()
+    write_frame(fd, "ready", {"pid": os.getpid(), "device": device})
+    reader, pending = FrameReader(), []
+    rank = identity.rank if identity is not None else 0
+    while True:
+        message = _next_message(sock, reader, pending)
+        if message is None or message[0] == "close":
+            sock.close()
+            return
+        global _armed, _pending
+        function, args, kwargs = _load_task(message[1])
+        signal.signal(signal.SIGINT, _on_sigint)  # an earlier task may have installed its own handler
+        _armed = True
+        try:
+            run_body(fd, rank, identity, _cancellable_call(function), args, kwargs)
+        finally:
+            _armed = _pending = False
