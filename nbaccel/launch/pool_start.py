@@ -132,6 +132,7 @@ def start_pool(request: LaunchRequest, start_timeout: float = 300.0) -> PoolProc
         KeyboardInterrupt: the caller was interrupted (every worker was stopped).
     """
     n = request.num_processes
+    deadline = time.monotonic() + start_timeout  # starting the processes counts too
     folder = Path(tempfile.mkdtemp(prefix="nbaccel-pool-"))  # mode 0700: only this user reaches the socket
     path = folder / "pool.sock"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -146,7 +147,6 @@ def start_pool(request: LaunchRequest, start_timeout: float = 300.0) -> PoolProc
         processes = PoolProcesses(members, PoolChannels(members), store, folder)
         if store is not None:
             store.serve()  # only now: no store thread runs while the workers are forked
-        deadline = time.monotonic() + start_timeout
         _accept(processes, listener, deadline, start_timeout)
         _wait_ready(processes, deadline, start_timeout)
         return processes
