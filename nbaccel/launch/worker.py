@@ -31,6 +31,7 @@ import cloudpickle
 from nbaccel.environment import apply_environment, read_distributed_env
 from nbaccel.errors import PayloadPicklingError
 from nbaccel.identity import WorkerIdentity, clear_identity, set_identity
+from nbaccel.launch.channel import close_channel, open_channel
 from nbaccel.launch.frames import write_frame
 from nbaccel.launch.payload import dumps_result
 
@@ -157,12 +158,15 @@ def run_body(ctl_fd: int, rank: int, identity: WorkerIdentity | None, function: 
     set_identity(identity, thread=per_thread)
     try:
         write_frame(ctl_fd, "started", {"pid": os.getpid(), "time": time.time()})
+        open_channel(ctl_fd, thread=per_thread)  # what the function sends while it runs ("log" frames)
         try:
             result = function(*args, **kwargs)
         except SystemExit as stop:
             if stop.code not in (None, 0):
                 raise
             result = None
+        finally:
+            close_channel(thread=per_thread)
         try:
             payload = dumps_result(result)
         except Exception as exc:  # noqa: BLE001
