@@ -20,6 +20,8 @@ from nbaccel.tracking.values import scalar_or_text
 
 __all__ = ["MLflowTracker"]
 
+_chosen_uri: str | None = None  # mlflow's tracking URI is process-wide: remember the one set here
+
 
 class MLflowTracker(GeneralTracker):
     """Logs to an MLflow run (main process only).
@@ -58,12 +60,14 @@ class MLflowTracker(GeneralTracker):
         self.active_run: Any = None
 
     def _store_uri(self, mlflow: Any) -> str | None:
+        global _chosen_uri
         if self.tracking_uri is not None:
             return self.tracking_uri
-        if mlflow.tracking.is_tracking_uri_set():
-            return None
+        if mlflow.tracking.is_tracking_uri_set() and mlflow.get_tracking_uri() != _chosen_uri:
+            return None  # the user's (or MLFLOW_TRACKING_URI's), not one this tracker chose for an earlier run
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow's own switch, for its file store
-        return (Path(self.logging_dir or ".") / "mlruns").resolve().as_uri()
+        _chosen_uri = (Path(self.logging_dir or ".") / "mlruns").resolve().as_uri()
+        return _chosen_uri
 
     @on_main_process
     def start(self) -> None:
