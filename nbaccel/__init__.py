@@ -29,6 +29,10 @@ _EXPORTS: dict[str, str] = {
     "WorkerFailure": "nbaccel.launch.failures",
     "debug_launcher": "nbaccel.launch.launcher",
     "notebook_launcher": "nbaccel.launch.launcher",
+    # experiment tracking
+    "GeneralTracker": "nbaccel.tracking.base",
+    "LoggerType": "nbaccel.tracking.base",
+    "last_run_history": "nbaccel.tracking.history",
     # process state
     "AcceleratorState": "nbaccel.partial_state",
     "DistributedType": "nbaccel.distributed_type",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 __all__ = ["LaunchObserver", "RankState"]
 
@@ -24,6 +24,9 @@ class LaunchObserver(Protocol):
 
     def on_output(self, rank: int, stream: Literal["stdout", "stderr"], line: str) -> None:
         """Rank ``rank`` printed ``line`` (without its newline)."""
+
+    def on_log(self, rank: int, record: dict[str, Any]) -> None:
+        """Rank ``rank`` logged ``record`` with ``accelerator.log`` (optional: called only when defined)."""
 
     def on_end(self, ok: bool) -> None:
         """Every worker is gone; ``ok`` is ``True`` when all of them finished."""

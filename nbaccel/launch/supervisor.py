@@ -30,6 +30,7 @@ from nbaccel.launch.failures import WorkerFailure, raise_failures
 from nbaccel.launch.handles import WorkerHandle, open_pidfd
 from nbaccel.launch.output import OutputRelay
 from nbaccel.launch.payload import loads
+from nbaccel.tracking.history import begin_run_history
 
 __all__ = ["Supervisor", "SupervisorPolicy"]
 
@@ -82,6 +83,7 @@ class Supervisor:
         self._selector = selectors.DefaultSelector()
         self._last_activity = time.monotonic()
         self._stopped: list[int] = []
+        self.history = begin_run_history()  # what workers pass to accelerator.log ("log" frames)
         for handle in self._handles:
             for fd, kind in ((handle.ctl_fd, "ctl"), (handle.out_fd, "stdout"), (handle.err_fd, "stderr")):
                 os.set_blocking(fd, False)
@@ -198,6 +200,11 @@ class Supervisor:
             handle.result_at = time.monotonic()
         elif kind == "error":
             handle.error = body
+        elif kind == "log":
+            record = self.history.add(handle.rank, body)
+            on_log = getattr(self.observer, "on_log", None)  # optional in the observer protocol
+            if record is not None and on_log is not None:
+                on_log(handle.rank, record)
 
     def _set_state(self, handle: WorkerHandle, state: RankState) -> None:
         handle.state = state

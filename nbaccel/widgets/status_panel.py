@@ -1,14 +1,18 @@
-"""The live status of a launch: one row per rank (state, elapsed time, last line), full output.
+"""The live status of a launch: one row per rank (state, elapsed time, last line), full output, live chart.
 
-:class:`LaunchStatus` keeps the per-rank record and renders it as plain text; it implements
-:class:`~nbaccel.launch.events.LaunchObserver`. :class:`StatusPanel` shows the same record as an
-ipywidgets panel redrawn a few times a second by a small ticker thread; the launch's own
-callbacks only record (microseconds), so following a launch never slows it down. :class:`TextStatus` prints the
-record once the launch ends, for terminals and logs. :func:`status_observer` picks one.
+:class:`LaunchStatus` keeps the per-rank record and what workers pass to ``accelerator.log``, and
+renders them as plain text; it implements :class:`~nbaccel.launch.events.LaunchObserver`.
+:class:`StatusPanel` shows the same record as an ipywidgets panel redrawn a few times a second by
+a small ticker thread, with the logged metrics as a live chart
+(:class:`~nbaccel.widgets.live_chart.LiveChart`, at most one redraw per 0.5 s); the launch's own
+callbacks only record (microseconds), so following a launch never slows it down. :class:`TextStatus`
+prints a compact table of the metrics every few seconds and the record once the launch ends, for
+terminals and logs. :func:`status_observer` picks one.
 """
 
 from __future__ import annotations
 
+import base64
 import html
 import sys
 import threading
@@ -20,7 +24,9 @@ from typing import Any, Literal
 
 from nbaccel.environment import in_colab, in_notebook
 from nbaccel.launch.events import RankState
+from nbaccel.tracking.history import metrics_table
 from nbaccel.widgets import import_widgets, set_titles, widget_bundle, widgets_available
+from nbaccel.widgets.live_chart import LiveChart
 
 __all__ = ["LaunchStatus", "RankRecord", "StatusPanel", "TextStatus", "status_observer"]
 
@@ -71,6 +77,7 @@ class LaunchStatus:
         self.ended: float | None = None
         self.ok: bool | None = None
         self.records: dict[int, RankRecord] = {r: RankRecord(r) for r in range(num_processes)}
+        self.metrics: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ observer
     def on_launch(self, ranks: Sequence[int], start_method: str) -> None:
@@ -98,6 +105,10 @@ class LaunchStatus:
         record.line_count += 1
         if line.strip():
             record.last_line = line
+
+    def on_log(self, rank: int, record: dict[str, Any]) -> None:
+        """Rank ``rank`` logged ``record`` (``accelerator.log``, main process)."""
+        self.metrics.append(record)
 
     def on_end(self, ok: bool) -> None:
         """Every worker is gone."""
@@ -134,6 +145,10 @@ class LaunchStatus:
             last = record.last_line if len(record.last_line) <= 100 else record.last_line[:97] + "..."
             lines.append(f"  [rank{record.rank}] {record.state:<8} {record.elapsed(now, self.launched):6.1f} s"
                          f"  {record.line_count} lines  last: {last}")
+        table = metrics_table(self.metrics)
+        if table:
+            lines.append(f"  logged ({len(self.metrics)} records, last {min(5, len(self.metrics))}):")
+            lines += ["    " + row for row in table.splitlines()]
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -141,13 +156,35 @@ class LaunchStatus:
 
 
 class TextStatus(LaunchStatus):
-    """Prints the per-rank summary once the launch ends (terminals, logs, no ipywidgets).
+    """Prints the per-rank summary once the launch ends, and the logged metrics every few seconds.
+
+    For terminals, logs and frontends without ipywidgets.
+
+    Args:
+        num_processes: the ranks expected.
+        title: the first line of the report.
+        metrics_interval: least seconds between two printed tables of logged metrics.
 
     Example:
         >>> status = TextStatus(1)
         >>> status.on_launch([0], "fork"); status.on_end(True)  # doctest: +ELLIPSIS
         nbaccel launch, fork: finished after ...
     """
+
+    def __init__(self, num_processes: int, title: str = "nbaccel launch", *, metrics_interval: float = 5.0) -> None:
+        super().__init__(num_processes, title)
+        self.metrics_interval = metrics_interval
+        self._printed_at: float | None = None
+
+    def on_log(self, rank: int, record: dict[str, Any]) -> None:
+        """Record it; print the latest rows when ``metrics_interval`` has passed since the last table."""
+        super().on_log(rank, record)
+        now = time.monotonic()
+        if self._printed_at is None:
+            self._printed_at = now  # the first table after one interval, not on the first record
+        elif now - self._printed_at >= self.metrics_interval:
+            self._printed_at = now
+            print(f"[logged, {len(self.metrics)} records]\n{metrics_table(self.metrics, rows=3)}", flush=True)
 
     def on_end(self, ok: bool) -> None:
         """Every worker is gone: print the summary."""
@@ -171,7 +208,8 @@ class StatusPanel(LaunchStatus):
         >>> notebook_launcher(train, num_processes=2, observer=panel)  # doctest: +SKIP
     """
 
-    def __init__(self, num_processes: int, title: str = "nbaccel launch", *, interval: float = 0.25) -> None:
+    def __init__(self, num_processes: int, title: str = "nbaccel launch", *, interval: float = 0.25,
+                 chart_interval: float = 0.5) -> None:
         super().__init__(num_processes, title)
         widgets = import_widgets("the launch status panel")
         self.interval = interval
@@ -185,7 +223,8 @@ class StatusPanel(LaunchStatus):
         self._heading = widgets.HTML()
         self._table = widgets.HTML()
         self._outputs = widgets.Accordion(children=[], selected_index=None)
-        self._box = widgets.VBox([self._heading, self._table, self._outputs])
+        self.chart = LiveChart(widgets, min_interval=chart_interval)
+        self._box = widgets.VBox([self._heading, self._table, self.chart.view, self._outputs])
         self._box.add_class("nbaccel-status")
         self._widgets = widgets
         self._build_outputs()
@@ -225,13 +264,19 @@ class StatusPanel(LaunchStatus):
         super().on_output(rank, stream, line)
         self._dirty = True
 
+    def on_log(self, rank: int, record: dict[str, Any]) -> None:
+        """Record it; the ticker redraws the chart (at most every ``chart_interval``)."""
+        super().on_log(rank, record)
+        self._dirty = True
+
     def on_end(self, ok: bool) -> None:
-        """Stop the ticker, draw the final state with every rank's full output."""
+        """Stop the ticker, draw the final state with every rank's full output and the whole chart."""
         super().on_end(ok)
         self._done.set()
         if self._ticker is not None:
             self._ticker.join(timeout=1.0)
         self.draw(final=True)
+        self.chart.update(list(self.metrics), force=True)
         if self._handle is not None:
             self._handle.update(self)  # refreshes the text/plain form saved in the notebook
 
@@ -241,6 +286,11 @@ class StatusPanel(LaunchStatus):
             if self._dirty or time.monotonic() - self._last_draw >= 1.0:  # elapsed times move too
                 self._dirty = False
                 self.draw()
+            # Only once every worker has started: drawing imports matplotlib, and a fork in the middle
+            # of an import would leave that module's lock held in the child.
+            started = all(r.state != "starting" for r in self.records.values())
+            if started and len(self.metrics) != self.chart.drawn_count:
+                self.chart.update(list(self.metrics))  # rate-limited inside
 
     # ------------------------------------------------------------------ drawing
     def draw(self, final: bool = False) -> None:
@@ -290,7 +340,10 @@ class StatusPanel(LaunchStatus):
 
     # ------------------------------------------------------------------ display
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
-        return widget_bundle(self._box, self.text())
+        bundle = widget_bundle(self._box, self.text())
+        if self.ok is not None and self.chart.png:  # ended: the chart stays in the saved notebook as an image
+            bundle["image/png"] = base64.b64encode(self.chart.png).decode("ascii")
+        return bundle
 
 
 def status_observer(num_processes: int, *, prefer: Literal["widget", "text"] = "widget",
