@@ -90,7 +90,7 @@ class TrackingHelpers:
         """The started tracker called ``name`` (its library object with ``unwrap=True``).
 
         Before ``init_trackers`` (or with no trackers) this is a blank tracker whose methods do
-        nothing, as in Accelerate.
+        nothing, as in Accelerate; inside a launch, the notebook tracker once ``log`` has started it.
 
         Raises:
             ConfigError: trackers are started but none is called ``name``.
@@ -98,12 +98,13 @@ class TrackingHelpers:
         Example:
             >>> writer = accelerator.get_tracker("tensorboard", unwrap=True)   # doctest: +SKIP
         """
-        if not self.trackers:
+        trackers = self.trackers or ([self._implicit_notebook] if self._implicit_notebook is not None else [])
+        if not trackers:
             return GeneralTracker(_blank=True)
-        for tracker in self.trackers:
+        for tracker in trackers:
             if tracker.name == name:
                 return tracker.tracker if unwrap else tracker
-        names = [t.name for t in self.trackers]
+        names = [t.name for t in trackers]
         raise ConfigError(f"{name!r} is not one of this Accelerator's trackers {names}. Fix: pass one of those "
                           f"names, or add {name!r} to log_with.", key="name", value=name, valid=names)
 

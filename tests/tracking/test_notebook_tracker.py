@@ -19,15 +19,17 @@ def _log_steps(steps: int = 5, pause: float = 0.0, init: bool = False) -> list:
     for step in range(steps):
         accelerator.log({"loss": 1.0 / (step + 1), "acc": {"train": step / 10}}, step=step * 10)
         time.sleep(pause)
-    sent = accelerator.get_tracker("notebook", unwrap=True) if init else []
+    sent = accelerator.get_tracker("notebook", unwrap=True)  # started by init_trackers, or by the first log
     accelerator.end_training()
-    return [str(t) for t in accelerator.log_with], [r["step"] for r in sent]
+    return [str(t) for t in accelerator.log_with], [r["step"] for r in sent] if accelerator.is_main_process else sent
 
 
 @pytest.mark.slow
 def test_logged_values_reach_the_launching_process_from_the_main_rank_only():
     results = notebook_launcher(_log_steps, (4,), num_processes=2, use_cpu=True, return_all=True)
     assert results[0][0] == results[1][0] == ["notebook"]  # on by default inside a launch
+    assert results[0][1] == [0, 10, 20, 30]
+    assert not hasattr(results[1][1], "name")  # elsewhere: a blank tracker, as in Accelerate
     history = nbaccel.last_run_history()
     assert [r["step"] for r in history] == [0, 10, 20, 30]  # rank 1's calls were not sent: main process only
     assert [r["loss"] for r in history] == [1.0, 0.5, 1 / 3, 0.25]
