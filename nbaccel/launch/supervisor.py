@@ -201,10 +201,10 @@ class Supervisor:
         elif kind == "error":
             handle.error = body
         elif kind == "log":
-            record = self.history.add(handle.rank, body)
             on_log = getattr(self.observer, "on_log", None)  # optional in the observer protocol
-            if record is not None and on_log is not None:
-                on_log(handle.rank, record)
+            for record in self.history.add(handle.rank, body):
+                if on_log is not None:
+                    on_log(handle.rank, record)
 
     def _set_state(self, handle: WorkerHandle, state: RankState) -> None:
         handle.state = state

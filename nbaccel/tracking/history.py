@@ -26,7 +26,7 @@ class RunHistory:
 
     Example:
         >>> history = RunHistory()
-        >>> history.add(0, {"record": {"step": 0, "time": 0.0, "loss": 1.0}})["loss"]
+        >>> history.add(0, {"items": [{"step": 0, "time": 0.0, "loss": 1.0}]})[0]["loss"]
         1.0
         >>> history.series("loss")
         ([0], [1.0])
@@ -38,18 +38,16 @@ class RunHistory:
         self.config: dict[str, Any] = {}
         self._lock = threading.Lock()
 
-    def add(self, rank: int, body: dict[str, Any]) -> dict[str, Any] | None:
-        """Take one ``log`` frame's body from ``rank``; return the record it carried, if any."""
+    def add(self, rank: int, body: dict[str, Any]) -> list[dict[str, Any]]:
+        """Take one ``log`` frame's body from ``rank``; return the records it carried (a batch, or none)."""
         if "project" in body:
             self.project = body["project"]
         if "config" in body:
             self.config = dict(body["config"])
-        record = body.get("record")
-        if record is None:
-            return None
+        records = list(body.get("items", ()))
         with self._lock:
-            self.records.append(record)
-        return record
+            self.records += records
+        return records
 
     def snapshot(self) -> list[dict[str, Any]]:
         """A copy of the records so far (safe to read while the launch still adds to them)."""

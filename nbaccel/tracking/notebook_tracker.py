@@ -98,4 +98,4 @@ class NotebookTracker(GeneralTracker):
         record = {"step": step, "time": time.time(), **flatten_values(values)}
         self.history.append(record)
         if self._channel is not None:
-            self._channel.send("log", {"record": record})
+            self._channel.post("log", record)  # batched: see nbaccel.launch.channel

@@ -56,6 +56,7 @@ def test_off_when_asked_and_outside_a_launch():
 
 def test_panel_draws_a_live_chart_while_the_launch_runs_and_keeps_it_as_an_image():
     panel = StatusPanel(2, interval=0.05, chart_interval=0.3)
+    panel.chart.cpu_share = 1.0  # only chart_interval limits redraws here (the CPU rule is tested below)
     pngs = []
     original = panel.chart.update
 
@@ -83,3 +84,16 @@ def test_text_fallback_prints_a_compact_table_every_few_seconds(capsys):
     assert out.count("[logged, ") >= 1  # printed while it ran
     summary = out[out.index("nbaccel launch, fork: finished"):]
     assert "logged (8 records, last 5)" in summary and "loss" in summary and "acc/train" in summary
+
+
+def test_a_slow_redraw_waits_longer_before_the_next():
+    import ipywidgets
+
+    from nbaccel.widgets.live_chart import LiveChart
+
+    chart = LiveChart(ipywidgets, min_interval=0.0, cpu_share=0.05)
+    records = [{"step": s, "loss": 1.0 / (s + 1)} for s in range(50)]
+    assert chart.update(records[:10])  # builds the figure: not counted as a redraw's cost
+    assert chart.update(records[:20])  # a real redraw, timed
+    assert not chart.update(records[:30])  # within 20x that redraw's time: skipped
+    assert chart.update(records, force=True) and chart.drawn_count == 50 and chart.draws == 3
