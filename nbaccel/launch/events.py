@@ -25,6 +25,9 @@ class LaunchObserver(Protocol):
     def on_output(self, rank: int, stream: Literal["stdout", "stderr"], line: str) -> None:
         """Rank ``rank`` printed ``line`` (without its newline)."""
 
+    def on_progress(self, rank: int, stream: Literal["stdout", "stderr"], text: str) -> None:
+        """Rank ``rank`` redrew a line with ``\\r`` (a progress bar); ``text`` is how it reads now (optional)."""
+
     def on_log(self, rank: int, record: dict[str, Any]) -> None:
         """Rank ``rank`` logged ``record`` with ``accelerator.log`` (optional: called only when defined)."""
 

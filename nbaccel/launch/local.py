@@ -43,7 +43,8 @@ class LocalLauncher:
         observer = request.observer
         store = LoopbackStore(port=request.config.main_process_port or 0) if n > 1 else None
         files = SpawnFiles() if payload is not None else None
-        relay = OutputRelay(show=request.output_ranks, on_line=observer.on_output if observer is not None else None)
+        relay = OutputRelay(show=request.output_ranks, on_line=observer.on_output if observer is not None else None,
+                            on_progress=getattr(observer, "on_progress", None))  # optional in the protocol
         try:
             envs = []
             for rank in range(n):

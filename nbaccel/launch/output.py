@@ -23,6 +23,8 @@ class OutputRelay:
     Args:
         show: the ranks whose output is written to the caller's streams (``None``: all).
         on_line: called with ``(rank, stream, line)`` for every complete line of every rank.
+        on_progress: called with ``(rank, stream, text)`` each time a rank redraws a line with ``\\r``
+            (a progress bar such as tqdm's), with the line as it now reads.
         labels: fixed labels for pseudo-ranks that are not workers (torch_xla's host process:
             ``{-1: "xla"}``); their output is always shown and never passed to ``on_line``.
 
@@ -31,9 +33,11 @@ class OutputRelay:
 
     def __init__(self, show: Container[int] | None = None,
                  on_line: Callable[[int, Stream, str], None] | None = None,
-                 labels: Mapping[int, str] | None = None) -> None:
+                 labels: Mapping[int, str] | None = None,
+                 on_progress: Callable[[int, Stream, str], None] | None = None) -> None:
         self._show = show
         self._on_line = on_line
+        self._on_progress = on_progress
         self._labels = dict(labels or {})
         self._decoders: dict[tuple[int, Stream], codecs.IncrementalDecoder] = {}
         self._pending: dict[tuple[int, Stream], str] = {}
@@ -73,6 +77,8 @@ class OutputRelay:
 
     def _redraw(self, rank: int, stream: Stream, partial: str) -> None:
         current = partial.rstrip("\r").rsplit("\r", 1)[-1]
+        if self._on_progress is not None and current and rank not in self._labels:
+            self._on_progress(rank, stream, current)
         if not self._visible(rank) or not current:
             return
         key = (rank, stream)
@@ -86,6 +92,8 @@ class OutputRelay:
         key = (rank, stream)
         if "\r" in line:
             line = line.rstrip("\r").rsplit("\r", 1)[-1]
+            if self._on_progress is not None and line and rank not in self._labels:
+                self._on_progress(rank, stream, line)  # the bar's last state, now ended by its newline
         self.last_line[rank] = line
         if rank in self.capturing:
             self.captured.setdefault(rank, []).append(line)

@@ -27,11 +27,13 @@ from nbaccel.launch.events import RankState
 from nbaccel.tracking.history import metrics_table
 from nbaccel.widgets import import_widgets, set_titles, widget_bundle, widgets_available
 from nbaccel.widgets.live_chart import LiveChart
+from nbaccel.widgets.progress import progress_fraction
 
 __all__ = ["LaunchStatus", "RankRecord", "StatusPanel", "TextStatus", "status_observer"]
 
 _KEEP_LINES = 2000  # per rank, for the collapsible full output
 _SHOWN_LINES = 400  # redrawn while running; everything kept is shown once the launch ends
+_PROGRESS_HEAD = "<th style='padding:0 8px'>progress</th>"
 _COLORS: dict[str, str] = {"starting": "#6b7280", "running": "#2563eb", "finished": "#16a34a",
                            "failed": "#dc2626", "stopped": "#d97706"}
 
@@ -45,6 +47,7 @@ class RankRecord:
     started: float | None = None
     ended: float | None = None
     last_line: str = ""
+    progress: str = ""
     lines: deque[str] = field(default_factory=lambda: deque(maxlen=_KEEP_LINES))
     line_count: int = 0
 
@@ -106,6 +109,10 @@ class LaunchStatus:
         if line.strip():
             record.last_line = line
 
+    def on_progress(self, rank: int, stream: Literal["stdout", "stderr"], text: str) -> None:
+        """Rank ``rank`` redrew its progress bar; ``text`` is how it reads now."""
+        self.records.setdefault(rank, RankRecord(rank)).progress = text
+
     def on_log(self, rank: int, record: dict[str, Any]) -> None:
         """Rank ``rank`` logged ``record`` (``accelerator.log``, main process)."""
         self.metrics.append(record)
@@ -145,6 +152,8 @@ class LaunchStatus:
             last = record.last_line if len(record.last_line) <= 100 else record.last_line[:97] + "..."
             lines.append(f"  [rank{record.rank}] {record.state:<8} {record.elapsed(now, self.launched):6.1f} s"
                          f"  {record.line_count} lines  last: {last}")
+            if record.progress:
+                lines.append(f"           progress: {record.progress.strip()[:100]}")
         table = metrics_table(self.metrics)
         if table:
             lines.append(f"  logged ({len(self.metrics)} records, last {min(5, len(self.metrics))}):")
@@ -264,6 +273,11 @@ class StatusPanel(LaunchStatus):
         super().on_output(rank, stream, line)
         self._dirty = True
 
+    def on_progress(self, rank: int, stream: Literal["stdout", "stderr"], text: str) -> None:
+        """Record the bar; the ticker draws it within ``interval``."""
+        super().on_progress(rank, stream, text)
+        self._dirty = True
+
     def on_log(self, rank: int, record: dict[str, Any]) -> None:
         """Record it; the ticker redraws the chart (at most every ``chart_interval``)."""
         super().on_log(rank, record)
@@ -316,17 +330,30 @@ class StatusPanel(LaunchStatus):
     def _table_html(self) -> str:
         now = time.monotonic()
         rows = []
+        bars = any(r.progress for r in list(self.records.values()))  # the column appears with the first bar
         for r in list(self.records.values()):
             rows.append(
                 f"<tr><td style='padding:0 8px'>rank {r.rank}</td>"
                 f"<td style='padding:0 8px;color:{_COLORS[r.state]};font-weight:bold'>{r.state}</td>"
                 f"<td style='padding:0 8px;text-align:right'>{r.elapsed(now, self.launched):.1f} s</td>"
+                f"{self._progress_html(r.progress) if bars else ''}"
                 f"<td style='padding:0 8px;font-family:monospace;max-width:60em;overflow:hidden;"
                 f"text-overflow:ellipsis;white-space:nowrap'>{html.escape(r.last_line)}</td></tr>")
         head = ("<tr><th style='text-align:left;padding:0 8px'>rank</th><th style='text-align:left;"
-                "padding:0 8px'>state</th><th style='padding:0 8px'>elapsed</th><th style='text-align:left;"
+                "padding:0 8px'>state</th><th style='padding:0 8px'>elapsed</th>"
+                f"{_PROGRESS_HEAD if bars else ''}<th style='text-align:left;"
                 "padding:0 8px'>last line</th></tr>")
         return f"<table class='nbaccel-ranks'>{head}{''.join(rows)}</table>"
+
+    @staticmethod
+    def _progress_html(text: str) -> str:
+        """One rank's progress bar: a bar where the text shows a fraction, and the bar's own text."""
+        fraction = progress_fraction(text)
+        bar = (f"<progress class='nbaccel-progress' value='{fraction:.3f}' max='1' style='width:8em'></progress> "
+               if fraction is not None else "")
+        shown = text.strip() if len(text.strip()) <= 60 else text.strip()[:57] + "..."
+        return (f"<td style='padding:0 8px;white-space:nowrap;font-family:monospace'>{bar}"
+                f"{html.escape(shown)}</td>")
 
     @staticmethod
     def _output_html(record: RankRecord, limit: int | None) -> str:
