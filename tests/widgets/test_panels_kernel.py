@@ -61,11 +61,12 @@ def test_launch_status_panel_renders_as_a_widget(kernel):
 
 
 def test_live_chart_is_kept_in_the_saved_notebook_and_the_history_comes_back(kernel):
-    cell = kernel.run("%%accel_launch -n 2\nfrom nbaccel import Accelerator\naccelerator = Accelerator()\n"
-                      "for step in range(5):\n    accelerator.log({'loss': 1 / (step + 1)}, step=step)\n")
+    cell = kernel.run("%%accel_launch -n 2 -o sent\nfrom nbaccel import Accelerator\naccelerator = Accelerator()\n"
+                      "for step in range(5):\n    accelerator.log({'loss': 1 / (step + 1)}, step=step)\n"
+                      "sent = accelerator.get_tracker('notebook', unwrap=True)\n")
     assert error(cell) is None, cell.outputs
     panels = [d for d in displays(cell) if WIDGET_VIEW in d]
     assert panels[-1]["image/png"]  # the chart as an image, for nbconvert, GitHub and a reopened notebook
     assert "logged (5 records" in panels[-1]["text/plain"]
-    cell = kernel.run("import nbaccel\nprint([r['step'] for r in nbaccel.last_run_history()])")
-    assert stream_text(cell).strip() == "[0, 1, 2, 3, 4]"
+    cell = kernel.run("import nbaccel\nprint([r['step'] for r in nbaccel.last_run_history()], [r['step'] for r in sent])")
+    assert stream_text(cell).strip() == "[0, 1, 2, 3, 4] [0, 1, 2, 3, 4]"  # the launch's history, and -o's copy
