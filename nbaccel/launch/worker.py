@@ -32,6 +32,7 @@ from nbaccel.environment import apply_environment, read_distributed_env
 from nbaccel.errors import PayloadPicklingError
 from nbaccel.identity import WorkerIdentity, clear_identity, set_identity
 from nbaccel.launch.channel import close_channel, open_channel
+from nbaccel.launch.console_tqdm import use_console_tqdm
 from nbaccel.launch.frames import write_frame
 from nbaccel.launch.payload import dumps_result
 
@@ -103,6 +104,7 @@ def _setup_process(spec: WorkerSpec) -> None:
     if state is not None:
         state.reset_process_state()
     clear_identity()  # the parent's (a notebook's, or a launcher's own worker's) is not this worker's
+    use_console_tqdm()  # a tqdm widget made here could not reach the frontend; text bars reach the panel
 
 
 _BAD_FORK = "Cannot re-initialize CUDA in forked subprocess"
