@@ -25,6 +25,9 @@ class LaunchObserver(Protocol):
     def on_output(self, rank: int, stream: Literal["stdout", "stderr"], line: str) -> None:
         """Rank ``rank`` printed ``line`` (without its newline)."""
 
+    # An observer with ``shows_progress = True`` draws the bars itself: the relay then writes only each
+    # bar's final line to the caller's streams, not every redraw.
+
     def on_progress(self, rank: int, stream: Literal["stdout", "stderr"], text: str) -> None:
         """Rank ``rank`` redrew a line with ``\\r`` (a progress bar); ``text`` is how it reads now (optional)."""
 

@@ -25,6 +25,8 @@ class OutputRelay:
         on_line: called with ``(rank, stream, line)`` for every complete line of every rank.
         on_progress: called with ``(rank, stream, text)`` each time a rank redraws a line with ``\\r``
             (a progress bar such as tqdm's), with the line as it now reads.
+        show_redraws: write the redraws to the caller's streams too (``False`` when something else,
+            the widget status panel, shows the bars: then only each bar's final line is written).
         labels: fixed labels for pseudo-ranks that are not workers (torch_xla's host process:
             ``{-1: "xla"}``); their output is always shown and never passed to ``on_line``.
 
@@ -34,8 +36,10 @@ class OutputRelay:
     def __init__(self, show: Container[int] | None = None,
                  on_line: Callable[[int, Stream, str], None] | None = None,
                  labels: Mapping[int, str] | None = None,
-                 on_progress: Callable[[int, Stream, str], None] | None = None) -> None:
+                 on_progress: Callable[[int, Stream, str], None] | None = None,
+                 show_redraws: bool = True) -> None:
         self._show = show
+        self._show_redraws = show_redraws
         self._on_line = on_line
         self._on_progress = on_progress
         self._labels = dict(labels or {})
@@ -79,7 +83,7 @@ class OutputRelay:
         current = partial.rstrip("\r").rsplit("\r", 1)[-1]
         if self._on_progress is not None and current and rank not in self._labels:
             self._on_progress(rank, stream, current)
-        if not self._visible(rank) or not current:
+        if not self._visible(rank) or not current or not self._show_redraws:
             return
         key = (rank, stream)
         self._close_open_line(key)

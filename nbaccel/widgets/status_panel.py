@@ -217,6 +217,8 @@ class StatusPanel(LaunchStatus):
         >>> notebook_launcher(train, num_processes=2, observer=panel)  # doctest: +SKIP
     """
 
+    shows_progress = True  # each rank's bar is drawn here, so the cell's stream gets only final lines
+
     def __init__(self, num_processes: int, title: str = "nbaccel launch", *, interval: float = 0.25,
                  chart_interval: float = 0.5) -> None:
         super().__init__(num_processes, title)
