@@ -32,6 +32,10 @@ _EXPORTS: dict[str, str] = {
     "debug_launcher": "nbaccel.launch.launcher",
     "notebook_launcher": "nbaccel.launch.launcher",
     "worker_namespace": "nbaccel.launch.pool_worker",
+    # experiment tracking
+    "GeneralTracker": "nbaccel.tracking.base",
+    "LoggerType": "nbaccel.tracking.base",
+    "last_run_history": "nbaccel.tracking.history",
     # process state
     "AcceleratorState": "nbaccel.partial_state",
     "DistributedType": "nbaccel.distributed_type",

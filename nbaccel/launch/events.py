@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 __all__ = ["LaunchObserver", "RankState"]
 
@@ -24,6 +24,15 @@ class LaunchObserver(Protocol):
 
     def on_output(self, rank: int, stream: Literal["stdout", "stderr"], line: str) -> None:
         """Rank ``rank`` printed ``line`` (without its newline)."""
+
+    # An observer with ``shows_progress = True`` draws the bars itself: the relay then writes only each
+    # bar's final line to the caller's streams, not every redraw.
+
+    def on_progress(self, rank: int, stream: Literal["stdout", "stderr"], text: str) -> None:
+        """Rank ``rank`` redrew a line with ``\\r`` (a progress bar); ``text`` is how it reads now (optional)."""
+
+    def on_log(self, rank: int, record: dict[str, Any]) -> None:
+        """Rank ``rank`` logged ``record`` with ``accelerator.log`` (optional: called only when defined)."""
 
     def on_end(self, ok: bool) -> None:
         """Every worker is gone; ``ok`` is ``True`` when all of them finished."""

@@ -48,7 +48,9 @@ class LocalLauncher:
         store = LoopbackStore(port=request.config.main_process_port or 0) if n > 1 else None
         files = SpawnFiles() if payload is not None else None
         relay = OutputRelay(show=request.output_ranks, on_line=observer.on_output if observer is not None else None,
-                            on_display=CellPublisher(), display_ranks=request.output_ranks or (0,))
+                            on_display=CellPublisher(), display_ranks=request.output_ranks or (0,),
+                            on_progress=getattr(observer, "on_progress", None),  # optional in the protocol
+                            show_redraws=not getattr(observer, "shows_progress", False))
         try:
             envs = []
             for rank in range(n):

@@ -30,6 +30,10 @@ class OutputRelay:
     Args:
         show: the ranks whose output is written to the caller's streams (``None``: all).
         on_line: called with ``(rank, stream, line)`` for every complete line of every rank.
+        on_progress: called with ``(rank, stream, text)`` each time a rank redraws a line with ``\\r``
+            (a progress bar such as tqdm's), with the line as it now reads.
+        show_redraws: write the redraws to the caller's streams too (``False`` when something else,
+            the widget status panel, shows the bars: then only each bar's final line is written).
         labels: fixed labels for pseudo-ranks that are not workers (torch_xla's host process:
             ``{-1: "xla"}``); their output is always shown and never passed to ``on_line``.
         on_display: called with ``(rank, kind, body, labelled)`` for a display of a rank in
@@ -43,12 +47,16 @@ class OutputRelay:
                  on_line: Callable[[int, Stream, str], None] | None = None,
                  labels: Mapping[int, str] | None = None,
                  on_display: Callable[[int, DisplayKind, dict[str, Any], bool], None] | None = None,
-                 display_ranks: Collection[int] = (0,)) -> None:
+                 display_ranks: Collection[int] = (0,),
+                 on_progress: Callable[[int, Stream, str], None] | None = None,
+                 show_redraws: bool = True) -> None:
         self._show = show
+        self._show_redraws = show_redraws
         self._on_display = on_display
         self._display_ranks = frozenset(display_ranks)
         self._displays: dict[int, deque[tuple[DisplayKind, dict[str, Any]]]] = {}
         self._on_line = on_line
+        self._on_progress = on_progress
         self._labels = dict(labels or {})
         self._decoders: dict[tuple[int, Stream], codecs.IncrementalDecoder] = {}
         self._pending: dict[tuple[int, Stream], str] = {}
@@ -101,7 +109,9 @@ class OutputRelay:
 
     def _redraw(self, rank: int, stream: Stream, partial: str) -> None:
         current = partial.rstrip("\r").rsplit("\r", 1)[-1]
-        if not self._visible(rank) or not current:
+        if self._on_progress is not None and current and rank not in self._labels:
+            self._on_progress(rank, stream, current)
+        if not self._visible(rank) or not current or not self._show_redraws:
             return
         key = (rank, stream)
         self._close_open_line(key)
@@ -114,6 +124,8 @@ class OutputRelay:
         key = (rank, stream)
         if "\r" in line:
             line = line.rstrip("\r").rsplit("\r", 1)[-1]
+            if self._on_progress is not None and line and rank not in self._labels:
+                self._on_progress(rank, stream, line)  # the bar's last state, now ended by its newline
         self.last_line[rank] = line
         if rank in self.capturing:
             self.captured.setdefault(rank, []).append(line)

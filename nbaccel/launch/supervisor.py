@@ -31,6 +31,7 @@ from nbaccel.launch.frames import DISPLAY_MARK
 from nbaccel.launch.handles import WorkerHandle, open_pidfd
 from nbaccel.launch.output import OutputRelay
 from nbaccel.launch.payload import loads
+from nbaccel.tracking.history import begin_run_history
 
 # What the supervisor itself sends when it stops ranks; any other death of a stopped rank is its own.
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGKILL, signal.SIGINT)
@@ -86,6 +87,7 @@ class Supervisor:
         self._selector = selectors.DefaultSelector()
         self._last_activity = time.monotonic()
         self._stopped: list[int] = []
+        self.history = begin_run_history()  # what workers pass to accelerator.log ("log" frames)
         for handle in self._handles:
             for fd, kind in ((handle.ctl_fd, "ctl"), (handle.out_fd, "stdout"), (handle.err_fd, "stderr")):
                 os.set_blocking(fd, False)
@@ -216,6 +218,11 @@ class Supervisor:
             handle.error = body
         elif kind in ("display", "clear_output"):
             self.relay.queue_display(handle.rank, kind, body)  # type: ignore[arg-type]
+        elif kind == "log":
+            on_log = getattr(self.observer, "on_log", None)  # optional in the observer protocol
+            for record in self.history.add(handle.rank, body):
+                if on_log is not None:
+                    on_log(handle.rank, record)
 
     def _set_state(self, handle: WorkerHandle, state: RankState) -> None:
         handle.state = state

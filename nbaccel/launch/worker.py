@@ -31,6 +31,8 @@ from typing import Any, NoReturn
 from nbaccel.environment import apply_environment, read_distributed_env
 from nbaccel.errors import PayloadPicklingError
 from nbaccel.identity import WorkerIdentity, clear_identity, set_identity
+from nbaccel.launch.channel import close_channel, open_channel
+from nbaccel.launch.console_tqdm import use_console_tqdm
 from nbaccel.launch.frames import write_frame
 from nbaccel.launch.kernel_cutoff import detach_from_kernel
 from nbaccel.launch.payload import dumps_by_reference_first, dumps_result
@@ -111,6 +113,7 @@ def _setup_process(spec: WorkerSpec) -> None:
     if state is not None:
         state.reset_process_state()
     clear_identity()  # the parent's (a notebook's, or a launcher's own worker's) is not this worker's
+    use_console_tqdm()  # a tqdm widget made here could not reach the frontend; text bars reach the panel
 
 
 FINISHED_WITHOUT_VALUE = b""
@@ -176,12 +179,15 @@ def run_body(ctl_fd: int, rank: int, identity: WorkerIdentity | None, function: 
     set_identity(identity, thread=per_thread)
     try:
         write_frame(ctl_fd, "started", {"pid": os.getpid(), "time": time.time()})
+        open_channel(ctl_fd, thread=per_thread)  # what the function sends while it runs ("log" frames)
         try:
             result = function(*args, **kwargs)
         except SystemExit as stop:
             if stop.code not in (None, 0):
                 raise
             result = None
+        finally:
+            close_channel(thread=per_thread)
         if not send_result:
             write_frame(ctl_fd, "result", FINISHED_WITHOUT_VALUE)
             return None

@@ -326,7 +326,9 @@ class XlaLauncher:
         env = worker_environment(settings, threads=request.plan.threads)
         observer = request.observer
         relay = OutputRelay(show=request.output_ranks, labels={HOST_RANK: "xla"},
-                            on_line=observer.on_output if observer is not None else None)
+                            on_line=observer.on_output if observer is not None else None,
+                            on_progress=getattr(observer, "on_progress", None),
+                            show_redraws=not getattr(observer, "shows_progress", False))
         if observer is not None:
             observer.on_launch(list(range(n)), "fork")
         host, replicas = _start_host(request.function, request.args, request.kwargs, n, settings, env)

@@ -52,11 +52,12 @@ from nbaccel.training.precision import (
 from nbaccel.training.preparation import PrepareHelpers
 from nbaccel.training.prepared import PreparedObjects, RegistryView
 from nbaccel.training.process_helpers import ProcessHelpers
+from nbaccel.tracking.helpers import TrackingHelpers
 from nbaccel.training.unwrap import unwrap_model
 
 __all__ = ["Accelerator"]
 
-class Accelerator(PrepareHelpers, ProcessHelpers, CheckpointHelpers):
+class Accelerator(PrepareHelpers, ProcessHelpers, CheckpointHelpers, TrackingHelpers):
     """Accelerate's ``Accelerator``: one object that makes a training loop distributed.
 
     Args:
@@ -70,7 +71,9 @@ class Accelerator(PrepareHelpers, ProcessHelpers, CheckpointHelpers):
         deepspeed_plugin: DeepSpeed settings (needs the ``deepspeed`` package).
         fsdp_plugin: FSDP2 settings; default: the launch's ``fsdp_config`` when it chose FSDP.
         rng_types: accepted for compatibility; shuffling is always synchronized from rank 0.
-        log_with: accepted for compatibility; experiment trackers are not part of nbaccel.
+        log_with: trackers: ``"tensorboard"``, ``"mlflow"``, ``"wandb"``, ``"trackio"``, ``"notebook"``,
+            ``"all"`` (the installed ones), :class:`~nbaccel.tracking.GeneralTracker` instances, or a
+            list (see :mod:`nbaccel.tracking.helpers` for where nbaccel differs from Accelerate).
         project_dir: shorthand for ``ProjectConfiguration(project_dir=...)``.
         project_config: where checkpoints go and how many are kept.
         gradient_accumulation_plugin: full accumulation settings (instead of the steps count).
@@ -79,6 +82,8 @@ class Accelerator(PrepareHelpers, ProcessHelpers, CheckpointHelpers):
             ``AutocastKwargs``, ``InitProcessGroupKwargs`` instances.
         even_batches: shorthand for ``DataLoaderConfiguration(even_batches=...)``.
         dispatch_batches: shorthand for ``DataLoaderConfiguration(dispatch_batches=...)``.
+        notebook_tracker: inside an nbaccel launch, stream ``log`` to the launching notebook's
+            live chart (nbaccel only; Accelerate has no such tracker).
 
     Attributes:
         prepared: what this Accelerator prepared and registered; ``_models``, ``_optimizers``,
@@ -87,7 +92,7 @@ class Accelerator(PrepareHelpers, ProcessHelpers, CheckpointHelpers):
 
     Raises:
         ConfigError: an argument has an invalid value or conflicts with another.
-        MissingDependencyError: DeepSpeed was asked for but is not installed.
+        MissingDependencyError: DeepSpeed, or a tracker named in ``log_with``, is not installed.
 
     Example:
         >>> accelerator = Accelerator(gradient_accumulation_steps=2)
@@ -107,7 +112,8 @@ class Accelerator(PrepareHelpers, ProcessHelpers, CheckpointHelpers):
                  project_config: ProjectConfiguration | None = None,
                  gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
                  step_scheduler_with_optimizer: bool = True, kwargs_handlers: list[KwargsHandler] | None = None,
-                 even_batches: bool | None = None, dispatch_batches: bool | None = None) -> None:
+                 even_batches: bool | None = None, dispatch_batches: bool | None = None,
+                 notebook_tracker: bool = True) -> None:
         handlers = collect_handlers(kwargs_handlers)
         init_kwargs = handlers.get(InitProcessGroupKwargs, InitProcessGroupKwargs())
         self.state = AcceleratorState(cpu=cpu, backend=init_kwargs.backend, timeout=init_kwargs.timeout,
@@ -151,10 +157,7 @@ class Accelerator(PrepareHelpers, ProcessHelpers, CheckpointHelpers):
         self.scaler = make_grad_scaler(self._mixed_precision, self.device, self.scaler_handler)
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.rng_types = rng_types
-        if log_with is not None:
-            warnings.warn(f"log_with={log_with!r} is ignored: nbaccel has no experiment trackers; "
-                          "log with the tracker's own API on the main process", stacklevel=2)
-        self.log_with = log_with
+        self._setup_tracking(log_with, notebook_tracker)
         self.step = 0
         self.prepared = PreparedObjects()
         self._trigger = False
@@ -388,17 +391,6 @@ class Accelerator(PrepareHelpers, ProcessHelpers, CheckpointHelpers):
         return [None for _ in objects]
 
     clear = free_memory
-
-    def init_trackers(self, project_name: str, config: dict[str, Any] | None = None,
-                      init_kwargs: dict[str, Any] | None = None) -> None:
-        """Accepted for compatibility; nbaccel has no experiment trackers."""
-
-    def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, Any] | None = None) -> None:
-        """Accepted for compatibility; nbaccel has no experiment trackers."""
-
-    def end_training(self) -> None:
-        """Wait for every process (trackers would be closed here)."""
-        self.wait_for_everyone()
 
     def __repr__(self) -> str:
         return (f"Accelerator(distributed_type={str(self.distributed_type)!r}, num_processes={self.num_processes}, "

@@ -1,14 +1,18 @@
-"""The live status of a launch: one row per rank (state, elapsed time, last line), full output.
+"""The live status of a launch: one row per rank (state, elapsed time, last line), full output, live chart.
 
-:class:`LaunchStatus` keeps the per-rank record and renders it as plain text; it implements
-:class:`~nbaccel.launch.events.LaunchObserver`. :class:`StatusPanel` shows the same record as an
-ipywidgets panel redrawn a few times a second by a small ticker thread; the launch's own
-callbacks only record (microseconds), so following a launch never slows it down. :class:`TextStatus` prints the
-record once the launch ends, for terminals and logs. :func:`status_observer` picks one.
+:class:`LaunchStatus` keeps the per-rank record and what workers pass to ``accelerator.log``, and
+renders them as plain text; it implements :class:`~nbaccel.launch.events.LaunchObserver`.
+:class:`StatusPanel` shows the same record as an ipywidgets panel redrawn a few times a second by
+a small ticker thread, with the logged metrics as a live chart
+(:class:`~nbaccel.widgets.live_chart.LiveChart`, at most one redraw per 0.5 s); the launch's own
+callbacks only record (microseconds), so following a launch never slows it down. :class:`TextStatus`
+prints a compact table of the metrics every few seconds and the record once the launch ends, for
+terminals and logs. :func:`status_observer` picks one.
 """
 
 from __future__ import annotations
 
+import base64
 import html
 import sys
 import threading
@@ -20,12 +24,16 @@ from typing import Any, Literal
 
 from nbaccel.hardware import in_colab, in_notebook
 from nbaccel.launch.events import RankState
+from nbaccel.tracking.history import metrics_table
 from nbaccel.widgets import import_widgets, set_titles, widget_bundle, widgets_available
+from nbaccel.widgets.live_chart import LiveChart
+from nbaccel.widgets.progress import progress_fraction
 
 __all__ = ["LaunchStatus", "RankRecord", "StatusPanel", "TextStatus", "status_observer"]
 
 _KEEP_LINES = 2000  # per rank, for the collapsible full output
 _SHOWN_LINES = 400  # redrawn while running; everything kept is shown once the launch ends
+_PROGRESS_HEAD = "<th style='padding:0 8px'>progress</th>"
 _COLORS: dict[str, str] = {"starting": "#6b7280", "running": "#2563eb", "finished": "#16a34a",
                            "failed": "#dc2626", "stopped": "#d97706"}
 
@@ -39,6 +47,7 @@ class RankRecord:
     started: float | None = None
     ended: float | None = None
     last_line: str = ""
+    progress: str = ""
     lines: deque[str] = field(default_factory=lambda: deque(maxlen=_KEEP_LINES))
     line_count: int = 0
 
@@ -71,6 +80,7 @@ class LaunchStatus:
         self.ended: float | None = None
         self.ok: bool | None = None
         self.records: dict[int, RankRecord] = {r: RankRecord(r) for r in range(num_processes)}
+        self.metrics: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ observer
     def on_launch(self, ranks: Sequence[int], start_method: str) -> None:
@@ -98,6 +108,14 @@ class LaunchStatus:
         record.line_count += 1
         if line.strip():
             record.last_line = line
+
+    def on_progress(self, rank: int, stream: Literal["stdout", "stderr"], text: str) -> None:
+        """Rank ``rank`` redrew its progress bar; ``text`` is how it reads now."""
+        self.records.setdefault(rank, RankRecord(rank)).progress = text
+
+    def on_log(self, rank: int, record: dict[str, Any]) -> None:
+        """Rank ``rank`` logged ``record`` (``accelerator.log``, main process)."""
+        self.metrics.append(record)
 
     def on_end(self, ok: bool) -> None:
         """Every worker is gone."""
@@ -134,6 +152,12 @@ class LaunchStatus:
             last = record.last_line if len(record.last_line) <= 100 else record.last_line[:97] + "..."
             lines.append(f"  [rank{record.rank}] {record.state:<8} {record.elapsed(now, self.launched):6.1f} s"
                          f"  {record.line_count} lines  last: {last}")
+            if record.progress:
+                lines.append(f"           progress: {record.progress.strip()[:100]}")
+        table = metrics_table(self.metrics)
+        if table:
+            lines.append(f"  logged ({len(self.metrics)} records, last {min(5, len(self.metrics))}):")
+            lines += ["    " + row for row in table.splitlines()]
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -141,13 +165,35 @@ class LaunchStatus:
 
 
 class TextStatus(LaunchStatus):
-    """Prints the per-rank summary once the launch ends (terminals, logs, no ipywidgets).
+    """Prints the per-rank summary once the launch ends, and the logged metrics every few seconds.
+
+    For terminals, logs and frontends without ipywidgets.
+
+    Args:
+        num_processes: the ranks expected.
+        title: the first line of the report.
+        metrics_interval: least seconds between two printed tables of logged metrics.
 
     Example:
         >>> status = TextStatus(1)
         >>> status.on_launch([0], "fork"); status.on_end(True)  # doctest: +ELLIPSIS
         nbaccel launch, fork: finished after ...
     """
+
+    def __init__(self, num_processes: int, title: str = "nbaccel launch", *, metrics_interval: float = 5.0) -> None:
+        super().__init__(num_processes, title)
+        self.metrics_interval = metrics_interval
+        self._printed_at: float | None = None
+
+    def on_log(self, rank: int, record: dict[str, Any]) -> None:
+        """Record it; print the latest rows when ``metrics_interval`` has passed since the last table."""
+        super().on_log(rank, record)
+        now = time.monotonic()
+        if self._printed_at is None:
+            self._printed_at = now  # the first table after one interval, not on the first record
+        elif now - self._printed_at >= self.metrics_interval:
+            self._printed_at = now
+            print(f"[logged, {len(self.metrics)} records]\n{metrics_table(self.metrics, rows=3)}", flush=True)
 
     def on_end(self, ok: bool) -> None:
         """Every worker is gone: print the summary."""
@@ -171,7 +217,10 @@ class StatusPanel(LaunchStatus):
         >>> notebook_launcher(train, num_processes=2, observer=panel)  # doctest: +SKIP
     """
 
-    def __init__(self, num_processes: int, title: str = "nbaccel launch", *, interval: float = 0.25) -> None:
+    shows_progress = True  # each rank's bar is drawn here, so the cell's stream gets only final lines
+
+    def __init__(self, num_processes: int, title: str = "nbaccel launch", *, interval: float = 0.25,
+                 chart_interval: float = 0.5) -> None:
         super().__init__(num_processes, title)
         widgets = import_widgets("the launch status panel")
         self.interval = interval
@@ -185,7 +234,8 @@ class StatusPanel(LaunchStatus):
         self._heading = widgets.HTML()
         self._table = widgets.HTML()
         self._outputs = widgets.Accordion(children=[], selected_index=None)
-        self._box = widgets.VBox([self._heading, self._table, self._outputs])
+        self.chart = LiveChart(widgets, min_interval=chart_interval)
+        self._box = widgets.VBox([self._heading, self._table, self.chart.view, self._outputs])
         self._box.add_class("nbaccel-status")
         self._widgets = widgets
         self._build_outputs()
@@ -225,13 +275,24 @@ class StatusPanel(LaunchStatus):
         super().on_output(rank, stream, line)
         self._dirty = True
 
+    def on_progress(self, rank: int, stream: Literal["stdout", "stderr"], text: str) -> None:
+        """Record the bar; the ticker draws it within ``interval``."""
+        super().on_progress(rank, stream, text)
+        self._dirty = True
+
+    def on_log(self, rank: int, record: dict[str, Any]) -> None:
+        """Record it; the ticker redraws the chart (at most every ``chart_interval``)."""
+        super().on_log(rank, record)
+        self._dirty = True
+
     def on_end(self, ok: bool) -> None:
-        """Stop the ticker, draw the final state with every rank's full output."""
+        """Stop the ticker, draw the final state with every rank's full output and the whole chart."""
         super().on_end(ok)
         self._done.set()
         if self._ticker is not None:
             self._ticker.join(timeout=1.0)
         self.draw(final=True)
+        self.chart.update(list(self.metrics), force=True)
         if self._handle is not None:
             self._handle.update(self)  # refreshes the text/plain form saved in the notebook
 
@@ -241,6 +302,11 @@ class StatusPanel(LaunchStatus):
             if self._dirty or time.monotonic() - self._last_draw >= 1.0:  # elapsed times move too
                 self._dirty = False
                 self.draw()
+            # Only once every worker has started: drawing imports matplotlib, and a fork in the middle
+            # of an import would leave that module's lock held in the child.
+            started = all(r.state != "starting" for r in self.records.values())
+            if started and len(self.metrics) != self.chart.drawn_count:
+                self.chart.update(list(self.metrics))  # rate-limited inside
 
     # ------------------------------------------------------------------ drawing
     def draw(self, final: bool = False) -> None:
@@ -266,17 +332,30 @@ class StatusPanel(LaunchStatus):
     def _table_html(self) -> str:
         now = time.monotonic()
         rows = []
+        bars = any(r.progress for r in list(self.records.values()))  # the column appears with the first bar
         for r in list(self.records.values()):
             rows.append(
                 f"<tr><td style='padding:0 8px'>rank {r.rank}</td>"
                 f"<td style='padding:0 8px;color:{_COLORS[r.state]};font-weight:bold'>{r.state}</td>"
                 f"<td style='padding:0 8px;text-align:right'>{r.elapsed(now, self.launched):.1f} s</td>"
+                f"{self._progress_html(r.progress) if bars else ''}"
                 f"<td style='padding:0 8px;font-family:monospace;max-width:60em;overflow:hidden;"
                 f"text-overflow:ellipsis;white-space:nowrap'>{html.escape(r.last_line)}</td></tr>")
         head = ("<tr><th style='text-align:left;padding:0 8px'>rank</th><th style='text-align:left;"
-                "padding:0 8px'>state</th><th style='padding:0 8px'>elapsed</th><th style='text-align:left;"
+                "padding:0 8px'>state</th><th style='padding:0 8px'>elapsed</th>"
+                f"{_PROGRESS_HEAD if bars else ''}<th style='text-align:left;"
                 "padding:0 8px'>last line</th></tr>")
         return f"<table class='nbaccel-ranks'>{head}{''.join(rows)}</table>"
+
+    @staticmethod
+    def _progress_html(text: str) -> str:
+        """One rank's progress bar: a bar where the text shows a fraction, and the bar's own text."""
+        fraction = progress_fraction(text)
+        bar = (f"<progress class='nbaccel-progress' value='{fraction:.3f}' max='1' style='width:8em'></progress> "
+               if fraction is not None else "")
+        shown = text.strip() if len(text.strip()) <= 60 else text.strip()[:57] + "..."
+        return (f"<td style='padding:0 8px;white-space:nowrap;font-family:monospace'>{bar}"
+                f"{html.escape(shown)}</td>")
 
     @staticmethod
     def _output_html(record: RankRecord, limit: int | None) -> str:
@@ -290,7 +369,10 @@ class StatusPanel(LaunchStatus):
 
     # ------------------------------------------------------------------ display
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
-        return widget_bundle(self._box, self.text())
+        bundle = widget_bundle(self._box, self.text())
+        if self.ok is not None and self.chart.png:  # ended: the chart stays in the saved notebook as an image
+            bundle["image/png"] = base64.b64encode(self.chart.png).decode("ascii")
+        return bundle
 
 
 def status_observer(num_processes: int, *, prefer: Literal["widget", "text"] = "widget",

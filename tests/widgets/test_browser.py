@@ -213,3 +213,50 @@ def test_a_ranks_output_shows_when_opened_while_the_launch_runs(lab):
             raise
         finally:
             browser.close()
+
+
+LIVE_TRAINING = ("%%accel_launch -n 2\n"
+                 "import os, sys, time\n"
+                 "from tqdm.std import tqdm\n"
+                 "from nbaccel import Accelerator\n"
+                 "accelerator = Accelerator()\n"
+                 "for step in tqdm(range(100), desc=f\"rank {os.environ['RANK']}\", file=sys.stderr, mininterval=0.2):\n"
+                 "    accelerator.log({'loss': 1 / (step + 1), 'accuracy': step / 100}, step=step)\n"
+                 "    time.sleep(0.2)\n")
+
+
+@pytest.mark.parametrize("lab", [{"cells": ["%load_ext nbaccel", LIVE_TRAINING]}], indirect=True)
+def test_the_live_chart_and_each_ranks_bar_update_while_the_launch_runs(lab):
+    import re
+
+    from playwright.sync_api import expect, sync_playwright
+
+    url, _, _ = lab
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        page = browser.new_page(viewport={"width": 1280, "height": 1000})
+        try:
+            page.goto(url)
+            page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=60_000)
+            expect(page.get_by_text("Python 3 (ipykernel) | Idle")).to_be_visible(timeout=60_000)
+            _run_cell(page, 0)
+            cell = page.locator(".jp-Notebook .jp-Cell").nth(1)
+            cell.locator(".jp-InputArea-editor").click()
+            page.keyboard.press("Shift+Enter")
+            panel = cell.locator(".nbaccel-status")
+            chart = panel.locator("img.nbaccel-chart")
+            expect(chart).to_be_visible(timeout=30_000)
+            expect(panel.locator("progress.nbaccel-progress")).to_have_count(2, timeout=10_000)  # one bar per rank
+            first = chart.get_attribute("src")
+            expect(chart).not_to_have_attribute("src", first or "", timeout=15_000)  # redrawn with newer records
+            expect(cell.locator(".jp-InputPrompt")).to_have_text(re.compile(r"\[\*\]"))  # still running
+            assert chart.evaluate("img => img.naturalWidth") > 100
+            panel.screenshot(path=str(ARTIFACTS / "live_chart_running.png"))
+            expect(cell.locator(".jp-InputPrompt")).to_have_text(re.compile(r"\[\d+\]"), timeout=90_000)
+            expect(panel.locator(".nbaccel-ranks")).to_contain_text("100/100")
+        except BaseException:
+            page.screenshot(path=str(ARTIFACTS / "browser_failure.png"), full_page=True)
+            raise
+        finally:
+            browser.close()

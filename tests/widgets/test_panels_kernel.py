@@ -58,3 +58,30 @@ def test_launch_status_panel_renders_as_a_widget(kernel):
     panels = [d for d in displays(cell) if WIDGET_VIEW in d]
     assert panels and "[rank1] finished" in panels[-1]["text/plain"]
     assert "[rank0]: step 0" in stream_text(cell)
+
+
+def test_live_chart_is_kept_in_the_saved_notebook_and_the_history_comes_back(kernel):
+    cell = kernel.run("%%accel_launch -n 2 -o sent\nfrom nbaccel import Accelerator\naccelerator = Accelerator()\n"
+                      "for step in range(5):\n    accelerator.log({'loss': 1 / (step + 1)}, step=step)\n"
+                      "sent = accelerator.get_tracker('notebook', unwrap=True)\n")
+    assert error(cell) is None, cell.outputs
+    panels = [d for d in displays(cell) if WIDGET_VIEW in d]
+    assert panels[-1]["image/png"]  # the chart as an image, for nbconvert, GitHub and a reopened notebook
+    assert "logged (5 records" in panels[-1]["text/plain"]
+    cell = kernel.run("import nbaccel\nprint([r['step'] for r in nbaccel.last_run_history()], [r['step'] for r in sent])")
+    assert stream_text(cell).strip() == "[0, 1, 2, 3, 4] [0, 1, 2, 3, 4]"  # the launch's history, and -o's copy
+
+
+def test_tqdm_auto_in_workers_is_one_text_bar_per_rank_in_the_panel(kernel):
+    launch = ("%%accel_launch -n 2\nimport os\nfrom tqdm.auto import tqdm\n"
+              "for _ in tqdm(range(30), desc=f\"rank {os.environ['RANK']}\", mininterval=0):\n    pass\n"
+              "tqdm.__module__")
+    for before in ("", "import tqdm.auto  # the notebook imported it before the launch\n"):
+        if before:
+            assert error(kernel.run(before)) is None
+        cell = kernel.run(launch)
+        assert error(cell) is None, cell.outputs
+        panel = [d for d in displays(cell) if WIDGET_VIEW in d][-1]["text/plain"]
+        assert "progress: rank 0: 100%" in panel and "progress: rank 1: 100%" in panel, panel
+        assert "30/30" in stream_text(cell, "stderr")  # and the text bar in the cell's output
+        assert "tqdm.notebook" not in str([d.get("text/plain") for d in displays(cell)])
