@@ -259,7 +259,8 @@ def single_process_environment() -> dict[str, str]:
 
 
 def apply_environment(values: Mapping[str, str]) -> None:
-    """Set ``values`` in this process's environment (used inside freshly started workers)."""
+    """Set ``values`` in this process's environment (inside freshly started workers, and for a library that
+    reads its switches from there, such as mlflow's file store)."""
     os.environ.update(values)
 
 

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from nbaccel.environment import apply_environment
 from nbaccel.tracking.base import GeneralTracker, on_main_process
 from nbaccel.tracking.values import scalar_or_text
 
@@ -65,7 +66,8 @@ class MLflowTracker(GeneralTracker):
             return self.tracking_uri
         if mlflow.tracking.is_tracking_uri_set() and mlflow.get_tracking_uri() != _chosen_uri:
             return None  # the user's (or MLFLOW_TRACKING_URI's), not one this tracker chose for an earlier run
-        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow's own switch, for its file store
+        if "MLFLOW_ALLOW_FILE_STORE" not in os.environ:  # mlflow's own switch for its file store; the user's wins
+            apply_environment({"MLFLOW_ALLOW_FILE_STORE": "true"})
         _chosen_uri = (Path(self.logging_dir or ".") / "mlruns").resolve().as_uri()
         return _chosen_uri
 
