@@ -25,7 +25,24 @@ from nbaccel.errors import ConfigError
 from nbaccel.hardware import cuda_device_count, tpu_detected
 from nbaccel.identity import WorkerIdentity, current_identity
 
-__all__ = ["ProcessState", "reset_process_state"]
+__all__ = ["AcceleratorState", "GradientState", "PartialState", "ProcessState", "is_initialized", "reset_process_state"]
+
+# Accelerate's ``accelerate.state`` holds these too. They build on this module, so they are loaded
+# on first use (an import here would be a cycle).
+_LATER = {"PartialState": "nbaccel.partial_state", "AcceleratorState": "nbaccel.partial_state",
+          "GradientState": "nbaccel.training.gradient_state"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LATER:
+        import importlib
+
+        return getattr(importlib.import_module(_LATER[name]), name)
+    raise AttributeError(f"module 'nbaccel.state' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LATER))
 
 
 CUDA_WITH_CPU_BACKEND = "cuda:nccl,cpu:gloo"
@@ -197,6 +214,15 @@ class ProcessState:
 
                 dist.barrier()
 
+    @classmethod
+    def _reset_state(cls) -> None:
+        """Forget this process's shared state, as Accelerate's ``PartialState._reset_state()`` does.
+
+        Test suites and libraries call it between cases; the next state made reads the environment
+        again. A joined process group stays joined (as in Accelerate).
+        """
+        reset_process_state()
+
     def __repr__(self) -> str:
         return (f"ProcessState(distributed_type={self.distributed_type!r}, process_index={self.process_index}, "
                 f"num_processes={self.num_processes}, device={self.device}, backend={self.backend!r}, "
@@ -207,3 +233,13 @@ def reset_process_state() -> None:
     """Forget the shared state (called in a fresh worker, which must read its own environment)."""
     _shared.clear()
     _per_replica.clear()
+
+
+def is_initialized() -> bool:
+    """Whether this process's state has been set up (by an ``Accelerator`` or a state object), as in Accelerate.
+
+    Example:
+        >>> reset_process_state(); is_initialized()
+        False
+    """
+    return bool(_state_dict(current_identity()).get("_initialized"))

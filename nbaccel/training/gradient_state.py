@@ -64,6 +64,14 @@ class GradientState:
         """Whether a prepared dataloader is being iterated."""
         return self.active_dataloader is not None
 
+    @classmethod
+    def _reset_state(cls) -> None:
+        """Accelerate's ``GradientState._reset_state()``: here a no-op, since nothing is shared.
+
+        Accelerate keeps one gradient state per process; nbaccel gives each ``Accelerator`` its
+        own, so a new ``Accelerator`` always starts from a fresh one.
+        """
+
     def _set_sync_gradients(self, value: bool) -> None:
         self.sync_gradients = value
         self.is_xla_gradients_synced = False
