@@ -45,6 +45,7 @@ _EXPORTS: dict[str, str] = {
     "DataLoaderShard": "nbaccel.training.data_loader",
     "DeepSpeedPlugin": "nbaccel.training.plugins",
     "DistributedDataParallelKwargs": "nbaccel.training.plugins",
+    "DDPCommunicationHookType": "nbaccel.training.ddp_comm_hooks",
     "DistributedOperationError": "nbaccel.errors",
     "FullyShardedDataParallelPlugin": "nbaccel.training.plugins",
     "GradScalerKwargs": "nbaccel.training.plugins",

@@ -2,7 +2,8 @@
 
 Nothing is defined here; the loaders live in :mod:`nbaccel.training.data_loader`, the samplers
 and dataset shards in :mod:`nbaccel.training.data_sharding`, and ``prepare_data_loader`` /
-``skip_first_batches`` in :mod:`nbaccel.training.loader_preparation`.
+``skip_first_batches`` in :mod:`nbaccel.training.loader_preparation`, ``SkipDataLoader`` in
+:mod:`nbaccel.training.skip_loader`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from nbaccel.training.data_sharding import (
     SkipBatchSampler,
 )
 from nbaccel.training.loader_preparation import prepare_data_loader, skip_first_batches
+from nbaccel.training.skip_loader import SkipDataLoader
 
 __all__ = [
     "BatchSamplerShard",
@@ -23,6 +25,7 @@ __all__ = [
     "IterableDatasetShard",
     "SeedableRandomSampler",
     "SkipBatchSampler",
+    "SkipDataLoader",
     "prepare_data_loader",
     "skip_first_batches",
 ]

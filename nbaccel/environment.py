@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
 
-from nbaccel.distributed_type import DistributedType, as_distributed_type
+from nbaccel.distributed_type import LAUNCHABLE_TYPES, DistributedType, as_distributed_type
 from nbaccel.errors import ConfigError
 
 __all__ = [
@@ -31,8 +31,10 @@ __all__ = [
     "WorkerSettings",
     "apply_environment",
     "child_base_environment",
+    "clear_environment",
     "config_file_path",
     "env_flag",
+    "patch_environment",
     "read_distributed_env",
     "read_worker_settings",
     "settings_from_fields",
@@ -211,7 +213,7 @@ def read_worker_settings(env: Mapping[str, str] | None = None) -> WorkerSettings
                                 get_args(MixedPrecision)),
         use_cpu=env_flag(env, cpu_name),
         distributed_type=_choice(env, f"{_PREFIX}DISTRIBUTED_TYPE", "NO",  # type: ignore[arg-type]
-                                 tuple(t.value for t in DistributedType)),
+                                 tuple(t.value for t in LAUNCHABLE_TYPES)),
         num_machines=_int(env, f"{_PREFIX}NUM_MACHINES", 1),
         fsdp_config=_json(env, f"{_PREFIX}FSDP_CONFIG"),
         deepspeed_config=_json(env, f"{_PREFIX}DEEPSPEED_CONFIG"),
@@ -276,6 +278,37 @@ def temporary_environment(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextmanager
+def patch_environment(**kwargs: object) -> Iterator[None]:
+    """Accelerate's ``patch_environment``: set ``KEY=str(value)`` (keys upper-cased) for the block, then restore.
+
+    Example:
+        >>> with patch_environment(nbaccel_example=1):
+        ...     os.environ["NBACCEL_EXAMPLE"]
+        '1'
+    """
+    with temporary_environment({key.upper(): str(value) for key, value in kwargs.items()}):
+        yield
+
+
+@contextmanager
+def clear_environment() -> Iterator[None]:
+    """Accelerate's ``clear_environment``: run the block with an empty ``os.environ``, then restore it whole.
+
+    Example:
+        >>> with clear_environment():
+        ...     len(os.environ)
+        0
+    """
+    saved = dict(os.environ)
+    os.environ.clear()
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def child_base_environment() -> dict[str, str]:

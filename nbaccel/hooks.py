@@ -16,13 +16,24 @@ from nbaccel.big_modeling.hooks import (
     add_hook_to_module,
     remove_hook_from_module,
 )
+from nbaccel.big_modeling.hook_attach import (
+    attach_align_device_hook,
+    attach_execution_device_hook,
+    remove_hook_from_submodules,
+)
+from nbaccel.big_modeling.layerwise_casting import LayerwiseCastingHook, attach_layerwise_casting_hooks
 
 __all__ = [
     "AlignDevicesHook",
     "CpuOffload",
+    "LayerwiseCastingHook",
     "ModelHook",
     "SequentialHook",
     "UserCpuOffloadHook",
     "add_hook_to_module",
+    "attach_align_device_hook",
+    "attach_execution_device_hook",
+    "attach_layerwise_casting_hooks",
     "remove_hook_from_module",
+    "remove_hook_from_submodules",
 ]

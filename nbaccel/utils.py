@@ -15,6 +15,17 @@ from nbaccel.big_modeling.device_map import (
 from nbaccel.big_modeling.loading import (
     load_checkpoint_in_model,
 )
+from nbaccel.big_modeling.module_state import (
+    align_module_device,
+    clean_device_map,
+    compute_module_total_buffer_size,
+    extract_submodules_state_dict,
+    get_module_size_with_ties,
+    get_non_persistent_buffers,
+    get_state_dict_offloaded_model,
+    has_offloaded_params,
+    retie_parameters,
+)
 from nbaccel.big_modeling.offload import (
     OffloadedWeightsLoader,
     PrefixedDataset,
@@ -39,11 +50,24 @@ from nbaccel.big_modeling.tensors import (
 from nbaccel.distributed_type import (
     DistributedType,
 )
+from nbaccel.environment import (
+    clear_environment,
+    patch_environment,
+)
 from nbaccel.errors import (
     DistributedOperationException,
 )
 from nbaccel.file_size import (
     convert_file_size_to_int,
+)
+from nbaccel.hardware import (
+    check_os_kernel,
+)
+from nbaccel.nested_data import (
+    convert_to_fp32,
+    is_namedtuple,
+    listify,
+    pad_input_tensors,
 )
 from nbaccel.ops import (
     broadcast,
@@ -57,6 +81,12 @@ from nbaccel.ops import (
     reduce,
     send_to_device,
     slice_tensors,
+)
+from nbaccel.tensor_copy import (
+    copy_tensor_to_devices,
+)
+from nbaccel.training.ddp_comm_hooks import (
+    DDPCommunicationHookType,
 )
 from nbaccel.training.memory import (
     find_executable_batch_size,
@@ -80,9 +110,16 @@ from nbaccel.training.random import (
     set_seed,
     synchronize_rng_states,
 )
+from nbaccel.training.saving import (
+    save,
+)
+from nbaccel.training.unwrap import (
+    extract_model_from_parallel,
+)
 
 __all__ = [
     "AutocastKwargs",
+    "DDPCommunicationHookType",
     "DataLoaderConfiguration",
     "DeepSpeedPlugin",
     "DistributedDataParallelKwargs",
@@ -96,14 +133,23 @@ __all__ = [
     "OffloadedWeightsLoader",
     "PrefixedDataset",
     "ProjectConfiguration",
+    "align_module_device",
     "broadcast",
     "broadcast_object_list",
     "check_device_map",
+    "check_os_kernel",
+    "clean_device_map",
+    "clear_environment",
     "compute_module_sizes",
+    "compute_module_total_buffer_size",
     "concatenate",
     "convert_file_size_to_int",
     "convert_outputs_to_fp32",
+    "convert_to_fp32",
+    "copy_tensor_to_devices",
     "dtype_byte_size",
+    "extract_model_from_parallel",
+    "extract_submodules_state_dict",
     "find_batch_size",
     "find_device",
     "find_executable_batch_size",
@@ -113,15 +159,25 @@ __all__ = [
     "get_balanced_memory",
     "get_max_layer_size",
     "get_max_memory",
+    "get_module_size_with_ties",
+    "get_non_persistent_buffers",
+    "get_state_dict_offloaded_model",
+    "has_offloaded_params",
     "infer_auto_device_map",
+    "is_namedtuple",
+    "listify",
     "load_checkpoint_in_model",
     "load_offloaded_weight",
     "named_module_tensors",
     "offload_state_dict",
     "offload_weight",
     "pad_across_processes",
+    "pad_input_tensors",
+    "patch_environment",
     "recursively_apply",
     "reduce",
+    "retie_parameters",
+    "save",
     "save_offload_index",
     "send_to_device",
     "set_module_tensor_to_device",

@@ -53,10 +53,11 @@ from nbaccel.training.preparation import PrepareHelpers
 from nbaccel.training.prepared import PreparedObjects, RegistryView
 from nbaccel.training.process_helpers import ProcessHelpers
 from nbaccel.training.unwrap import unwrap_model
+from nbaccel.training.uneven_inputs import UnevenInputs
 
 __all__ = ["Accelerator"]
 
-class Accelerator(PrepareHelpers, ProcessHelpers, CheckpointHelpers):
+class Accelerator(PrepareHelpers, ProcessHelpers, CheckpointHelpers, UnevenInputs):
     """Accelerate's ``Accelerator``: one object that makes a training loop distributed.
 
     Args:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from nbaccel.errors import ConfigError
+from nbaccel.training.ddp_comm_hooks import DDPCommunicationHookType, as_comm_hook_type, register_comm_hook
 
 __all__ = [
     "AutocastKwargs",
@@ -71,6 +72,21 @@ class DistributedDataParallelKwargs(KwargsHandler):
     check_reduction: bool = False
     gradient_as_bucket_view: bool = False
     static_graph: bool = False
+    comm_hook: DDPCommunicationHookType = DDPCommunicationHookType.NO
+    comm_wrapper: DDPCommunicationHookType = DDPCommunicationHookType.NO
+    comm_state_option: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.comm_hook = as_comm_hook_type(self.comm_hook, "comm_hook")
+        self.comm_wrapper = as_comm_hook_type(self.comm_wrapper, "comm_wrapper")
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """The changed DDP constructor arguments (the ``comm_*`` fields go to :meth:`register_comm_hook`)."""
+        return {k: v for k, v in super().to_kwargs().items() if not k.startswith("comm_")}
+
+    def register_comm_hook(self, model: Any) -> None:
+        """Register ``comm_hook`` (wrapped by ``comm_wrapper``) on the DDP ``model``, as Accelerate does."""
+        register_comm_hook(model, self.comm_hook, self.comm_wrapper, self.comm_state_option)
 
 
 @dataclass
