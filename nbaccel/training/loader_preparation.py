@@ -24,6 +24,7 @@ from nbaccel.training.data_sharding import (
     SkipBatchSampler,
 )
 from nbaccel.training.gradient_state import GradientState
+from nbaccel.training.loader_options import config_from_options
 from nbaccel.training.plugins import DataLoaderConfiguration
 
 __all__ = ["prepare_data_loader", "skip_first_batches"]
@@ -66,32 +67,52 @@ def _seedable(sampler: RandomSampler, config: DataLoaderConfiguration) -> Seedab
                                  num_samples=sampler._num_samples, initial_seed=seed)
 
 
-def prepare_data_loader(dataloader: DataLoader, device: torch.device | None = None, num_processes: int = 1,
-                        process_index: int = 0, config: DataLoaderConfiguration | None = None,
-                        gradient_state: GradientState | None = None) -> DataLoaderShard:
+def prepare_data_loader(dataloader: DataLoader, device: torch.device | None = None, num_processes: int | None = None,
+                        process_index: int | None = None, config: DataLoaderConfiguration | None = None,
+                        gradient_state: GradientState | None = None, *, put_on_device: bool | None = None,
+                        **accelerate_options: Any) -> DataLoaderShard:
     """Rebuild ``dataloader`` so this process reads its share of the batches, on ``device``.
+
+    Takes Accelerate's arguments too: ``split_batches``, ``even_batches``, ``dispatch_batches``,
+    ``non_blocking``, ``use_seedable_sampler``, ``data_seed`` (the fields of
+    :class:`DataLoaderConfiguration`, given one by one instead of ``config``), ``put_on_device``,
+    and ``rng_types``, ``slice_fn_for_dispatch``, ``use_stateful_dataloader``,
+    ``torch_device_mesh`` when left at their defaults.
 
     Args:
         dataloader: the original loader (left unchanged).
         device: where batches go (``None`` leaves them where the loader puts them).
-        num_processes: processes sharing the data.
-        process_index: this process's rank.
+        num_processes: processes sharing the data (default: this job's, as in Accelerate).
+        process_index: this process's rank (default: this process's).
         config: splitting, padding, dispatching and seeding choices.
         gradient_state: the accelerator's state, told when the last batch comes.
+        put_on_device: ``False`` leaves batches where the loader puts them even with a
+            ``device``. Differs from Accelerate: ``None`` (the default) moves them when a
+            ``device`` is given (Accelerate moves them only with ``put_on_device=True``).
+        **accelerate_options: Accelerate's loader options, listed above.
 
     Returns:
         A :class:`DataLoaderShard` (or :class:`DataLoaderDispatcher`).
 
     Raises:
         ConfigError: ``split_batches`` with a batch size not divisible by ``num_processes``, or
-            ``even_batches`` with a batch sampler that has no batch size.
+            ``even_batches`` with a batch sampler that has no batch size; an option given both
+            in ``config`` and by name; an unknown option, or one nbaccel does not support.
 
     Example:
         >>> loader = prepare_data_loader(DataLoader(range(8), batch_size=2), num_processes=2, process_index=0)
         >>> [b.tolist() for b in loader]
         [[0, 1], [4, 5]]
     """
-    config = config or DataLoaderConfiguration()
+    config = config_from_options(config, accelerate_options)
+    if num_processes is None or process_index is None:
+        from nbaccel.state import ProcessState
+
+        state = ProcessState()
+        num_processes = state.num_processes if num_processes is None else num_processes
+        process_index = state.process_index if process_index is None else process_index
+    if put_on_device is False:
+        device = None
     dataset = dataloader.dataset
     iterable = isinstance(dataset, IterableDataset)
     dispatch = config.dispatch_batches if config.dispatch_batches is not None else (iterable and num_processes > 1)

@@ -104,7 +104,6 @@ SIGNATURE_DIFFERS: dict[str, str] = {
     "attach_execution_device_hook": "no tied_params_map: dispatch loads a tied weight once",
     "DataLoaderDispatcher": "built by prepare_data_loader: num_processes, process_index, even_batches are required",
     "SeedableRandomSampler": "data_source is required (Accelerate passes it through **kwargs)",
-    "prepare_data_loader": "takes a DataLoaderConfiguration as `config=` instead of its fields one by one",
 }
 """Callables whose parameters differ from Accelerate's, with the reason."""
 
