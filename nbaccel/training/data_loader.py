@@ -87,7 +87,11 @@ class DataLoaderShard(DataLoader):
     def _apply_epoch(self, epoch: int) -> None:
         sampler = getattr(self.batch_sampler, "sampler", None)
         inner = getattr(sampler, "sampler", sampler)  # SkipBatchSampler -> BatchSamplerShard -> sampler
-        for target in {id(o): o for o in (sampler, inner, self.dataset) if o is not None}.values():
+        batch_samplers, b = [], self.batch_sampler  # the user's own batch sampler too, under nbaccel's wrappers
+        while b is not None and len(batch_samplers) < 4:
+            batch_samplers.append(b)
+            b = getattr(b, "batch_sampler", None)
+        for target in {id(o): o for o in (*batch_samplers, sampler, inner, self.dataset) if o is not None}.values():
             if hasattr(target, "set_epoch"):
                 target.set_epoch(epoch)
 

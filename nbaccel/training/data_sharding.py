@@ -22,23 +22,38 @@ __all__ = ["BatchSamplerShard", "IterableDatasetShard", "SeedableRandomSampler",
 class SeedableRandomSampler(RandomSampler):
     """A ``RandomSampler`` whose order depends only on ``initial_seed + epoch`` (same on every rank).
 
+    Built as Accelerate's: ``SeedableRandomSampler(data_source, generator=..., data_seed=...)``;
+    the seed defaults to ``torch.initial_seed()`` (what ``set_seed`` set), and each full pass
+    moves to the next epoch, so passes differ even without ``set_epoch``.
+
+    Args:
+        data_source: the dataset.
+        replacement: draw with replacement.
+        num_samples: samples per pass (default: the dataset's length).
+        generator: the generator reseeded for each pass (a new one when ``None``).
+        data_seed: the seed of epoch 0.
+        initial_seed: nbaccel's earlier name for ``data_seed``.
+
     Example:
-        >>> s = SeedableRandomSampler(range(4), initial_seed=1)
-        >>> list(s) == list(s)   # re-iterating without set_epoch repeats the order
-        True
+        >>> s = SeedableRandomSampler(range(4), data_seed=1)
+        >>> first = list(s); list(s) != first, (s.set_epoch(0), list(s))[1] == first
+        (True, True)
     """
 
     def __init__(self, data_source: Any, replacement: bool = False, num_samples: int | None = None,
-                 initial_seed: int = 42) -> None:
+                 generator: torch.Generator | None = None, data_seed: int | None = None,
+                 initial_seed: int | None = None) -> None:
         super().__init__(data_source, replacement=replacement, num_samples=num_samples,
-                         generator=torch.Generator())
-        self.initial_seed = initial_seed
+                         generator=generator if generator is not None else torch.Generator())
+        seed = data_seed if data_seed is not None else initial_seed
+        self.initial_seed = seed if seed is not None else torch.initial_seed()
         self.epoch = 0
 
     def __iter__(self) -> Iterator[int]:
         assert self.generator is not None
         self.generator.manual_seed(self.initial_seed + self.epoch)
         yield from super().__iter__()
+        self.set_epoch(self.epoch + 1)
 
     def set_epoch(self, epoch: int) -> None:
         """Use the order of ``epoch``."""
