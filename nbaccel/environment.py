@@ -217,7 +217,7 @@ def read_worker_settings(env: Mapping[str, str] | None = None) -> WorkerSettings
         num_machines=_int(env, f"{_PREFIX}NUM_MACHINES", 1),
         fsdp_config=_json(env, f"{_PREFIX}FSDP_CONFIG"),
         deepspeed_config=_json(env, f"{_PREFIX}DEEPSPEED_CONFIG"),
-        debug=env_flag(env, f"{_PREFIX}DEBUG"),
+        debug=env_flag(env, f"{_PREFIX}DEBUG") or env_flag(env, "ACCELERATE_DEBUG_MODE"),
         launched=env_flag(env, _LAUNCHED),
     )
 

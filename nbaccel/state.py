@@ -113,6 +113,7 @@ class ProcessState:
             settings = read_worker_settings()
             dist = identity
             self.settings = settings
+            self.debug = settings.debug  # Accelerate's PartialState().debug: shape checks in collectives
             self.use_cpu = bool(cpu or settings.use_cpu)
             self.process_index = dist.rank if dist else 0
             self.local_process_index = dist.local_rank if dist else 0
