@@ -110,14 +110,16 @@ def as_torch_device(device: Device) -> torch.device:
     return torch.device(device)
 
 
-def named_module_tensors(module: nn.Module, include_buffers: bool = True,
-                         recurse: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def named_module_tensors(module: nn.Module, include_buffers: bool = True, recurse: bool = False,
+                         remove_non_persistent: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """A module's parameters (and buffers), by every name they have (tied ones under each).
 
     Args:
         module: the module.
         include_buffers: also list buffers.
         recurse: also list the tensors of submodules.
+        remove_non_persistent: leave out buffers registered with ``persistent=False`` (those a
+            state dict does not hold).
 
     Returns:
         An iterator of ``(name, tensor)``.
@@ -128,7 +130,11 @@ def named_module_tensors(module: nn.Module, include_buffers: bool = True,
     """
     yield from module.named_parameters(recurse=recurse, remove_duplicate=False)
     if include_buffers:
-        yield from module.named_buffers(recurse=recurse, remove_duplicate=False)
+        skip: set[str] = set()
+        if remove_non_persistent:
+            modules = module.named_modules() if recurse else [("", module)]
+            skip = {f"{prefix}.{b}" if prefix else b for prefix, sub in modules for b in sub._non_persistent_buffers_set}
+        yield from ((n, b) for n, b in module.named_buffers(recurse=recurse, remove_duplicate=False) if n not in skip)
 
 
 def find_device(data: Any) -> torch.device | None:

@@ -25,8 +25,8 @@ class GradientState:
         (2, True)
     """
 
-    def __init__(self, plugin: GradientAccumulationPlugin | None = None) -> None:
-        self.plugin = plugin or GradientAccumulationPlugin()
+    def __init__(self, gradient_accumulation_plugin: GradientAccumulationPlugin | None = None) -> None:
+        self.plugin = gradient_accumulation_plugin or GradientAccumulationPlugin()
         self.sync_gradients = True
         self.active_dataloader: Any = None
         self.dataloader_references: list[Any] = [None]

@@ -85,11 +85,11 @@ def _to_fp32(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor
 
 
-def convert_outputs_to_fp32(forward: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap ``forward`` so half-precision tensors in its output come back as float32."""
-    @functools.wraps(forward)
+def convert_outputs_to_fp32(model_forward: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``model_forward`` so half-precision tensors in its output come back as float32."""
+    @functools.wraps(model_forward)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        return recursively_apply(_to_fp32, forward(*args, **kwargs))
+        return recursively_apply(_to_fp32, model_forward(*args, **kwargs))
 
     return wrapped
 

@@ -276,3 +276,18 @@ def reset_states(lib: str) -> list:
 def test_reset_state_forgets_the_process_state():
     theirs, ours = both(reset_states)
     assert ours == theirs == [False, True, True]
+
+
+def tensors_listed(lib: str) -> list:
+    model = nn.Sequential(nn.BatchNorm1d(2))
+    model[0].register_buffer("mask", torch.ones(2), persistent=False)
+    model.register_buffer("top", torch.ones(1), persistent=False)
+    u = utils(lib)
+    return [[n for n, _ in u.named_module_tensors(model[0], remove_non_persistent=flag)] for flag in (False, True)] + [
+        [n for n, _ in u.named_module_tensors(model, recurse=False, remove_non_persistent=True)]]
+
+
+def test_named_module_tensors_can_leave_out_non_persistent_buffers():
+    theirs, ours = both(tensors_listed)
+    assert ours == theirs
+    assert "mask" in ours[0] and "mask" not in ours[1] and ours[2] == []
