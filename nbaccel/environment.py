@@ -126,6 +126,7 @@ def worker_environment(settings: WorkerSettings, dist: DistributedEnv | None = N
     env = {
         _LAUNCHED: "1" if settings.launched else "0",
         f"{_PREFIX}MIXED_PRECISION": settings.mixed_precision,
+        "ACCELERATE_MIXED_PRECISION": settings.mixed_precision,  # what Accelerate's own code in a worker reads
         f"{_PREFIX}USE_CPU": "1" if settings.use_cpu else "0",
         f"{_PREFIX}DISTRIBUTED_TYPE": str(settings.distributed_type),
         f"{_PREFIX}NUM_MACHINES": str(settings.num_machines),
