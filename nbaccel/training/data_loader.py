@@ -67,14 +67,23 @@ class DataLoaderShard(DataLoader):
         self.reseeded_sampler = reseeded_sampler
         self.end_of_dataloader = False
         self.remainder = -1
-        self.iteration = 0
         self._epoch_owner: DataLoaderShard = self
+        self._iteration = 0
         self._in_progress = False
         self._start_generator_state: torch.Tensor | None = None
         self._start_rng_state: torch.Tensor | None = None
         self._replay_rng_state: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ epochs and state
+    @property
+    def iteration(self) -> int:
+        """The epoch number; a loader from :func:`skip_first_batches` shares its source's (the same count)."""
+        return self._epoch_owner._iteration
+
+    @iteration.setter
+    def iteration(self, value: int) -> None:
+        self._epoch_owner._iteration = value
+
     def set_epoch(self, epoch: int) -> None:
         """Use epoch ``epoch``'s shuffling order (forwarded to samplers and datasets that take one).
 
