@@ -25,7 +25,7 @@ from nbaccel.big_modeling.sizes import (
     find_tied_parameters,
     get_balanced_memory,
     get_max_layer_size,
-    get_max_memory,
+    planning_budget,
     tensor_size,
 )
 from nbaccel.big_modeling.tensors import Device
@@ -90,7 +90,7 @@ def infer_auto_device_map(model: nn.Module, max_memory: MaxMemory | None = None,
         dtype = getattr(torch, dtype.removeprefix("torch."))
     if isinstance(no_split_module_classes, str):
         no_split_module_classes = [no_split_module_classes]
-    planner = _Planner(model, get_max_memory(max_memory), list(no_split_module_classes or ()),
+    planner = _Planner(model, planning_budget(max_memory), list(no_split_module_classes or ()),
                        dtype, dict(special_dtypes or {}), fallback_allocation, verbose)
     reserve, held = False, 0
     while True:

@@ -291,3 +291,22 @@ def test_named_module_tensors_can_leave_out_non_persistent_buffers():
     theirs, ours = both(tensors_listed)
     assert ours == theirs
     assert "mask" in ours[0] and "mask" not in ours[1] and ours[2] == []
+
+
+def planned(lib: str) -> dict:
+    u = utils(lib)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)])
+    budget = {0: 2500, 1: 2500, "cpu": 3000}
+    balanced = u.get_balanced_memory(model, max_memory={0: "10KB", 1: "10KB", "cpu": "1MB"})
+    return {"map": dict(u.infer_auto_device_map(model, max_memory=budget)), "balanced": balanced}
+
+
+def test_a_device_map_is_planned_for_gpus_this_machine_does_not_have():
+    """Planning is arithmetic: a CPU-only machine plans the map for the GPUs the model will run on."""
+    theirs, ours = both(planned)
+    assert ours == theirs
+    assert ours["map"]["0"] == 0 and ours["map"]["1"] == 1 and "cpu" in ours["map"].values()
+    if torch.cuda.device_count() == 0:
+        with pytest.raises(ConfigError, match="visible GPU"):  # a budget for this machine still checks
+            utils("nbaccel").get_max_memory({0: "1GiB"})
