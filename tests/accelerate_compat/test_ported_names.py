@@ -310,3 +310,22 @@ def test_a_device_map_is_planned_for_gpus_this_machine_does_not_have():
     if torch.cuda.device_count() == 0:
         with pytest.raises(ConfigError, match="visible GPU"):  # a budget for this machine still checks
             utils("nbaccel").get_max_memory({0: "1GiB"})
+
+
+def meta_moves(lib: str) -> list:
+    u = utils(lib)
+    model = nn.Linear(2, 2)
+    u.set_module_tensor_to_device(model, "weight", "meta")
+    u.set_module_tensor_to_device(model, "weight", "cpu", value=torch.ones(2, 2))
+    seen = [model.weight.device.type, model.weight.sum().item(), type(model.weight).__name__]
+    u.set_module_tensor_to_device(model, "bias", "meta")
+    try:
+        u.set_module_tensor_to_device(model, "bias", "cpu")
+    except ValueError:
+        seen.append("ValueError")
+    return seen
+
+
+def test_a_meta_tensor_moves_back_with_a_value_and_without_one_is_a_value_error():
+    theirs, ours = both(meta_moves)
+    assert ours == theirs == ["cpu", 4.0, "Parameter", "ValueError"]
