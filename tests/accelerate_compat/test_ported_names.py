@@ -329,3 +329,17 @@ def meta_moves(lib: str) -> list:
 def test_a_meta_tensor_moves_back_with_a_value_and_without_one_is_a_value_error():
     theirs, ours = both(meta_moves)
     assert ours == theirs == ["cpu", 4.0, "Parameter", "ValueError"]
+
+
+def test_unexpected_checkpoint_keys_are_reported_as_in_accelerate(tmp_path, caplog):
+    from safetensors.torch import save_file
+
+    state = {k: v.contiguous() for k, v in nn.Linear(2, 2).state_dict().items()} | {"extra.weight": torch.ones(1)}
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    theirs, ours = nn.Linear(2, 2), nn.Linear(2, 2)
+    with caplog.at_level("WARNING"):
+        utils("accelerate").load_checkpoint_in_model(theirs, tmp_path / "model.safetensors")
+    assert "extra.weight" in caplog.text  # Accelerate logs it
+    with pytest.warns(UserWarning, match=r"extra\.weight"):  # nbaccel warns
+        utils("nbaccel").load_checkpoint_in_model(ours, tmp_path / "model.safetensors")
+    assert torch.equal(ours.weight, theirs.weight) and torch.equal(ours.weight, state["weight"])
