@@ -338,7 +338,7 @@ def test_unexpected_checkpoint_keys_are_reported_as_in_accelerate(tmp_path, capl
     save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
     theirs, ours = nn.Linear(2, 2), nn.Linear(2, 2)
     with caplog.at_level("WARNING"):
-        utils("accelerate").load_checkpoint_in_model(theirs, tmp_path / "model.safetensors")
+        utils("accelerate").load_checkpoint_in_model(theirs, str(tmp_path / "model.safetensors"))
     assert "extra.weight" in caplog.text  # Accelerate logs it
     with pytest.warns(UserWarning, match=r"extra\.weight"):  # nbaccel warns
         utils("nbaccel").load_checkpoint_in_model(ours, tmp_path / "model.safetensors")
