@@ -91,7 +91,6 @@ SIGNATURE_DIFFERS: dict[str, str] = {
     "Accelerator": "no deepspeed_plugins / dynamo / megatron_lm / parallelism_config / torch_tp_plugin (see NOT_HERE)",
     "AcceleratorState": "one state per process; training settings (mixed_precision, plugins) live on the Accelerator",
     "DeepSpeedPlugin": "no NVMe offload paths, MoE classes, zero3_init_flag, zero3_save_16bit_model (set them in the config)",
-    "FullyShardedDataParallelPlugin": "FSDP2 only: FSDP1 options (sharding_strategy, backward_prefetch, ...) are not taken",
     "InitProcessGroupKwargs": "no init_method: workers always join through env://",
     "gather_object": "the argument is called `obj` (Accelerate: `object`)",
     "set_module_tensor_to_device": "no fp16_statistics (bitsandbytes), tied_params_map, clear_cache, non_blocking",
