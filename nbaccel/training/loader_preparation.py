@@ -125,6 +125,8 @@ def prepare_data_loader(dataloader: DataLoader, device: torch.device | None = No
         return _prepare_dispatcher(dataloader, num_processes, process_index, config, common | kwargs)
     if iterable:
         return _prepare_iterable(dataloader, num_processes, process_index, config, common | kwargs)
+    if dataloader.batch_sampler is None and isinstance(dataloader.sampler, BatchSampler):
+        return _prepare_sampler_of_batches(dataloader, num_processes, process_index, config, common | kwargs)
     sampler = dataloader.batch_sampler.sampler if hasattr(dataloader.batch_sampler, "sampler") else dataloader.sampler
     if isinstance(sampler, RandomSampler) and config.use_seedable_sampler:
         sampler = _seedable(sampler, config)
@@ -144,6 +146,19 @@ def prepare_data_loader(dataloader: DataLoader, device: torch.device | None = No
     return DataLoaderShard(dataset, batch_sampler=batch_sampler, total_batch_size=total, sync_generator=generator,
                            source_drop_last=dataloader.drop_last, draws_global_rng=dataloader.generator is None,
                            reseeded_sampler=reseeded, **common, **kwargs)
+
+
+def _prepare_sampler_of_batches(dataloader: DataLoader, num_processes: int, process_index: int,
+                                config: DataLoaderConfiguration, kwargs: dict[str, Any]) -> DataLoaderShard:
+    """``DataLoader(ds, sampler=BatchSampler(...), batch_size=None)``: the dataset reads whole batches; shard those."""
+    batches: Any = dataloader.sampler
+    if num_processes > 1:
+        batches = BatchSamplerShard(batches, num_processes=num_processes, process_index=process_index,
+                                    split_batches=config.split_batches, even_batches=config.even_batches)
+    size = getattr(batches, "batch_size", None)
+    total = size if config.split_batches else (size * num_processes if size else None)
+    return DataLoaderShard(dataloader.dataset, sampler=batches, batch_size=None, total_batch_size=total,
+                           source_drop_last=getattr(dataloader.sampler, "drop_last", False), **kwargs)
 
 
 def _prepare_iterable(dataloader: DataLoader, num_processes: int, process_index: int,
