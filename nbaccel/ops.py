@@ -213,10 +213,10 @@ def _gather_one(tensor: torch.Tensor) -> torch.Tensor:
     return out.to(home)
 
 
-def gather_object(obj: Any) -> Any:
+def gather_object(object: Any) -> Any:  # noqa: A002 - Accelerate's parameter name
     """Gather picklable objects from every process into one flat list, as Accelerate does.
 
-    In one process ``obj`` comes back unchanged. With several, each process's ``obj`` is
+    In one process ``object`` comes back unchanged. With several, each process's ``object`` is
     flattened one level (a list, tuple, tensor rows, any iterable) and the pieces are joined in
     rank order; a string, a mapping or a non-iterable counts as one item.
 
@@ -226,8 +226,8 @@ def gather_object(obj: Any) -> Any:
     """
     world = _world()
     if world == 1:
-        return obj
-    items = _as_items(obj)
+        return object
+    items = _as_items(object)
     if _xla_device_in_use():
         import torch_xla.core.xla_model as xm
 

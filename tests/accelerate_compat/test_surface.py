@@ -92,7 +92,6 @@ SIGNATURE_DIFFERS: dict[str, str] = {
     "AcceleratorState": "one state per process; training settings (mixed_precision, plugins) live on the Accelerator",
     "DeepSpeedPlugin": "no NVMe offload paths, MoE classes, zero3_init_flag, zero3_save_16bit_model (set them in the config)",
     "InitProcessGroupKwargs": "no init_method: workers always join through env://",
-    "gather_object": "the argument is called `obj` (Accelerate: `object`)",
     "set_module_tensor_to_device": "no fp16_statistics (bitsandbytes), tied_params_map, clear_cache, non_blocking",
     "slice_tensors": "no num_processes / process_index (XLA-only in Accelerate)",
     "AlignDevicesHook": "no tied_params_map: dispatch loads a tied weight once",
