@@ -223,12 +223,20 @@ class DataLoaderDispatcher(DataLoaderShard):
     """Rank 0 reads each global batch and every rank keeps its slice (``dispatch_batches=True``).
 
     Useful when the data source can only be read once (a stream), or reading is expensive.
-    Without ``split_batches`` rank 0 reads ``num_processes`` batches per step.
+    Without ``split_batches`` rank 0 reads ``num_processes`` batches per step. Built by hand as
+    in Accelerate (``DataLoaderDispatcher(dataset, batch_size=...)``), it takes the job's
+    process count and rank.
     """
 
-    def __init__(self, dataset: Any, *, num_processes: int, process_index: int, split_batches: bool,
-                 even_batches: bool, **kwargs: Any) -> None:
+    def __init__(self, dataset: Any, *, num_processes: int | None = None, process_index: int | None = None,
+                 split_batches: bool = False, even_batches: bool = True, **kwargs: Any) -> None:
         super().__init__(dataset, **kwargs)
+        if num_processes is None or process_index is None:
+            from nbaccel.state import ProcessState
+
+            state = ProcessState()
+            num_processes = state.num_processes if num_processes is None else num_processes
+            process_index = state.process_index if process_index is None else process_index
         self.num_processes = num_processes
         self.process_index = process_index
         self.split_batches = split_batches

@@ -162,3 +162,16 @@ def test_save_writes_from_the_main_process_only(tmp_path):
     for library in ("nbaccel", "accelerate"):
         launch(saved_once, 2, library, str(tmp_path))
         assert torch.load(tmp_path / f"{library}.pt") == {"rank": 0}
+
+
+def dispatched(library: str) -> list:
+    lib = _fresh(library)
+    lib.PartialState(cpu=True)
+    loader = importlib.import_module(f"{library}.data_loader").DataLoaderDispatcher(list(range(12)), batch_size=2)
+    return [b.tolist() for b in loader]
+
+
+def test_a_data_loader_dispatcher_built_by_hand_matches():
+    ours, theirs = launch(dispatched, 2, "nbaccel"), launch(dispatched, 2, "accelerate")
+    assert ours == theirs
+    assert ours[0] == [[0, 1], [4, 5], [8, 9]] and ours[1] == [[2, 3], [6, 7], [10, 11]]

@@ -97,7 +97,6 @@ SIGNATURE_DIFFERS: dict[str, str] = {
     "AlignDevicesHook": "no tied_params_map: dispatch loads a tied weight once",
     "attach_align_device_hook": "no tied_params_map: dispatch loads a tied weight once",
     "attach_execution_device_hook": "no tied_params_map: dispatch loads a tied weight once",
-    "DataLoaderDispatcher": "built by prepare_data_loader: num_processes, process_index, even_batches are required",
     "SeedableRandomSampler": "names RandomSampler's parameters (Accelerate passes them through *args, **kwargs)",
 }
 """Callables whose parameters differ from Accelerate's, with the reason."""
