@@ -23,6 +23,7 @@ _EXPORTS: dict[str, str] = {
     "PayloadPicklingError": "nbaccel.errors",
     "ProcessExitedError": "nbaccel.errors",
     "WorkerFailedError": "nbaccel.errors",
+    "is_rich_available": "nbaccel.availability",
     "load_config": "nbaccel.config",
     "save_config": "nbaccel.config",
     # launching

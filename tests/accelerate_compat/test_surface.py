@@ -33,7 +33,6 @@ _FSDP = "FSDP1-era and FSDP2 internals: nbaccel shards with FSDP2 inside Acceler
 _LAUNCH = "Accelerate's CLI / SageMaker / TPU-pod launch internals: nbaccel launches with its own launcher and config"
 _TRACKERS = "experiment trackers (init_trackers / log): not in nbaccel yet"
 _COMPILE = "torch.compile regions, dynamo plugin and profiler kwargs: not supported by nbaccel's Accelerator yet"
-_PROBES = "availability probes for optional packages and devices: not ported yet (use importlib.util.find_spec)"
 _LATER = "not ported yet"
 
 NOT_HERE: dict[str, str] = {
@@ -52,7 +51,7 @@ NOT_HERE: dict[str, str] = {
     **dict.fromkeys("ParallelismConfig TorchContextParallelConfig TorchTensorParallelConfig TorchTensorParallelPlugin "
                     "get_model_tp_size model_has_dtensor".split(), _PARALLEL),
     **dict.fromkeys("DeepSpeedSequenceParallelConfig GatheredParameters compile_regions_deepspeed deepspeed_required "
-                    "prepare_deepspeed_cmd_env is_deepspeed_available".split(), _DEEPSPEED),
+                    "prepare_deepspeed_cmd_env".split(), _DEEPSPEED),
     **dict.fromkeys("fsdp2_apply_ac fsdp2_canonicalize_names fsdp2_load_full_state_dict fsdp2_prepare_model "
                     "fsdp2_switch_optimizer_parameters get_fsdp2_grad_scaler load_fsdp_model load_fsdp_optimizer "
                     "save_fsdp_model save_fsdp_optimizer merge_fsdp_weights disable_fsdp_ram_efficient_loading "
@@ -67,12 +66,6 @@ NOT_HERE: dict[str, str] = {
                     "is_wandb_available".split(), _TRACKERS),
     **dict.fromkeys("ProfileKwargs DynamoBackend TorchDynamoPlugin compile_regions has_compiled_regions "
                     "is_compiled_module".split(), _COMPILE),
-    **dict.fromkeys("is_cuda_available is_mps_available is_bf16_available is_fp16_available is_torch_xla_available "
-                    "is_datasets_available is_transformers_available is_peft_available is_peft_model is_timm_available "
-                    "is_torchvision_available is_pandas_available is_matplotlib_available is_pynvml_available "
-                    "is_pytest_available is_rich_available is_schedulefree_available is_lomo_available "
-                    "is_import_timer_available is_torchdata_available is_torchdata_stateful_dataloader_available "
-                    "is_triton_available is_torch_version compare_versions".split(), _PROBES),
     **dict.fromkeys("CannotPadNestedTensorWarning CustomDtype PrecisionType RNGType TensorInformation "
                     "are_libraries_initialized attach_align_device_hook_on_blocks calculate_maximum_sizes "
                     "check_tied_parameters_in_config check_tied_parameters_on_same_device "
