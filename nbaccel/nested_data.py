@@ -13,7 +13,8 @@ import torch
 from nbaccel.errors import ConfigError
 from nbaccel.ops import recursively_apply
 
-__all__ = ["convert_to_fp32", "is_namedtuple", "listify", "pad_input_tensors"]
+__all__ = ["convert_to_fp32", "honor_type", "is_namedtuple", "is_torch_tensor", "listify", "merge_dicts",
+           "pad_input_tensors", "recursive_getattr"]
 
 
 def is_namedtuple(data: Any) -> bool:
@@ -25,6 +26,48 @@ def is_namedtuple(data: Any) -> bool:
         (True, False)
     """
     return isinstance(data, tuple) and hasattr(data, "_asdict") and hasattr(data, "_fields")
+
+
+def honor_type(obj: Any, generator: Any) -> Any:
+    """``generator``'s items in a container of ``obj``'s type (a namedtuple gets them as fields).
+
+    Example:
+        >>> honor_type((1, 2), (x * 2 for x in (1, 2)))
+        (2, 4)
+    """
+    return type(obj)(*list(generator)) if is_namedtuple(obj) else type(obj)(generator)
+
+
+def is_torch_tensor(tensor: Any) -> bool:
+    """Whether ``tensor`` is a ``torch.Tensor``."""
+    return isinstance(tensor, torch.Tensor)
+
+
+def merge_dicts(source: dict, destination: dict) -> dict:
+    """Merge ``source`` into ``destination`` (in place, nested dicts merged key by key); returns ``destination``.
+
+    Example:
+        >>> merge_dicts({"a": {"b": 1}}, {"a": {"c": 2}, "d": 3})
+        {'a': {'c': 2, 'b': 1}, 'd': 3}
+    """
+    for key, value in source.items():
+        if isinstance(value, dict):
+            merge_dicts(value, destination.setdefault(key, {}))
+        else:
+            destination[key] = value
+    return destination
+
+
+def recursive_getattr(obj: Any, attr: str) -> Any:
+    """``obj.a.b.c`` for ``attr="a.b.c"``.
+
+    Example:
+        >>> recursive_getattr(torch.nn.Sequential(torch.nn.Linear(1, 2)), "0.out_features")
+        2
+    """
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def _to_list(tensor: torch.Tensor) -> Any:

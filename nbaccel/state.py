@@ -25,7 +25,8 @@ from nbaccel.errors import ConfigError
 from nbaccel.hardware import cuda_device_count, tpu_detected
 from nbaccel.identity import WorkerIdentity, current_identity
 
-__all__ = ["AcceleratorState", "GradientState", "PartialState", "ProcessState", "is_initialized", "reset_process_state"]
+__all__ = ["AcceleratorState", "GradientState", "PartialState", "ProcessState", "is_initialized", "reset_process_state",
+           "wait_for_everyone"]
 
 # Accelerate's ``accelerate.state`` holds these too. They build on this module, so they are loaded
 # on first use (an import here would be a cycle).
@@ -244,3 +245,8 @@ def is_initialized() -> bool:
         False
     """
     return bool(_state_dict(current_identity()).get("_initialized"))
+
+
+def wait_for_everyone() -> None:
+    """Accelerate's ``wait_for_everyone()``: block until every process of the job reaches this point."""
+    ProcessState().wait_for_everyone()

@@ -44,13 +44,17 @@ from nbaccel.big_modeling.loading import (
 )
 from nbaccel.big_modeling.module_state import (
     align_module_device,
+    calculate_maximum_sizes,
+    check_tied_parameters_on_same_device,
     clean_device_map,
     compute_module_total_buffer_size,
     extract_submodules_state_dict,
+    get_module_children_bottom_up,
     get_module_size_with_ties,
     get_non_persistent_buffers,
     get_state_dict_offloaded_model,
     has_offloaded_params,
+    id_tensor_storage,
     retie_parameters,
 )
 from nbaccel.big_modeling.offload import (
@@ -79,12 +83,17 @@ from nbaccel.distributed_type import (
 )
 from nbaccel.environment import (
     clear_environment,
+    get_int_from_env,
+    parse_choice_from_env,
+    parse_flag_from_env,
     patch_environment,
+    str_to_bool,
 )
 from nbaccel.errors import (
     DistributedOperationException,
 )
 from nbaccel.file_size import (
+    convert_bytes,
     convert_file_size_to_int,
 )
 from nbaccel.hardware import (
@@ -92,9 +101,13 @@ from nbaccel.hardware import (
 )
 from nbaccel.nested_data import (
     convert_to_fp32,
+    honor_type,
     is_namedtuple,
+    is_torch_tensor,
     listify,
+    merge_dicts,
     pad_input_tensors,
+    recursive_getattr,
 )
 from nbaccel.ops import (
     broadcast,
@@ -109,6 +122,9 @@ from nbaccel.ops import (
     send_to_device,
     slice_tensors,
 )
+from nbaccel.state import (
+    wait_for_everyone,
+)
 from nbaccel.tensor_copy import (
     copy_tensor_to_devices,
 )
@@ -117,6 +133,7 @@ from nbaccel.training.ddp_comm_hooks import (
 )
 from nbaccel.training.memory import (
     find_executable_batch_size,
+    release_memory,
 )
 from nbaccel.training.plugins import (
     AutocastKwargs,
@@ -131,10 +148,13 @@ from nbaccel.training.plugins import (
     ProjectConfiguration,
 )
 from nbaccel.training.precision import (
+    PrecisionType,
     convert_outputs_to_fp32,
 )
 from nbaccel.training.random import (
+    RNGType,
     set_seed,
+    synchronize_rng_state,
     synchronize_rng_states,
 )
 from nbaccel.training.saving import (
@@ -158,19 +178,24 @@ __all__ = [
     "InitProcessGroupKwargs",
     "KwargsHandler",
     "OffloadedWeightsLoader",
+    "PrecisionType",
     "PrefixedDataset",
     "ProjectConfiguration",
+    "RNGType",
     "align_module_device",
     "broadcast",
     "broadcast_object_list",
+    "calculate_maximum_sizes",
     "check_device_map",
     "check_os_kernel",
+    "check_tied_parameters_on_same_device",
     "clean_device_map",
     "clear_environment",
     "compare_versions",
     "compute_module_sizes",
     "compute_module_total_buffer_size",
     "concatenate",
+    "convert_bytes",
     "convert_file_size_to_int",
     "convert_outputs_to_fp32",
     "convert_to_fp32",
@@ -185,12 +210,16 @@ __all__ = [
     "gather",
     "gather_object",
     "get_balanced_memory",
+    "get_int_from_env",
     "get_max_layer_size",
     "get_max_memory",
+    "get_module_children_bottom_up",
     "get_module_size_with_ties",
     "get_non_persistent_buffers",
     "get_state_dict_offloaded_model",
     "has_offloaded_params",
+    "honor_type",
+    "id_tensor_storage",
     "infer_auto_device_map",
     "is_bf16_available",
     "is_cuda_available",
@@ -210,6 +239,7 @@ __all__ = [
     "is_rich_available",
     "is_schedulefree_available",
     "is_timm_available",
+    "is_torch_tensor",
     "is_torch_version",
     "is_torch_xla_available",
     "is_torchdata_available",
@@ -220,14 +250,19 @@ __all__ = [
     "listify",
     "load_checkpoint_in_model",
     "load_offloaded_weight",
+    "merge_dicts",
     "named_module_tensors",
     "offload_state_dict",
     "offload_weight",
     "pad_across_processes",
     "pad_input_tensors",
+    "parse_choice_from_env",
+    "parse_flag_from_env",
     "patch_environment",
+    "recursive_getattr",
     "recursively_apply",
     "reduce",
+    "release_memory",
     "retie_parameters",
     "save",
     "save_offload_index",
@@ -235,5 +270,8 @@ __all__ = [
     "set_module_tensor_to_device",
     "set_seed",
     "slice_tensors",
+    "str_to_bool",
+    "synchronize_rng_state",
     "synchronize_rng_states",
+    "wait_for_everyone",
 ]

@@ -16,18 +16,22 @@ import torch
 from torch import nn
 
 from nbaccel.big_modeling.hooks import AlignDevicesHook
-from nbaccel.big_modeling.sizes import compute_module_sizes
+from nbaccel.big_modeling.sizes import compute_module_sizes, get_max_layer_size
 from nbaccel.big_modeling.tensors import set_module_tensor_to_device
 
 __all__ = [
     "align_module_device",
+    "calculate_maximum_sizes",
+    "check_tied_parameters_on_same_device",
     "clean_device_map",
     "compute_module_total_buffer_size",
     "extract_submodules_state_dict",
     "get_module_size_with_ties",
     "get_non_persistent_buffers",
+    "get_module_children_bottom_up",
     "get_state_dict_offloaded_model",
     "has_offloaded_params",
+    "id_tensor_storage",
     "retie_parameters",
 ]
 
@@ -234,3 +238,64 @@ def clean_device_map(device_map: dict[str, int | str | torch.device], module_nam
     for child in children:
         clean_device_map(device_map, module_name=child)
     return device_map
+
+
+def get_module_children_bottom_up(model: nn.Module, return_fqns: bool = False) -> list:
+    """Every module of ``model``, children before their parents (``(name, module)`` pairs with ``return_fqns``).
+
+    Example:
+        >>> [n for n, _ in get_module_children_bottom_up(nn.Sequential(nn.Linear(1, 1)), return_fqns=True)]
+        ['0', '']
+    """
+    stack: list[tuple[str, nn.Module]] = [("", model)]
+    ordered: list[tuple[str, nn.Module]] = []
+    while stack:
+        name, module = stack.pop()
+        stack.extend((f"{name}.{child}" if name else child, sub) for child, sub in module.named_children())
+        ordered.append((name, module))
+    ordered.reverse()
+    return ordered if return_fqns else [m for _, m in ordered]
+
+
+def id_tensor_storage(tensor: torch.Tensor) -> tuple[torch.device, int, int]:
+    """``(device, storage address, storage bytes)``: equal for tensors that share their storage (ties, views).
+
+    Example:
+        >>> w = torch.ones(4); id_tensor_storage(w[:2]) == id_tensor_storage(w)
+        True
+    """
+    storage = tensor.untyped_storage()
+    try:
+        return tensor.device, storage.data_ptr(), storage.nbytes()
+    except (NotImplementedError, RuntimeError):  # meta tensors have no address
+        return tensor.device, 0, tensor.nelement() * tensor.element_size()
+
+
+def _device_of(name: str, device_map: Mapping[str, object]) -> object:
+    while name not in device_map:
+        if name == "":
+            raise ValueError(f"The `device_map` does not contain the module {name}.")
+        name = name.rpartition(".")[0]  # "" (the whole model) last
+    return device_map[name]
+
+
+def check_tied_parameters_on_same_device(tied_params: Sequence[Sequence[str]], device_map: Mapping[str, object]) -> None:
+    """Warn (in the log, as Accelerate does) about tied parameters that ``device_map`` puts on different devices."""
+    for group in tied_params:
+        devices = {name: _device_of(name, device_map) for name in group}
+        if len(set(map(str, devices.values()))) > 1:
+            logger.warning("Tied parameters are on different devices: %s. Please modify your custom device map or "
+                           "set `device_map='auto'`.", devices)
+
+
+def calculate_maximum_sizes(model: nn.Module) -> tuple[int, tuple[int, list[str]]]:
+    """``(total bytes, (bytes of the largest layer, its names))``, no-split blocks from ``model._no_split_modules``.
+
+    Example:
+        >>> calculate_maximum_sizes(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 4)))
+        (72, (48, ['1']))
+    """
+    sizes = compute_module_sizes(model)
+    no_split = list(getattr(model, "_no_split_modules", None) or [])
+    pieces = [*model.named_parameters(recurse=False), *model.named_children(), *model.named_buffers(recurse=False)]
+    return sizes[""], get_max_layer_size(pieces, sizes, no_split)
