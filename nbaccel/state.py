@@ -97,6 +97,8 @@ class ProcessState:
         (0, 1)
     """
 
+    debug: bool = False  # Accelerate's PartialState().debug; set from the launch, settable at run time
+
     def __init__(self, cpu: bool = False, backend: str | None = None,
                  timeout: timedelta | None = None, cpu_collectives: bool = False) -> None:
         identity = current_identity()  # the one answer to "which rank am I" (nbaccel.identity)
@@ -114,7 +116,7 @@ class ProcessState:
             settings = read_worker_settings()
             dist = identity
             self.settings = settings
-            self.debug = settings.debug  # Accelerate's PartialState().debug: shape checks in collectives
+            self.debug = settings.debug  # shape checks in collectives (NBACCEL_DEBUG / ACCELERATE_DEBUG_MODE)
             self.use_cpu = bool(cpu or settings.use_cpu)
             self.process_index = dist.rank if dist else 0
             self.local_process_index = dist.local_rank if dist else 0
