@@ -15,7 +15,7 @@ from nbaccel.training.data_sharding import (
     SeedableRandomSampler,
     SkipBatchSampler,
 )
-from nbaccel.training.loader_preparation import prepare_data_loader, skip_first_batches
+from nbaccel.training.loader_preparation import get_sampler, prepare_data_loader, skip_first_batches
 from nbaccel.training.skip_loader import SkipDataLoader
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "SeedableRandomSampler",
     "SkipBatchSampler",
     "SkipDataLoader",
+    "get_sampler",
     "prepare_data_loader",
     "skip_first_batches",
 ]

@@ -11,9 +11,10 @@ from typing import Any
 import torch
 
 from nbaccel.errors import ConfigError
-from nbaccel.ops import recursively_apply
+from nbaccel.ops import find_batch_size, recursively_apply
 
-__all__ = ["convert_to_fp32", "honor_type", "is_namedtuple", "is_torch_tensor", "listify", "merge_dicts",
+__all__ = ["convert_to_fp32", "honor_type", "ignorant_find_batch_size", "is_namedtuple", "is_torch_tensor", "listify",
+           "merge_dicts",
            "pad_input_tensors", "recursive_getattr"]
 
 
@@ -136,3 +137,16 @@ def pad_input_tensors(tensor: Any, batch_size: int, num_processes: int, dim: int
         return padded
 
     return recursively_apply(pad, tensor, error_on_other_type=True)
+
+
+def ignorant_find_batch_size(data: Any) -> int | None:
+    """:func:`~nbaccel.ops.find_batch_size`, or ``None`` where it cannot tell.
+
+    Example:
+        >>> ignorant_find_batch_size({"x": torch.ones(3, 2)}), ignorant_find_batch_size("text")
+        (3, None)
+    """
+    try:
+        return find_batch_size(data)
+    except (ValueError, TypeError):
+        return None

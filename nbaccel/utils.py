@@ -47,6 +47,7 @@ from nbaccel.big_modeling.module_state import (
     calculate_maximum_sizes,
     check_tied_parameters_on_same_device,
     clean_device_map,
+    clean_state_dict_for_safetensors,
     compute_module_total_buffer_size,
     extract_submodules_state_dict,
     get_module_children_bottom_up,
@@ -55,6 +56,7 @@ from nbaccel.big_modeling.module_state import (
     get_state_dict_offloaded_model,
     has_offloaded_params,
     id_tensor_storage,
+    load_offloaded_weights,
     retie_parameters,
 )
 from nbaccel.big_modeling.offload import (
@@ -99,9 +101,13 @@ from nbaccel.file_size import (
 from nbaccel.hardware import (
     check_os_kernel,
 )
+from nbaccel.launch.rendezvous import (
+    is_port_in_use,
+)
 from nbaccel.nested_data import (
     convert_to_fp32,
     honor_type,
+    ignorant_find_batch_size,
     is_namedtuple,
     is_torch_tensor,
     listify,
@@ -190,6 +196,7 @@ __all__ = [
     "check_os_kernel",
     "check_tied_parameters_on_same_device",
     "clean_device_map",
+    "clean_state_dict_for_safetensors",
     "clear_environment",
     "compare_versions",
     "compute_module_sizes",
@@ -220,6 +227,7 @@ __all__ = [
     "has_offloaded_params",
     "honor_type",
     "id_tensor_storage",
+    "ignorant_find_batch_size",
     "infer_auto_device_map",
     "is_bf16_available",
     "is_cuda_available",
@@ -234,6 +242,7 @@ __all__ = [
     "is_pandas_available",
     "is_peft_available",
     "is_peft_model",
+    "is_port_in_use",
     "is_pynvml_available",
     "is_pytest_available",
     "is_rich_available",
@@ -250,6 +259,7 @@ __all__ = [
     "listify",
     "load_checkpoint_in_model",
     "load_offloaded_weight",
+    "load_offloaded_weights",
     "merge_dicts",
     "named_module_tensors",
     "offload_state_dict",

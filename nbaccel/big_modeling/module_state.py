@@ -8,14 +8,17 @@ and merging a device map's entries where a whole subtree sits on one device.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
+import os
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from nbaccel.big_modeling.hooks import AlignDevicesHook
+from nbaccel.big_modeling.offload import load_offloaded_weight
 from nbaccel.big_modeling.sizes import compute_module_sizes, get_max_layer_size
 from nbaccel.big_modeling.tensors import set_module_tensor_to_device
 
@@ -23,6 +26,7 @@ __all__ = [
     "align_module_device",
     "calculate_maximum_sizes",
     "check_tied_parameters_on_same_device",
+    "clean_state_dict_for_safetensors",
     "clean_device_map",
     "compute_module_total_buffer_size",
     "extract_submodules_state_dict",
@@ -32,6 +36,7 @@ __all__ = [
     "get_state_dict_offloaded_model",
     "has_offloaded_params",
     "id_tensor_storage",
+    "load_offloaded_weights",
     "retie_parameters",
 ]
 
@@ -299,3 +304,36 @@ def calculate_maximum_sizes(model: nn.Module) -> tuple[int, tuple[int, list[str]
     no_split = list(getattr(model, "_no_split_modules", None) or [])
     pieces = [*model.named_parameters(recurse=False), *model.named_children(), *model.named_buffers(recurse=False)]
     return sizes[""], get_max_layer_size(pieces, sizes, no_split)
+
+
+def clean_state_dict_for_safetensors(state_dict: dict) -> dict:
+    """``state_dict`` ready for safetensors: of tensors sharing storage only the first name kept (logged), all contiguous.
+
+    Example:
+        >>> w = torch.ones(2, 2); sorted(clean_state_dict_for_safetensors({"a": w, "b": w, "c": w.t()}))
+        ['a']
+    """
+    by_storage: dict[tuple, list[str]] = collections.defaultdict(list)
+    for name, tensor in state_dict.items():
+        if not isinstance(tensor, str):
+            by_storage[id_tensor_storage(tensor)].append(name)
+    removed = {name for names in by_storage.values() if len(names) > 1 for name in names[1:]}
+    for name in removed:
+        del state_dict[name]
+    if removed:
+        logger.warning("Removed shared tensor %s while saving. This should be OK, but check by verifying that you "
+                       "don't receive any warning while reloading", removed)
+    return {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in state_dict.items()}
+
+
+def load_offloaded_weights(model: nn.Module, index: Mapping[str, dict] | None, offload_folder: str | os.PathLike) -> None:
+    """Load the weights an offload ``index`` lists (``<name>.dat`` files in ``offload_folder``) into ``model`` on CPU.
+
+    Differs from Accelerate: bitsandbytes ``SCB`` statistics are not handled (nbaccel does not
+    wrap bitsandbytes); such entries are skipped, as Accelerate skips them as weights.
+    """
+    for name, entry in (index or {}).items():
+        if "SCB" in name:
+            continue
+        weight = load_offloaded_weight(os.path.join(offload_folder, f"{name}.dat"), entry)
+        set_module_tensor_to_device(model, name, "cpu", value=weight)

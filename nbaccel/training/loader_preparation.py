@@ -27,7 +27,7 @@ from nbaccel.training.gradient_state import GradientState
 from nbaccel.training.loader_options import config_from_options
 from nbaccel.training.plugins import DataLoaderConfiguration
 
-__all__ = ["prepare_data_loader", "skip_first_batches"]
+__all__ = ["get_sampler", "prepare_data_loader", "skip_first_batches"]
 
 # DataLoader arguments carried over when a loader is rebuilt.
 _LOADER_KWARGS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
@@ -233,3 +233,15 @@ def _clone_with_skip(dataloader: DataLoaderShard, num_batches: int) -> DataLoade
     clone.__dict__["skip_batches"] = dataloader.skip_batches + num_batches
     return clone
 
+
+
+def get_sampler(dataloader: DataLoader) -> Any:
+    """The sampler of ``dataloader`` (the one inside its batch sampler, or inside a sampler of batches).
+
+    Example:
+        >>> type(get_sampler(DataLoader(range(4), batch_size=2, shuffle=True))).__name__
+        'RandomSampler'
+    """
+    if isinstance(dataloader.sampler, BatchSampler):
+        return getattr(dataloader.sampler, "sampler", None)
+    return getattr(dataloader.batch_sampler, "sampler", None)

@@ -115,3 +115,37 @@ def test_synchronize_rng_state_and_wait_for_everyone_match():
     with pytest.raises(ConfigError) as info:  # hardware nbaccel has no engine for
         utils("nbaccel").synchronize_rng_state(utils("nbaccel").RNGType.NPU)
     assert info.value.key == "rng_types"
+
+
+def storage_and_samplers(lib: str) -> dict:
+    from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+
+    u = utils(lib)
+    importlib.import_module(lib).PartialState(cpu=True)  # Accelerate's logger needs its state
+    loader_module = importlib.import_module(f"{lib}.data_loader")
+    weight = torch.ones(2, 2)
+    cleaned = modeling(lib).clean_state_dict_for_safetensors({"a": weight, "b": weight, "c": torch.zeros(1)})
+    shuffled = DataLoader(range(4), batch_size=2, shuffle=True)
+    batches = DataLoader(range(4), sampler=BatchSampler(SequentialSampler(range(4)), 2, False), batch_size=None)
+    return {"cleaned": sorted(cleaned), "contiguous": all(t.is_contiguous() for t in cleaned.values()),
+            "samplers": [type(loader_module.get_sampler(d)).__name__ for d in (shuffled, batches)],
+            "batch_sizes": [u.ignorant_find_batch_size(x) for x in ({"x": torch.ones(3, 1)}, "text", [torch.ones(5)])],
+            "port": u.is_port_in_use(1)}
+
+
+def test_storage_sampler_and_batch_size_helpers_match():
+    theirs, ours = storage_and_samplers("accelerate"), storage_and_samplers("nbaccel")
+    assert ours == theirs
+    assert ours["cleaned"] == ["a", "c"] and ours["samplers"] == ["RandomSampler", "SequentialSampler"]
+
+
+def test_load_offloaded_weights_reads_an_offload_folder(tmp_path):
+    from accelerate.utils import offload_state_dict
+
+    source = nn.Linear(3, 2)
+    offload_state_dict(str(tmp_path), source.state_dict())  # written by Accelerate
+    index = __import__("json").loads((tmp_path / "index.json").read_text())
+    for lib in ("accelerate", "nbaccel"):
+        target = nn.Linear(3, 2, device="meta")
+        modeling(lib).load_offloaded_weights(target, index, str(tmp_path))
+        assert torch.equal(target.weight, source.weight) and target.weight.device.type == "cpu", lib
