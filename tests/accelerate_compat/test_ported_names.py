@@ -343,3 +343,13 @@ def test_unexpected_checkpoint_keys_are_reported_as_in_accelerate(tmp_path, capl
     with pytest.warns(UserWarning, match=r"extra\.weight"):  # nbaccel warns
         utils("nbaccel").load_checkpoint_in_model(ours, tmp_path / "model.safetensors")
     assert torch.equal(ours.weight, theirs.weight) and torch.equal(ours.weight, state["weight"])
+
+
+def test_check_device_map_accepts_a_map_planned_for_gpus_as_accelerate_does():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    planned = {"0": 0, "1": "cpu"}
+    assert utils("accelerate").check_device_map(model, planned) is None  # Accelerate: no error
+    assert utils("nbaccel").check_device_map(model, planned) == planned
+    for lib in LIBRARIES:
+        with pytest.raises(ValueError):  # a tensor left without a device is an error in both
+            utils(lib).check_device_map(model, {"0": 0})
