@@ -23,6 +23,7 @@ _EXPORTS: dict[str, str] = {
     "PayloadPicklingError": "nbaccel.errors",
     "ProcessExitedError": "nbaccel.errors",
     "WorkerFailedError": "nbaccel.errors",
+    "is_rich_available": "nbaccel.availability",
     "load_config": "nbaccel.config",
     "save_config": "nbaccel.config",
     # launching
@@ -52,6 +53,7 @@ _EXPORTS: dict[str, str] = {
     "DataLoaderShard": "nbaccel.training.data_loader",
     "DeepSpeedPlugin": "nbaccel.training.plugins",
     "DistributedDataParallelKwargs": "nbaccel.training.plugins",
+    "DDPCommunicationHookType": "nbaccel.training.ddp_comm_hooks",
     "DistributedOperationError": "nbaccel.errors",
     "FullyShardedDataParallelPlugin": "nbaccel.training.plugins",
     "GradScalerKwargs": "nbaccel.training.plugins",

@@ -23,7 +23,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
-from nbaccel.distributed_type import DistributedType, as_distributed_type
+from nbaccel.distributed_type import LAUNCHABLE_TYPES, DistributedType, as_distributed_type
 from nbaccel.environment import MixedPrecision, config_file_path
 from nbaccel.errors import ConfigError
 
@@ -178,8 +178,8 @@ class LaunchConfig:
         elif dtype in _UNSUPPORTED_TYPES:
             raise ConfigError(
                 f"{source}: distributed_type {dtype!r} has no engine in nbaccel; valid values: "
-                f"{[t.value for t in DistributedType]}. Fix: set distributed_type to one of those.",
-                key="distributed_type", value=dtype, valid=tuple(t.value for t in DistributedType))
+                f"{[t.value for t in LAUNCHABLE_TYPES]}. Fix: set distributed_type to one of those.",
+                key="distributed_type", value=dtype, valid=tuple(t.value for t in LAUNCHABLE_TYPES))
         gpu_ids = values.get("gpu_ids")
         if isinstance(gpu_ids, int):
             values["gpu_ids"] = str(gpu_ids)
@@ -235,6 +235,8 @@ def _check_type(name: str, value: Any, tp: Any) -> None:
                           key=name, value=value, valid=options)
     if origin is Literal or isinstance(tp, type) and issubclass(tp, enum.Enum):
         choices = get_args(tp) if origin is Literal else tuple(m.value for m in tp)
+        if tp is DistributedType:  # it names other hardware too; a launch takes only what nbaccel runs
+            choices = tuple(m.value for m in LAUNCHABLE_TYPES)
         if value not in choices:
             raise ConfigError(f"{name!r} must be one of {list(choices)} (got {value!r}). "
                               f"Fix: set {name} to one of those.", key=name, value=value, valid=choices)

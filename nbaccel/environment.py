@@ -14,13 +14,13 @@ import dataclasses
 import json
 import os
 import socket
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
 
-from nbaccel.distributed_type import DistributedType, as_distributed_type
+from nbaccel.distributed_type import LAUNCHABLE_TYPES, DistributedType, as_distributed_type
 from nbaccel.errors import ConfigError
 
 __all__ = [
@@ -31,12 +31,18 @@ __all__ = [
     "WorkerSettings",
     "apply_environment",
     "child_base_environment",
+    "clear_environment",
     "config_file_path",
     "env_flag",
+    "get_int_from_env",
+    "parse_choice_from_env",
+    "parse_flag_from_env",
+    "patch_environment",
     "read_distributed_env",
     "read_worker_settings",
     "settings_from_fields",
     "single_process_environment",
+    "str_to_bool",
     "temporary_environment",
     "worker_environment",
 ]
@@ -124,6 +130,7 @@ def worker_environment(settings: WorkerSettings, dist: DistributedEnv | None = N
     env = {
         _LAUNCHED: "1" if settings.launched else "0",
         f"{_PREFIX}MIXED_PRECISION": settings.mixed_precision,
+        "ACCELERATE_MIXED_PRECISION": settings.mixed_precision,  # what Accelerate's own code in a worker reads
         f"{_PREFIX}USE_CPU": "1" if settings.use_cpu else "0",
         f"{_PREFIX}DISTRIBUTED_TYPE": str(settings.distributed_type),
         f"{_PREFIX}NUM_MACHINES": str(settings.num_machines),
@@ -159,6 +166,43 @@ def env_flag(env: Mapping[str, str], name: str) -> bool:
         return False
     raise ConfigError(f"environment variable {name} must be 0 or 1 (got {raw!r})",
                       key=name, value=raw, valid=("0", "1"))
+
+
+def str_to_bool(value: str, to_bool: bool = False) -> int | bool:
+    """Accelerate's ``str_to_bool``: ``"yes"``/``"true"``/``"on"``/``"1"``... -> 1, the negatives -> 0 (bools with ``to_bool``).
+
+    Raises:
+        ValueError: any other text, as in Accelerate.
+
+    Example:
+        >>> str_to_bool("Yes"), str_to_bool("off", to_bool=True)
+        (1, False)
+    """
+    value = value.lower()
+    if value in ("y", "yes", "t", "true", "on", "1"):
+        return True if to_bool else 1
+    if value in ("n", "no", "f", "false", "off", "0"):
+        return False if to_bool else 0
+    raise ValueError(f"invalid truth value {value!r}; use one of yes/no, true/false, on/off, 1/0")
+
+
+def parse_flag_from_env(key: str, default: bool = False) -> bool:
+    """The environment variable ``key`` read as a yes/no flag (``default`` when unset)."""
+    return str_to_bool(os.environ.get(key, str(default))) == 1
+
+
+def parse_choice_from_env(key: str, default: str = "no") -> str:
+    """The environment variable ``key`` as it is (``default`` when unset)."""
+    return os.environ.get(key, str(default))
+
+
+def get_int_from_env(env_keys: Sequence[str], default: int) -> int:
+    """The first of ``env_keys`` set to an int >= 0 (``default`` when none is), as Accelerate reads ranks."""
+    for key in env_keys:
+        value = int(os.environ.get(key, -1))
+        if value >= 0:
+            return value
+    return default
 
 
 def _choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
@@ -211,11 +255,11 @@ def read_worker_settings(env: Mapping[str, str] | None = None) -> WorkerSettings
                                 get_args(MixedPrecision)),
         use_cpu=env_flag(env, cpu_name),
         distributed_type=_choice(env, f"{_PREFIX}DISTRIBUTED_TYPE", "NO",  # type: ignore[arg-type]
-                                 tuple(t.value for t in DistributedType)),
+                                 tuple(t.value for t in LAUNCHABLE_TYPES)),
         num_machines=_int(env, f"{_PREFIX}NUM_MACHINES", 1),
         fsdp_config=_json(env, f"{_PREFIX}FSDP_CONFIG"),
         deepspeed_config=_json(env, f"{_PREFIX}DEEPSPEED_CONFIG"),
-        debug=env_flag(env, f"{_PREFIX}DEBUG"),
+        debug=env_flag(env, f"{_PREFIX}DEBUG") or env_flag(env, "ACCELERATE_DEBUG_MODE"),
         launched=env_flag(env, _LAUNCHED),
     )
 
@@ -277,6 +321,37 @@ def temporary_environment(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextmanager
+def patch_environment(**kwargs: object) -> Iterator[None]:
+    """Accelerate's ``patch_environment``: set ``KEY=str(value)`` (keys upper-cased) for the block, then restore.
+
+    Example:
+        >>> with patch_environment(nbaccel_example=1):
+        ...     os.environ["NBACCEL_EXAMPLE"]
+        '1'
+    """
+    with temporary_environment({key.upper(): str(value) for key, value in kwargs.items()}):
+        yield
+
+
+@contextmanager
+def clear_environment() -> Iterator[None]:
+    """Accelerate's ``clear_environment``: run the block with an empty ``os.environ``, then restore it whole.
+
+    Example:
+        >>> with clear_environment():
+        ...     len(os.environ)
+        0
+    """
+    saved = dict(os.environ)
+    os.environ.clear()
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def child_base_environment() -> dict[str, str]:

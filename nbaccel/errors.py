@@ -45,6 +45,7 @@ __all__ = [
     "ConfigError",
     "DeviceMapError",
     "DistributedOperationError",
+    "DistributedOperationException",
     "EnvironmentStateError",
     "LaunchError",
     "LaunchTimeoutError",
@@ -252,3 +253,7 @@ class CheckpointMismatchError(CheckpointError):
         self.missing_keys = tuple(missing_keys)
         self.unexpected_keys = tuple(unexpected_keys)
         self.mismatched_shapes = dict(mismatched_shapes or {})
+
+
+DistributedOperationException = DistributedOperationError
+"""Accelerate's name for :class:`DistributedOperationError` (the same class)."""

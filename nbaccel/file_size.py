@@ -13,7 +13,7 @@ import math
 
 from nbaccel.errors import ConfigError
 
-__all__ = ["SIZE_UNITS", "convert_file_size_to_int"]
+__all__ = ["SIZE_UNITS", "convert_bytes", "convert_file_size_to_int"]
 
 SIZE_UNITS: dict[str, int] = {"GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "GB": 10**9, "MB": 10**6, "KB": 10**3}
 _UNIT_NAMES = ("KB", "MB", "GB", "KiB", "MiB", "GiB")
@@ -52,3 +52,17 @@ def convert_file_size_to_int(size: int | str, *, key: str = "size") -> int:
         f"`{key}` must be an int of bytes (>= 0) or a number with a unit, one of {list(_UNIT_NAMES)} "
         f"(got {size!r} of type {type(size).__name__}). Fix: write it like '10GB' or '512MiB'.",
         key=key, value=size, valid=f"an int >= 0, or '<number><unit>' with a unit in {list(_UNIT_NAMES)}")
+
+
+def convert_bytes(size: float) -> str:
+    """``size`` bytes in the largest unit under 1024 of it, as Accelerate prints sizes.
+
+    Example:
+        >>> convert_bytes(1536), convert_bytes(3 * 1024**3)
+        ('1.5 KB', '3.0 GB')
+    """
+    for unit in ("bytes", "KB", "MB", "GB", "TB"):
+        if size < 1024.0:
+            return f"{round(size, 2)} {unit}"
+        size /= 1024.0
+    return f"{round(size, 2)} PB"

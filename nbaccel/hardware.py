@@ -18,6 +18,7 @@ from nbaccel.environment import ASSUME_UNSAFE_FORK, FORCE_TPU, env_flag
 
 __all__ = [
     "available_cpu_memory",
+    "check_os_kernel",
     "open_file_budget",
     "TPU_ENV_SIGNS",
     "cpu_count",
@@ -212,3 +213,38 @@ def open_file_budget() -> tuple[int, int] | None:
         return None
     return max(soft - in_use, 0), soft
 
+
+
+MIN_LINUX_KERNEL = (5, 5, 0)
+"""Older Linux kernels can hang multi-process jobs (Accelerate warns below this one too)."""
+
+
+def check_os_kernel(release: str | None = None) -> str | None:
+    """Warn (and return the warning) when this Linux kernel is older than :data:`MIN_LINUX_KERNEL`.
+
+    Accelerate's ``check_os_kernel``; it also returns the message, ``None`` when all is well
+    (not Linux, a recent kernel, or a release string without a version).
+
+    Args:
+        release: the kernel release to check; ``platform.uname().release`` when ``None``.
+
+    Example:
+        >>> check_os_kernel("6.8.0-generic") is None
+        True
+    """
+    import platform
+    import re
+    import warnings
+
+    if release is None:
+        if platform.system() != "Linux":
+            return None
+        release = platform.uname().release
+    match = re.search(r"(\d+)\.(\d+)\.(\d+)", release)
+    if match is None or tuple(int(g) for g in match.groups()) >= MIN_LINUX_KERNEL:
+        return None
+    version = match.group()
+    msg = (f"Detected kernel version {version}, which is below the recommended minimum of "
+           f"{'.'.join(map(str, MIN_LINUX_KERNEL))}; this can cause the process to hang. Fix: upgrade the kernel.")
+    warnings.warn(msg, RuntimeWarning, stacklevel=2)
+    return msg

@@ -159,7 +159,7 @@ def _on_xla(tensor: torch.Tensor) -> torch.Tensor:
 def _debug_enabled() -> bool:
     from nbaccel.state import ProcessState
 
-    return bool(ProcessState().settings.debug)
+    return bool(ProcessState().debug)  # Accelerate's PartialState().debug, settable at run time
 
 
 def _verify_shapes(operation: str, data: Any) -> None:
@@ -213,10 +213,10 @@ def _gather_one(tensor: torch.Tensor) -> torch.Tensor:
     return out.to(home)
 
 
-def gather_object(obj: Any) -> Any:
+def gather_object(object: Any) -> Any:  # noqa: A002 - Accelerate's parameter name
     """Gather picklable objects from every process into one flat list, as Accelerate does.
 
-    In one process ``obj`` comes back unchanged. With several, each process's ``obj`` is
+    In one process ``object`` comes back unchanged. With several, each process's ``object`` is
     flattened one level (a list, tuple, tensor rows, any iterable) and the pieces are joined in
     rank order; a string, a mapping or a non-iterable counts as one item.
 
@@ -226,8 +226,8 @@ def gather_object(obj: Any) -> Any:
     """
     world = _world()
     if world == 1:
-        return obj
-    items = _as_items(obj)
+        return object
+    items = _as_items(object)
     if _xla_device_in_use():
         import torch_xla.core.xla_model as xm
 
@@ -310,6 +310,8 @@ def reduce(tensor: Any, reduction: Reduction = "mean", scale: float = 1.0) -> An
         warnings.warn(f"reduce(scale={scale}) is applied on XLA devices only, as in Accelerate; here it is "
                       "ignored: multiply the result yourself", stacklevel=2)
     world = _world()
+    if world > 1 and _debug_enabled() and not _xla_multi(tensor):
+        _verify_shapes("reduce", tensor)
 
     def _reduce(t: torch.Tensor) -> torch.Tensor:
         out = t.clone()
@@ -354,6 +356,8 @@ def broadcast(tensor: Any, from_process: int = 0) -> Any:
 
     if _world() == 1 and not _xla_multi(tensor):
         return tensor
+    if _debug_enabled() and not _xla_multi(tensor):
+        _verify_shapes("broadcast", tensor)
     return recursively_apply(_bcast, tensor, error_on_other_type=True)
 
 

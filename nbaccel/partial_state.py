@@ -115,3 +115,14 @@ class AcceleratorState(PartialState):
         >>> state.distributed_type, state.mixed_precision
         (<DistributedType.NO: 'NO'>, 'no')
     """
+
+    @classmethod
+    def _reset_state(cls, reset_partial_state: bool = False) -> None:
+        """Accelerate's ``AcceleratorState._reset_state``: with ``reset_partial_state``, forget the process state.
+
+        nbaccel keeps one state per process (Accelerate keeps two: the process part and the training
+        part); the training settings live on each ``Accelerator``, so without ``reset_partial_state``
+        there is nothing shared to forget and the call changes nothing.
+        """
+        if reset_partial_state:
+            super()._reset_state()

@@ -25,7 +25,25 @@ from nbaccel.errors import ConfigError
 from nbaccel.hardware import cuda_device_count, tpu_detected
 from nbaccel.identity import WorkerIdentity, current_identity
 
-__all__ = ["ProcessState", "reset_process_state"]
+__all__ = ["AcceleratorState", "GradientState", "PartialState", "ProcessState", "is_initialized", "reset_process_state",
+           "wait_for_everyone"]
+
+# Accelerate's ``accelerate.state`` holds these too. They build on this module, so they are loaded
+# on first use (an import here would be a cycle).
+_LATER = {"PartialState": "nbaccel.partial_state", "AcceleratorState": "nbaccel.partial_state",
+          "GradientState": "nbaccel.training.gradient_state"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LATER:
+        import importlib
+
+        return getattr(importlib.import_module(_LATER[name]), name)
+    raise AttributeError(f"module 'nbaccel.state' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LATER))
 
 
 CUDA_WITH_CPU_BACKEND = "cuda:nccl,cpu:gloo"
@@ -79,6 +97,8 @@ class ProcessState:
         (0, 1)
     """
 
+    debug: bool = False  # Accelerate's PartialState().debug; set from the launch, settable at run time
+
     def __init__(self, cpu: bool = False, backend: str | None = None,
                  timeout: timedelta | None = None, cpu_collectives: bool = False) -> None:
         identity = current_identity()  # the one answer to "which rank am I" (nbaccel.identity)
@@ -96,6 +116,7 @@ class ProcessState:
             settings = read_worker_settings()
             dist = identity
             self.settings = settings
+            self.debug = settings.debug  # shape checks in collectives (NBACCEL_DEBUG / ACCELERATE_DEBUG_MODE)
             self.use_cpu = bool(cpu or settings.use_cpu)
             self.process_index = dist.rank if dist else 0
             self.local_process_index = dist.local_rank if dist else 0
@@ -197,6 +218,15 @@ class ProcessState:
 
                 dist.barrier()
 
+    @classmethod
+    def _reset_state(cls) -> None:
+        """Forget this process's shared state, as Accelerate's ``PartialState._reset_state()`` does.
+
+        Test suites and libraries call it between cases; the next state made reads the environment
+        again. A joined process group stays joined (as in Accelerate).
+        """
+        reset_process_state()
+
     def __repr__(self) -> str:
         return (f"ProcessState(distributed_type={self.distributed_type!r}, process_index={self.process_index}, "
                 f"num_processes={self.num_processes}, device={self.device}, backend={self.backend!r}, "
@@ -207,3 +237,18 @@ def reset_process_state() -> None:
     """Forget the shared state (called in a fresh worker, which must read its own environment)."""
     _shared.clear()
     _per_replica.clear()
+
+
+def is_initialized() -> bool:
+    """Whether this process's state has been set up (by an ``Accelerator`` or a state object), as in Accelerate.
+
+    Example:
+        >>> reset_process_state(); is_initialized()
+        False
+    """
+    return bool(_state_dict(current_identity()).get("_initialized"))
+
+
+def wait_for_everyone() -> None:
+    """Accelerate's ``wait_for_everyone()``: block until every process of the job reaches this point."""
+    ProcessState().wait_for_everyone()

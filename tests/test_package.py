@@ -21,7 +21,22 @@ def test_accelerate_names_are_exported_at_the_top_level():
     assert names <= set(nbaccel.__all__)
     assert issubclass(nbaccel.AcceleratorState, nbaccel.PartialState)
     assert issubclass(nbaccel.PartialState, nbaccel.ProcessState)
-    assert not hasattr(nbaccel, "utils")
+    assert "utils" not in nbaccel.__all__
+
+
+def test_accelerates_import_paths_only_re_export():
+    """``nbaccel.utils`` / ``hooks`` / ``data_loader`` exist for Accelerate's import lines; they define nothing."""
+    import importlib
+
+    for path in ("nbaccel.utils", "nbaccel.hooks", "nbaccel.data_loader"):
+        module = importlib.import_module(path)
+        assert module.__all__ == sorted(module.__all__)
+        defined_here = [n for n in module.__all__ if getattr(getattr(module, n), "__module__", None) == path]
+        assert defined_here == [], path
+    from nbaccel.state import AcceleratorState, GradientState, PartialState  # Accelerate's accelerate.state names
+
+    assert AcceleratorState is nbaccel.AcceleratorState and PartialState is nbaccel.PartialState
+    assert GradientState.__module__ == "nbaccel.training.gradient_state"
 
 
 def test_unknown_attribute_is_an_attribute_error():

@@ -28,6 +28,7 @@ from nbaccel.big_modeling.hooks import (
                                            remove_hook_from_module,
 )
 from nbaccel.big_modeling.init import init_empty_weights, init_on_device
+from nbaccel.big_modeling.layerwise_casting import attach_layerwise_casting_hooks
 from nbaccel.big_modeling.loading import (
                                            load_checkpoint_and_dispatch,
                                            load_checkpoint_in_model,
@@ -50,6 +51,7 @@ __all__ = [
     "SequentialHook",
     "UserCpuOffloadHook",
     "add_hook_to_module",
+    "attach_layerwise_casting_hooks",
     "compute_module_sizes",
     "cpu_offload",
     "cpu_offload_with_hook",

@@ -25,7 +25,7 @@ from nbaccel.big_modeling.sizes import (
     find_tied_parameters,
     get_balanced_memory,
     get_max_layer_size,
-    get_max_memory,
+    planning_budget,
     tensor_size,
 )
 from nbaccel.big_modeling.tensors import Device
@@ -90,7 +90,7 @@ def infer_auto_device_map(model: nn.Module, max_memory: MaxMemory | None = None,
         dtype = getattr(torch, dtype.removeprefix("torch."))
     if isinstance(no_split_module_classes, str):
         no_split_module_classes = [no_split_module_classes]
-    planner = _Planner(model, get_max_memory(max_memory), list(no_split_module_classes or ()),
+    planner = _Planner(model, planning_budget(max_memory), list(no_split_module_classes or ()),
                        dtype, dict(special_dtypes or {}), fallback_allocation, verbose)
     reserve, held = False, 0
     while True:
@@ -274,7 +274,7 @@ def device_for(name: str, device_map: Mapping[str, MapDevice],
     return default
 
 
-def _normalize_device(name: str, device: object, gpus: int) -> MapDevice:
+def _normalize_device(name: str, device: object, gpus: int, planning: bool = False) -> MapDevice:
     valid = (f"GPU indices 0..{gpus - 1}, 'cuda:N', " if gpus else "") + \
         "'cpu', 'disk', 'mps', 'meta'"
     if isinstance(device, torch.device):
@@ -284,7 +284,7 @@ def _normalize_device(name: str, device: object, gpus: int) -> MapDevice:
     if isinstance(device, str) and device.startswith("cuda:") and device[5:].isdigit():
         device = int(device[5:])
     if isinstance(device, int) and not isinstance(device, bool):
-        if 0 <= device < gpus:
+        if 0 <= device < gpus or (planning and device >= 0):
             return device
         raise DeviceMapError(
             f"the device map puts {name!r} on GPU {device}, but this machine has {gpus} visible "
@@ -298,12 +298,19 @@ def _normalize_device(name: str, device: object, gpus: int) -> MapDevice:
         key=name, value=device, valid=valid)
 
 
-def check_device_map(model: nn.Module, device_map: Mapping[str, Device]
+def check_device_map(model: nn.Module, device_map: Mapping[str, Device], *, on_this_machine: bool = False
                      ) -> dict[str, MapDevice]:
     """Check a device map against a model and normalize its devices.
 
     Every name must be a module or tensor of the model (``""`` is the whole model), every
-    device must exist, and every tensor of the model must be covered.
+    device must be a device, and every tensor of the model must be covered. GPUs this machine
+    lacks are accepted (a map planned for another machine, as Accelerate accepts it) unless
+    ``on_this_machine``, which dispatching and loading ask for.
+
+    Args:
+        model: the model.
+        device_map: name -> device.
+        on_this_machine: also require every GPU the map names to be visible here.
 
     Raises:
         DeviceMapError: an unknown name or device, or a tensor left unplaced.
@@ -334,7 +341,7 @@ def check_device_map(model: nn.Module, device_map: Mapping[str, Device]
                 f"{type(model).__name__}" + (f"; did you mean {close}?" if close else ".") +
                 " Valid names are those of model.named_modules() and model.state_dict(), and "
                 "'' for the whole model.", key=str(name), value=device, valid=close)
-        normalized[name] = _normalize_device(name, device, gpus)
+        normalized[name] = _normalize_device(name, device, gpus, planning=not on_this_machine)
     unplaced = [t for t in tensors if device_for(t, normalized) is None]
     if unplaced:
         raise DeviceMapError(
@@ -375,4 +382,4 @@ def resolve_device_map(model: nn.Module, device_map: DeviceMapStrategy | Mapping
                                              low_zero=device_map == "balanced_low_0")
         device_map = infer_auto_device_map(model, max_memory, no_split_module_classes, dtype,
                                            offload_buffers=offload_buffers)
-    return check_device_map(model, device_map)
+    return check_device_map(model, device_map, on_this_machine=True)

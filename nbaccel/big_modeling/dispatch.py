@@ -222,7 +222,7 @@ def dispatch_model(model: nn.Module, device_map: Mapping[str, Device],
         >>> model[1].weight.device.type, torch.equal(model(x), ref)
         ('meta', True)
     """
-    checked = check_device_map(model, device_map)
+    checked = check_device_map(model, device_map, on_this_machine=True)
     devices = set(checked.values())
     if len(devices) == 1 and devices != {"disk"} and not force_hooks:
         device = next(iter(devices))
@@ -233,7 +233,7 @@ def dispatch_model(model: nn.Module, device_map: Mapping[str, Device],
         return model
     if main_device is None:
         main_device = next((d for d in checked.values() if d not in ("cpu", "disk")), "cpu")
-    main: MapDevice = check_device_map(model, {"": main_device})[""]
+    main: MapDevice = check_device_map(model, {"": main_device}, on_this_machine=True)[""]
     offloaded = ("disk",) if main in ("cpu", "mps") else ("cpu", "disk")
     preload = list(preload_module_classes or ())
     sites = []  # (entry, hook site, device, whole, full names of the tensors the hook moves)
@@ -308,7 +308,7 @@ def cpu_offload(model: nn.Module, execution_device: Device | None = None,
         >>> torch.equal(model(x), ref)
         True
     """
-    device = _torch_device(check_device_map(model, {"": execution_device})[""]) \
+    device = _torch_device(check_device_map(model, {"": execution_device}, on_this_machine=True)[""]) \
         if execution_device is not None else default_execution_device()
     if state_dict is None:
         state_dict = {n: t.to("cpu") for n, t in named_module_tensors(model, recurse=True)}
@@ -343,7 +343,7 @@ def disk_offload(model: nn.Module, offload_dir: str | os.PathLike,
     """
     if not os.path.exists(os.path.join(offload_dir, "index.json")):
         offload_state_dict(offload_dir, dict(named_module_tensors(model, recurse=True)))
-    device = _torch_device(check_device_map(model, {"": execution_device})[""]) \
+    device = _torch_device(check_device_map(model, {"": execution_device}, on_this_machine=True)[""]) \
         if execution_device is not None else default_execution_device()
     _offload_every_module(model, device, OffloadedWeightsLoader(save_folder=offload_dir),
                           offload_buffers, preload_module_classes)
@@ -366,7 +366,7 @@ def cpu_offload_with_hook(model: nn.Module, execution_device: Device | None = No
         >>> b(a(torch.ones(1, 2))).shape
         torch.Size([1, 2])
     """
-    device = _torch_device(check_device_map(model, {"": execution_device})[""]) \
+    device = _torch_device(check_device_map(model, {"": execution_device}, on_this_machine=True)[""]) \
         if execution_device is not None else None
     hook = CpuOffload(execution_device=device, prev_module_hook=prev_module_hook)
     add_hook_to_module(model, hook, append=True)

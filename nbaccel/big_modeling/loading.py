@@ -271,7 +271,7 @@ def load_checkpoint_in_model(model: nn.Module, checkpoint: str | os.PathLike,
     _check_whole_tensor_loading(full_state_dict, broadcast_from_rank0, offload_8bit_bnb)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.removeprefix("torch."))
-    checked = None if device_map is None else check_device_map(model, device_map)
+    checked = None if device_map is None else check_device_map(model, device_map, on_this_machine=True)
     _load(model, checkpoint, checked, offload_folder, dtype, offload_buffers,
           list(keep_in_fp32_modules or ()), strict, index_needs_folder=True)
 

@@ -28,6 +28,7 @@ __all__ = [
     "get_balanced_memory",
     "get_max_layer_size",
     "get_max_memory",
+    "planning_budget",
     "tensor_size",
 ]
 
@@ -129,13 +130,13 @@ def _available_cpu_memory() -> int:
     return available_cpu_memory()
 
 
-def _device_key(key: object, gpus: int) -> int | str:
+def _device_key(key: object, gpus: int, planning: bool = False) -> int | str:
     valid = f"GPU indices 0..{gpus - 1} or " if gpus else ""
     valid += "'cpu', 'disk', 'mps'"
     if isinstance(key, str) and re.fullmatch(r"cuda:\d+", key):
         key = int(key.split(":")[1])
     if isinstance(key, int) and not isinstance(key, bool):
-        if 0 <= key < gpus:
+        if 0 <= key < gpus or (planning and key >= 0):
             return key
         raise ConfigError(
             f"max_memory names GPU {key}, but this machine has {gpus} visible GPU(s). Valid "
@@ -190,6 +191,23 @@ def get_max_memory(max_memory: MaxMemory | None = None) -> dict[int | str, int]:
     for key, size in max_memory.items():
         budget[_device_key(key, gpus)] = convert_file_size_to_int(size, key="max_memory")
     return _sorted_budget(budget)
+
+
+def planning_budget(max_memory: MaxMemory | None = None) -> dict[int | str, int]:
+    """The budget a device map is planned against: :func:`get_max_memory`, except that GPUs need not be here.
+
+    Planning is arithmetic, so ``max_memory={0: "10GiB", "cpu": "30GiB"}`` on a machine without
+    GPUs plans the map for the machine the model will run on (as Accelerate does); placing the
+    model there (``dispatch_model``) still needs the GPUs.
+
+    Example:
+        >>> planning_budget({0: "1KiB", "cpu": 10})
+        {0: 1024, 'cpu': 10}
+    """
+    if max_memory is None or not isinstance(max_memory, Mapping):
+        return get_max_memory(max_memory)
+    return _sorted_budget({_device_key(key, _gpu_count(), planning=True): convert_file_size_to_int(size, key="max_memory")
+                           for key, size in max_memory.items()})
 
 
 def get_max_layer_size(modules: Sequence[tuple[str, nn.Module | torch.Tensor]],
@@ -255,7 +273,7 @@ def get_balanced_memory(model: nn.Module, max_memory: MaxMemory | None = None,
         >>> get_balanced_memory(torch.nn.Linear(2, 2), {"cpu": 1000})
         {'cpu': 1000}
     """
-    budget = get_max_memory(max_memory)
+    budget = planning_budget(max_memory)
     gpus = [k for k in budget if isinstance(k, int) and budget[k] > 0]
     if len(gpus) == 1 and max_memory is None:  # measured, so nothing is left for activations
         budget[gpus[0]] = int(budget[gpus[0]] * 0.9)

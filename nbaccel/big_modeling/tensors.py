@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nbaccel.errors import CheckpointMismatchError, DeviceMapError
+from nbaccel.errors import CheckpointError, CheckpointMismatchError, DeviceMapError
 
 __all__ = [
     "Device",
@@ -67,6 +67,8 @@ def set_module_tensor_to_device(module: nn.Module, tensor_name: str, device: Dev
     Raises:
         DeviceMapError: ``tensor_name`` is not a tensor of ``module``.
         CheckpointMismatchError: ``value`` has a different shape from the tensor.
+        CheckpointError: the tensor is on the meta device and no ``value`` is given (a
+            ``ValueError``, as Accelerate raises).
 
     Example:
         >>> lin = torch.nn.Linear(2, 2, device="meta")
@@ -86,6 +88,11 @@ def set_module_tensor_to_device(module: nn.Module, tensor_name: str, device: Dev
             f"has shape {tuple(old.shape)}. Check that the checkpoint was saved from this "
             "model's configuration.",
             mismatched_shapes={tensor_name: (tuple(value.shape), tuple(old.shape))})
+    if value is None and old.device.type == "meta" and device.type != "meta":
+        raise CheckpointError(
+            f"{tensor_name!r} is on the meta device (it holds no values), so it cannot be moved to {device}. "
+            f"Fix: pass its values, e.g. set_module_tensor_to_device(module, {tensor_name!r}, {str(device)!r}, "
+            "value=state_dict[...]).")
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.removeprefix("torch."))
     new = old if value is None else value
@@ -110,14 +117,16 @@ def as_torch_device(device: Device) -> torch.device:
     return torch.device(device)
 
 
-def named_module_tensors(module: nn.Module, include_buffers: bool = True,
-                         recurse: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def named_module_tensors(module: nn.Module, include_buffers: bool = True, recurse: bool = False,
+                         remove_non_persistent: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """A module's parameters (and buffers), by every name they have (tied ones under each).
 
     Args:
         module: the module.
         include_buffers: also list buffers.
         recurse: also list the tensors of submodules.
+        remove_non_persistent: leave out buffers registered with ``persistent=False`` (those a
+            state dict does not hold).
 
     Returns:
         An iterator of ``(name, tensor)``.
@@ -128,7 +137,11 @@ def named_module_tensors(module: nn.Module, include_buffers: bool = True,
     """
     yield from module.named_parameters(recurse=recurse, remove_duplicate=False)
     if include_buffers:
-        yield from module.named_buffers(recurse=recurse, remove_duplicate=False)
+        skip: set[str] = set()
+        if remove_non_persistent:
+            modules = module.named_modules() if recurse else [("", module)]
+            skip = {f"{prefix}.{b}" if prefix else b for prefix, sub in modules for b in sub._non_persistent_buffers_set}
+        yield from ((n, b) for n, b in module.named_buffers(recurse=recurse, remove_duplicate=False) if n not in skip)
 
 
 def find_device(data: Any) -> torch.device | None:

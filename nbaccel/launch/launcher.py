@@ -25,6 +25,7 @@ from nbaccel.environment import MixedPrecision
 from nbaccel.launch.events import LaunchObserver
 from nbaccel.launch.registry import launch
 from nbaccel.launch.request import build_request
+from nbaccel.launch.restarts import run_with_restarts
 
 __all__ = ["debug_launcher", "notebook_launcher"]
 
@@ -78,7 +79,8 @@ def notebook_launcher(
         rdzv_endpoint: ``host:port`` of the rendezvous (multi-node).
         rdzv_conf: extra rendezvous settings (multi-node).
         rdzv_id: the job id shared by all machines (multi-node).
-        max_restarts: restarts the elastic agent may make (multi-node).
+        max_restarts: how often a launch whose worker failed is run again (on several machines,
+            the elastic agent's restarts).
         monitor_interval: seconds between the elastic agent's checks (multi-node).
         log_line_prefix_template: the elastic agent's output prefix (multi-node).
         kwargs: keyword arguments for ``function``.
@@ -123,7 +125,9 @@ def notebook_launcher(
         log_line_prefix_template=log_line_prefix_template, num_processes=num_processes,
         mixed_precision=mixed_precision, use_cpu=use_cpu, machine_rank=node_rank, num_machines=num_nodes,
         start_method=start_method, timeout=timeout)
-    return launch(request)
+    if request.rendezvous is not None:  # several machines: the elastic agent restarts
+        return launch(request)
+    return run_with_restarts(lambda: launch(request), max_restarts)
 
 
 def debug_launcher(function: Callable[..., Any], args: Sequence[Any] = (), num_processes: int = 2) -> Any:

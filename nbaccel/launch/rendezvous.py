@@ -14,7 +14,7 @@ from datetime import timedelta
 
 from nbaccel.errors import LaunchError
 
-__all__ = ["LoopbackStore"]
+__all__ = ["LoopbackStore", "is_port_in_use"]
 
 
 class LoopbackStore:
@@ -72,3 +72,14 @@ class LoopbackStore:
             os.close(self.listen_fd)  # never served (starting the workers failed): the fd is still ours
         self.listen_fd = -1
         self._store = None
+
+
+def is_port_in_use(port: int | None = None) -> bool:
+    """Whether something on this machine accepts connections on ``port`` (Accelerate's default 29500).
+
+    Example:
+        >>> is_port_in_use(1)
+        False
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        return probe.connect_ex(("localhost", 29500 if port is None else port)) == 0

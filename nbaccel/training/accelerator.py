@@ -54,10 +54,11 @@ from nbaccel.training.prepared import PreparedObjects, RegistryView
 from nbaccel.training.process_helpers import ProcessHelpers
 from nbaccel.tracking.helpers import TrackingHelpers
 from nbaccel.training.unwrap import unwrap_model
+from nbaccel.training.uneven_inputs import UnevenInputs
 
 __all__ = ["Accelerator"]
 
-class Accelerator(PrepareHelpers, ProcessHelpers, CheckpointHelpers, TrackingHelpers):
+class Accelerator(PrepareHelpers, ProcessHelpers, CheckpointHelpers, TrackingHelpers, UnevenInputs):
     """Accelerate's ``Accelerator``: one object that makes a training loop distributed.
 
     Args:

@@ -67,14 +67,23 @@ class DataLoaderShard(DataLoader):
         self.reseeded_sampler = reseeded_sampler
         self.end_of_dataloader = False
         self.remainder = -1
-        self.iteration = 0
         self._epoch_owner: DataLoaderShard = self
+        self._iteration = 0
         self._in_progress = False
         self._start_generator_state: torch.Tensor | None = None
         self._start_rng_state: torch.Tensor | None = None
         self._replay_rng_state: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ epochs and state
+    @property
+    def iteration(self) -> int:
+        """The epoch number; a loader from :func:`skip_first_batches` shares its source's (the same count)."""
+        return self._epoch_owner._iteration
+
+    @iteration.setter
+    def iteration(self, value: int) -> None:
+        self._epoch_owner._iteration = value
+
     def set_epoch(self, epoch: int) -> None:
         """Use epoch ``epoch``'s shuffling order (forwarded to samplers and datasets that take one).
 
@@ -87,7 +96,11 @@ class DataLoaderShard(DataLoader):
     def _apply_epoch(self, epoch: int) -> None:
         sampler = getattr(self.batch_sampler, "sampler", None)
         inner = getattr(sampler, "sampler", sampler)  # SkipBatchSampler -> BatchSamplerShard -> sampler
-        for target in {id(o): o for o in (sampler, inner, self.dataset) if o is not None}.values():
+        batch_samplers, b = [], self.batch_sampler  # the user's own batch sampler too, under nbaccel's wrappers
+        while b is not None and len(batch_samplers) < 4:
+            batch_samplers.append(b)
+            b = getattr(b, "batch_sampler", None)
+        for target in {id(o): o for o in (*batch_samplers, sampler, inner, self.dataset) if o is not None}.values():
             if hasattr(target, "set_epoch"):
                 target.set_epoch(epoch)
 
@@ -210,12 +223,20 @@ class DataLoaderDispatcher(DataLoaderShard):
     """Rank 0 reads each global batch and every rank keeps its slice (``dispatch_batches=True``).
 
     Useful when the data source can only be read once (a stream), or reading is expensive.
-    Without ``split_batches`` rank 0 reads ``num_processes`` batches per step.
+    Without ``split_batches`` rank 0 reads ``num_processes`` batches per step. Built by hand as
+    in Accelerate (``DataLoaderDispatcher(dataset, batch_size=...)``), it takes the job's
+    process count and rank.
     """
 
-    def __init__(self, dataset: Any, *, num_processes: int, process_index: int, split_batches: bool,
-                 even_batches: bool, **kwargs: Any) -> None:
+    def __init__(self, dataset: Any, *, num_processes: int | None = None, process_index: int | None = None,
+                 split_batches: bool = False, even_batches: bool = True, **kwargs: Any) -> None:
         super().__init__(dataset, **kwargs)
+        if num_processes is None or process_index is None:
+            from nbaccel.state import ProcessState
+
+            state = ProcessState()
+            num_processes = state.num_processes if num_processes is None else num_processes
+            process_index = state.process_index if process_index is None else process_index
         self.num_processes = num_processes
         self.process_index = process_index
         self.split_batches = split_batches

@@ -22,23 +22,38 @@ __all__ = ["BatchSamplerShard", "IterableDatasetShard", "SeedableRandomSampler",
 class SeedableRandomSampler(RandomSampler):
     """A ``RandomSampler`` whose order depends only on ``initial_seed + epoch`` (same on every rank).
 
+    Built as Accelerate's: ``SeedableRandomSampler(data_source, generator=..., data_seed=...)``;
+    the seed defaults to ``torch.initial_seed()`` (what ``set_seed`` set), and each full pass
+    moves to the next epoch, so passes differ even without ``set_epoch``.
+
+    Args:
+        data_source: the dataset.
+        replacement: draw with replacement.
+        num_samples: samples per pass (default: the dataset's length).
+        generator: the generator reseeded for each pass (a new one when ``None``).
+        data_seed: the seed of epoch 0.
+        initial_seed: nbaccel's earlier name for ``data_seed``.
+
     Example:
-        >>> s = SeedableRandomSampler(range(4), initial_seed=1)
-        >>> list(s) == list(s)   # re-iterating without set_epoch repeats the order
-        True
+        >>> s = SeedableRandomSampler(range(4), data_seed=1)
+        >>> first = list(s); list(s) != first, (s.set_epoch(0), list(s))[1] == first
+        (True, True)
     """
 
     def __init__(self, data_source: Any, replacement: bool = False, num_samples: int | None = None,
-                 initial_seed: int = 42) -> None:
+                 generator: torch.Generator | None = None, data_seed: int | None = None,
+                 initial_seed: int | None = None) -> None:
         super().__init__(data_source, replacement=replacement, num_samples=num_samples,
-                         generator=torch.Generator())
-        self.initial_seed = initial_seed
+                         generator=generator if generator is not None else torch.Generator())
+        seed = data_seed if data_seed is not None else initial_seed
+        self.initial_seed = seed if seed is not None else torch.initial_seed()
         self.epoch = 0
 
     def __iter__(self) -> Iterator[int]:
         assert self.generator is not None
         self.generator.manual_seed(self.initial_seed + self.epoch)
         yield from super().__iter__()
+        self.set_epoch(self.epoch + 1)
 
     def set_epoch(self, epoch: int) -> None:
         """Use the order of ``epoch``."""
@@ -56,8 +71,7 @@ class BatchSamplerShard(BatchSampler):
         even_batches: pad the last round from the start so every rank gets as many full batches.
 
     Raises:
-        ConfigError: ``split_batches`` with a batch size not divisible by ``num_processes``, or
-            ``even_batches`` with a batch sampler that has no ``batch_size``.
+        ConfigError: ``split_batches`` with a batch size not divisible by ``num_processes``.
 
     Example:
         >>> base = BatchSampler(range(10), batch_size=2, drop_last=False)
@@ -79,11 +93,6 @@ class BatchSamplerShard(BatchSampler):
                 f"with split_batches=True the batch size must be a multiple of num_processes={num_processes} "
                 f"(got batch_size={self.batch_size}); use batch_size={self.batch_size - self.batch_size % num_processes or num_processes}",
                 key="batch_size", value=self.batch_size, valid=f"a multiple of {num_processes}")
-        if self.batch_size is None and even_batches:
-            raise ConfigError(
-                f"even_batches=True needs a batch sampler with a `batch_size` ({type(batch_sampler).__name__} has "
-                "none); pass DataLoaderConfiguration(even_batches=False)", key="even_batches", value=True,
-                valid=(False,))
 
     @property
     def sampler(self) -> Any:
@@ -134,12 +143,14 @@ class BatchSamplerShard(BatchSampler):
     def _iter_dealt(self) -> Iterator[list[int]]:
         n, rank, bs = self.num_processes, self.process_index, self.batch_size
         start: list[int] = []  # the first round's indices, to cycle from at the end
+        first_batches: list[list[int]] = []  # the same as whole batches, for batches of varying size
         mine: list[int] = []
         batch: list[int] = []
         idx = -1
         for idx, batch in enumerate(self.batch_sampler):
             if not self.drop_last and idx < n:
                 start += batch
+                first_batches.append(list(batch))
             if idx % n == rank:
                 mine = batch
             if idx % n == n - 1 and (bs is None or len(batch) == bs):
@@ -151,7 +162,15 @@ class BatchSamplerShard(BatchSampler):
             if mine:
                 yield mine
             return
-        assert bs is not None
+        if bs is None:  # varying sizes: pad the last round with whole batches from the first, as Accelerate does
+            if mine:
+                yield mine
+            while len(first_batches) < n:
+                first_batches += first_batches
+            for cursor, idx in enumerate(range(idx + 1, -(-(idx + 1) // n) * n)):
+                if idx % n == rank:
+                    yield first_batches[cursor]
+            return
         if len(mine) == bs:
             yield mine
         while len(start) < n * bs:

@@ -41,12 +41,8 @@ def _upcast_trainable(model: torch.nn.Module) -> None:
 
 def _wrap_targets(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin) -> list[torch.nn.Module]:
     if plugin.auto_wrap_policy == "TRANSFORMER_BASED_WRAP":
+        plugin.set_auto_wrap_policy(model)  # raises when no class name matches
         names = set(plugin.transformer_cls_names_to_wrap or ())
-        found = {type(m).__name__ for m in model.modules()}
-        if not names & found:
-            raise ConfigError(f"transformer_cls_names_to_wrap={sorted(names)} matches no submodule of "
-                              f"{type(model).__name__}; its module classes are {sorted(found)}",
-                              key="transformer_cls_names_to_wrap", value=sorted(names), valid=sorted(found))
         return [m for m in model.modules() if m is not model and type(m).__name__ in names]
     if plugin.auto_wrap_policy == "SIZE_BASED_WRAP":
         limit = plugin.min_num_params or 100_000_000

@@ -25,8 +25,8 @@ class GradientState:
         (2, True)
     """
 
-    def __init__(self, plugin: GradientAccumulationPlugin | None = None) -> None:
-        self.plugin = plugin or GradientAccumulationPlugin()
+    def __init__(self, gradient_accumulation_plugin: GradientAccumulationPlugin | None = None) -> None:
+        self.plugin = gradient_accumulation_plugin or GradientAccumulationPlugin()
         self.sync_gradients = True
         self.active_dataloader: Any = None
         self.dataloader_references: list[Any] = [None]
@@ -63,6 +63,14 @@ class GradientState:
     def in_dataloader(self) -> bool:
         """Whether a prepared dataloader is being iterated."""
         return self.active_dataloader is not None
+
+    @classmethod
+    def _reset_state(cls) -> None:
+        """Accelerate's ``GradientState._reset_state()``: here a no-op, since nothing is shared.
+
+        Accelerate keeps one gradient state per process; nbaccel gives each ``Accelerator`` its
+        own, so a new ``Accelerator`` always starts from a fresh one.
+        """
 
     def _set_sync_gradients(self, value: bool) -> None:
         self.sync_gradients = value

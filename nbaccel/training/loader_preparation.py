@@ -24,9 +24,10 @@ from nbaccel.training.data_sharding import (
     SkipBatchSampler,
 )
 from nbaccel.training.gradient_state import GradientState
+from nbaccel.training.loader_options import config_from_options
 from nbaccel.training.plugins import DataLoaderConfiguration
 
-__all__ = ["prepare_data_loader", "skip_first_batches"]
+__all__ = ["get_sampler", "prepare_data_loader", "skip_first_batches"]
 
 # DataLoader arguments carried over when a loader is rebuilt.
 _LOADER_KWARGS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
@@ -66,32 +67,52 @@ def _seedable(sampler: RandomSampler, config: DataLoaderConfiguration) -> Seedab
                                  num_samples=sampler._num_samples, initial_seed=seed)
 
 
-def prepare_data_loader(dataloader: DataLoader, device: torch.device | None = None, num_processes: int = 1,
-                        process_index: int = 0, config: DataLoaderConfiguration | None = None,
-                        gradient_state: GradientState | None = None) -> DataLoaderShard:
+def prepare_data_loader(dataloader: DataLoader, device: torch.device | None = None, num_processes: int | None = None,
+                        process_index: int | None = None, config: DataLoaderConfiguration | None = None,
+                        gradient_state: GradientState | None = None, *, put_on_device: bool | None = None,
+                        **accelerate_options: Any) -> DataLoaderShard:
     """Rebuild ``dataloader`` so this process reads its share of the batches, on ``device``.
+
+    Takes Accelerate's arguments too: ``split_batches``, ``even_batches``, ``dispatch_batches``,
+    ``non_blocking``, ``use_seedable_sampler``, ``data_seed`` (the fields of
+    :class:`DataLoaderConfiguration`, given one by one instead of ``config``), ``put_on_device``,
+    and ``rng_types``, ``slice_fn_for_dispatch``, ``use_stateful_dataloader``,
+    ``torch_device_mesh`` when left at their defaults.
 
     Args:
         dataloader: the original loader (left unchanged).
         device: where batches go (``None`` leaves them where the loader puts them).
-        num_processes: processes sharing the data.
-        process_index: this process's rank.
+        num_processes: processes sharing the data (default: this job's, as in Accelerate).
+        process_index: this process's rank (default: this process's).
         config: splitting, padding, dispatching and seeding choices.
         gradient_state: the accelerator's state, told when the last batch comes.
+        put_on_device: ``False`` leaves batches where the loader puts them even with a
+            ``device``. Differs from Accelerate: ``None`` (the default) moves them when a
+            ``device`` is given (Accelerate moves them only with ``put_on_device=True``).
+        **accelerate_options: Accelerate's loader options, listed above.
 
     Returns:
         A :class:`DataLoaderShard` (or :class:`DataLoaderDispatcher`).
 
     Raises:
         ConfigError: ``split_batches`` with a batch size not divisible by ``num_processes``, or
-            ``even_batches`` with a batch sampler that has no batch size.
+            ``even_batches`` with a batch sampler that has no batch size; an option given both
+            in ``config`` and by name; an unknown option, or one nbaccel does not support.
 
     Example:
         >>> loader = prepare_data_loader(DataLoader(range(8), batch_size=2), num_processes=2, process_index=0)
         >>> [b.tolist() for b in loader]
         [[0, 1], [4, 5]]
     """
-    config = config or DataLoaderConfiguration()
+    config = config_from_options(config, accelerate_options)
+    if num_processes is None or process_index is None:
+        from nbaccel.state import ProcessState
+
+        state = ProcessState()
+        num_processes = state.num_processes if num_processes is None else num_processes
+        process_index = state.process_index if process_index is None else process_index
+    if put_on_device is False:
+        device = None
     dataset = dataloader.dataset
     iterable = isinstance(dataset, IterableDataset)
     dispatch = config.dispatch_batches if config.dispatch_batches is not None else (iterable and num_processes > 1)
@@ -104,6 +125,8 @@ def prepare_data_loader(dataloader: DataLoader, device: torch.device | None = No
         return _prepare_dispatcher(dataloader, num_processes, process_index, config, common | kwargs)
     if iterable:
         return _prepare_iterable(dataloader, num_processes, process_index, config, common | kwargs)
+    if dataloader.batch_sampler is None and isinstance(dataloader.sampler, BatchSampler):
+        return _prepare_sampler_of_batches(dataloader, num_processes, process_index, config, common | kwargs)
     sampler = dataloader.batch_sampler.sampler if hasattr(dataloader.batch_sampler, "sampler") else dataloader.sampler
     if isinstance(sampler, RandomSampler) and config.use_seedable_sampler:
         sampler = _seedable(sampler, config)
@@ -123,6 +146,19 @@ def prepare_data_loader(dataloader: DataLoader, device: torch.device | None = No
     return DataLoaderShard(dataset, batch_sampler=batch_sampler, total_batch_size=total, sync_generator=generator,
                            source_drop_last=dataloader.drop_last, draws_global_rng=dataloader.generator is None,
                            reseeded_sampler=reseeded, **common, **kwargs)
+
+
+def _prepare_sampler_of_batches(dataloader: DataLoader, num_processes: int, process_index: int,
+                                config: DataLoaderConfiguration, kwargs: dict[str, Any]) -> DataLoaderShard:
+    """``DataLoader(ds, sampler=BatchSampler(...), batch_size=None)``: the dataset reads whole batches; shard those."""
+    batches: Any = dataloader.sampler
+    if num_processes > 1:
+        batches = BatchSamplerShard(batches, num_processes=num_processes, process_index=process_index,
+                                    split_batches=config.split_batches, even_batches=config.even_batches)
+    size = getattr(batches, "batch_size", None)
+    total = size if config.split_batches else (size * num_processes if size else None)
+    return DataLoaderShard(dataloader.dataset, sampler=batches, batch_size=None, total_batch_size=total,
+                           source_drop_last=getattr(dataloader.sampler, "drop_last", False), **kwargs)
 
 
 def _prepare_iterable(dataloader: DataLoader, num_processes: int, process_index: int,
@@ -197,3 +233,15 @@ def _clone_with_skip(dataloader: DataLoaderShard, num_batches: int) -> DataLoade
     clone.__dict__["skip_batches"] = dataloader.skip_batches + num_batches
     return clone
 
+
+
+def get_sampler(dataloader: DataLoader) -> Any:
+    """The sampler of ``dataloader`` (the one inside its batch sampler, or inside a sampler of batches).
+
+    Example:
+        >>> type(get_sampler(DataLoader(range(4), batch_size=2, shuffle=True))).__name__
+        'RandomSampler'
+    """
+    if isinstance(dataloader.sampler, BatchSampler):
+        return getattr(dataloader.sampler, "sampler", None)
+    return getattr(dataloader.batch_sampler, "sampler", None)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["find_executable_batch_size", "is_out_of_memory"]
+__all__ = ["find_executable_batch_size", "is_out_of_memory", "release_memory"]
 
 # What PyTorch's allocators say when they run out (CUDA/HIP/XPU, MPS, CPU), and cuDNN's refusal of a size.
 _OOM_MESSAGES = (" out of memory.", "MPS backend out of memory", "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED.",
@@ -96,3 +96,20 @@ def find_executable_batch_size(function: Callable[..., Any] | None = None, start
                 batch_size = next_size()
 
     return wrapper
+
+
+def release_memory(*objects: Any) -> list[None]:
+    """Drop the caller's references to ``objects`` and free cached device memory, as Accelerate's does.
+
+    Use as ``a, b = release_memory(a, b)``: the returned ``None`` s replace the caller's names.
+
+    Example:
+        >>> model = torch.nn.Linear(1, 1); (model,) = release_memory(model); model is None
+        True
+    """
+    from nbaccel.big_modeling.tensors import clear_device_cache
+
+    released: list[None] = [None] * len(objects)
+    del objects
+    clear_device_cache(garbage_collection=True)
+    return released

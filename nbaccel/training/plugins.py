@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from nbaccel.errors import ConfigError
+from nbaccel.training.fsdp1_options import FSDP1_OPTIONS, translate_fsdp1_options
+from nbaccel.training.ddp_comm_hooks import DDPCommunicationHookType, as_comm_hook_type, register_comm_hook
 
 __all__ = [
     "AutocastKwargs",
@@ -71,6 +73,21 @@ class DistributedDataParallelKwargs(KwargsHandler):
     check_reduction: bool = False
     gradient_as_bucket_view: bool = False
     static_graph: bool = False
+    comm_hook: DDPCommunicationHookType = DDPCommunicationHookType.NO
+    comm_wrapper: DDPCommunicationHookType = DDPCommunicationHookType.NO
+    comm_state_option: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.comm_hook = as_comm_hook_type(self.comm_hook, "comm_hook")
+        self.comm_wrapper = as_comm_hook_type(self.comm_wrapper, "comm_wrapper")
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """The changed DDP constructor arguments (the ``comm_*`` fields go to :meth:`register_comm_hook`)."""
+        return {k: v for k, v in super().to_kwargs().items() if not k.startswith("comm_")}
+
+    def register_comm_hook(self, model: Any) -> None:
+        """Register ``comm_hook`` (wrapped by ``comm_wrapper``) on the DDP ``model``, as Accelerate does."""
+        register_comm_hook(model, self.comm_hook, self.comm_wrapper, self.comm_state_option)
 
 
 @dataclass
@@ -246,8 +263,23 @@ class FullyShardedDataParallelPlugin:
     state_dict_type: StateDictType = "FULL_STATE_DICT"
     cpu_offload: bool = False
     mixed_precision_policy: Any = None
+    # FSDP1-style options (nbaccel.training.fsdp1_options maps, warns about or refuses each)
+    sharding_strategy: Any = None
+    backward_prefetch: Any = None
+    forward_prefetch: Any = None
+    use_orig_params: Any = None
+    sync_module_states: Any = None
+    limit_all_gathers: Any = None
+    ignored_modules: Any = None
+    param_init_fn: Any = None
+    state_dict_config: Any = None
+    optim_state_dict_config: Any = None
+    cpu_ram_efficient_loading: Any = None
+    activation_checkpointing: Any = None
+    activation_checkpointing_offload: Any = None
 
     def __post_init__(self) -> None:
+        self.__dict__.update(translate_fsdp1_options({k: getattr(self, k) for k in FSDP1_OPTIONS}))
         if self.fsdp_version != 2:
             raise ConfigError(f"`fsdp_version` must be 2 (got {self.fsdp_version!r}): nbaccel shards with FSDP2 "
                               "(`fully_shard`); set fsdp_version=2", key="fsdp_version",
@@ -263,6 +295,27 @@ class FullyShardedDataParallelPlugin:
             from nbaccel.training.fsdp_policy import make_mixed_precision_policy
 
             self.mixed_precision_policy = make_mixed_precision_policy(self.mixed_precision_policy)
+
+    def set_auto_wrap_policy(self, model: Any) -> None:
+        """Check the wrap policy against ``model``, as Accelerate's does before sharding.
+
+        With ``TRANSFORMER_BASED_WRAP`` and no class names, the model's ``_no_split_modules``
+        (a Transformers convention) that it really contains are used.
+
+        Raises:
+            ConfigError: no class name matches a submodule of ``model``.
+        """
+        if self.auto_wrap_policy != "TRANSFORMER_BASED_WRAP":
+            return
+        found = {type(m).__name__ for m in model.modules()}
+        if not self.transformer_cls_names_to_wrap:
+            self.transformer_cls_names_to_wrap = [n for n in getattr(model, "_no_split_modules", None) or ()
+                                                  if n in found]
+        names = set(self.transformer_cls_names_to_wrap)
+        if not names & found:
+            raise ConfigError(f"transformer_cls_names_to_wrap={sorted(names)} matches no submodule of "
+                              f"{type(model).__name__}; its module classes are {sorted(found)}",
+                              key="transformer_cls_names_to_wrap", value=sorted(names), valid=sorted(found))
 
     def set_mixed_precision(self, mixed_precision: str, override: bool = False) -> None:
         """Shard with ``mixed_precision`` (``"bf16"``, ``"fp16"``): parameters gathered and gradients reduced in it.
@@ -294,13 +347,9 @@ class FullyShardedDataParallelPlugin:
                  "fsdp_transformer_layer_cls_to_wrap": "transformer_cls_names_to_wrap",
                  "fsdp_min_num_params": "min_num_params", "fsdp_state_dict_type": "state_dict_type",
                  "fsdp_offload_params": "cpu_offload"}
-        ignored = {"fsdp_backward_prefetch", "fsdp_forward_prefetch", "fsdp_use_orig_params",
-                   "fsdp_sync_module_states", "fsdp_cpu_ram_efficient_loading", "fsdp_activation_checkpointing",
-                   "fsdp_sharding_strategy"}
+        names |= {f"fsdp_{option}": option for option in FSDP1_OPTIONS}
         kwargs: dict[str, Any] = {}
         for key, value in config.items():
-            if key in ignored:
-                continue
             if key not in names:
                 raise ConfigError(f"unknown fsdp_config key {key!r}; valid keys: {sorted(names)}", key=key,
                                   value=value, valid=sorted(names))

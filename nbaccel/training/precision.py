@@ -9,6 +9,7 @@ are converted back to float32, as in Accelerate, so losses computed outside are 
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 from collections.abc import Callable
 from typing import Any, get_args
@@ -20,12 +21,21 @@ from nbaccel.errors import ConfigError
 from nbaccel.ops import recursively_apply
 from nbaccel.training.plugins import AutocastKwargs, GradScalerKwargs
 
-__all__ = ["autocast_context", "convert_outputs_to_fp32", "make_grad_scaler", "validate_mixed_precision"]
+__all__ = ["PrecisionType", "autocast_context", "convert_outputs_to_fp32", "make_grad_scaler", "validate_mixed_precision"]
 
 # fp8: torchao's Float8Linear layers do the fp8 matmuls; the rest runs under bf16 autocast, as in Accelerate.
 _DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
 _VALID: tuple[MixedPrecision, ...] = get_args(MixedPrecision)
 
+
+
+class PrecisionType(str, enum.Enum):
+    """Accelerate's ``PrecisionType``: the values ``mixed_precision`` takes, as a ``str`` enum."""
+
+    NO = "no"
+    FP8 = "fp8"
+    FP16 = "fp16"
+    BF16 = "bf16"
 
 def validate_mixed_precision(value: object) -> MixedPrecision:
     """Check a ``mixed_precision`` value (whether fp8 can run here is :mod:`nbaccel.training.fp8`'s check).
@@ -85,11 +95,11 @@ def _to_fp32(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor
 
 
-def convert_outputs_to_fp32(forward: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap ``forward`` so half-precision tensors in its output come back as float32."""
-    @functools.wraps(forward)
+def convert_outputs_to_fp32(model_forward: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``model_forward`` so half-precision tensors in its output come back as float32."""
+    @functools.wraps(model_forward)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        return recursively_apply(_to_fp32, forward(*args, **kwargs))
+        return recursively_apply(_to_fp32, model_forward(*args, **kwargs))
 
     return wrapped
 

@@ -152,6 +152,7 @@ class PrepareHelpers:
             if self.device.type == "cuda":
                 kwargs.update(device_ids=[self.device.index], output_device=self.device.index)
             model = torch.nn.parallel.DistributedDataParallel(model, **kwargs)
+            self.ddp_handler.register_comm_hook(model)
         return self.prepared.add("model", model)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None

@@ -133,7 +133,7 @@ class ProcessHelpers:
 
     @contextlib.contextmanager
     def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
-        """Give each process its contiguous share of a list, tuple, dict of lists, or tensor.
+        """Give each process its contiguous share of a list, tuple, dict of lists, tensor, or ``datasets.Dataset``.
 
         Args:
             inputs: what to split (along the first dimension / items).
@@ -220,9 +220,21 @@ class ProcessHelpers:
         return False
 
 
+def _is_hf_dataset(inputs: Any) -> bool:
+    """A Hugging Face ``datasets.Dataset`` (told by its type's module: importing ``datasets`` is slow)."""
+    return type(inputs).__module__.startswith("datasets.") and hasattr(inputs, "select")
+
+
 def _split(inputs: Any, n: int, rank: int, apply_padding: bool) -> Any:
     if n == 1:
         return inputs
+    if _is_hf_dataset(inputs):  # rows as a Dataset (ds[a:b] would be a dict of columns), as Accelerate does
+        per, extra = divmod(len(inputs), n)
+        start = rank * per + min(rank, extra)
+        rows = list(range(start, start + per + (1 if rank < extra else 0)))
+        if apply_padding:
+            rows += [len(inputs) - 1] * (per + (1 if extra else 0) - len(rows))
+        return inputs.select(rows)
     if isinstance(inputs, Mapping):
         lengths = {k: len(v) for k, v in inputs.items()}
         if len(set(lengths.values())) > 1:

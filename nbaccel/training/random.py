@@ -16,9 +16,27 @@ import torch
 
 from nbaccel.errors import ConfigError
 
-__all__ = ["RngType", "capture_rng_state", "restore_rng_state", "set_seed", "synchronize_rng_states"]
+__all__ = ["RNGType", "RngType", "capture_rng_state", "restore_rng_state", "set_seed", "synchronize_rng_state",
+           "synchronize_rng_states"]
 
 RngType = Literal["torch", "cuda", "xla", "generator"]
+
+
+class RNGType(str, enum.Enum):
+    """Accelerate's ``RNGType``. nbaccel synchronizes ``TORCH``, ``CUDA``, ``XLA`` and ``GENERATOR``; the
+    other members name hardware it has no engine for, and :func:`synchronize_rng_states` refuses them."""
+
+    TORCH = "torch"
+    CUDA = "cuda"
+    MLU = "mlu"
+    SDAA = "sdaa"
+    MUSA = "musa"
+    NPU = "npu"
+    XLA = "xla"
+    XPU = "xpu"
+    HPU = "hpu"
+    NEURON = "neuron"
+    GENERATOR = "generator"
 
 
 def set_seed(seed: int, device_specific: bool = False, deterministic: bool = False) -> None:
@@ -147,6 +165,15 @@ def synchronize_rng_states(rng_types: Iterable[RngType | str | enum.Enum], gener
     """
     for rng_type in rng_types:
         _synchronize(rng_type.value if isinstance(rng_type, enum.Enum) else rng_type, generator)
+
+
+def synchronize_rng_state(rng_type: RngType | str | enum.Enum, generator: torch.Generator | None = None) -> None:
+    """Accelerate's single-kind form of :func:`synchronize_rng_states`.
+
+    Example:
+        >>> synchronize_rng_state(RNGType.TORCH)   # one process: nothing to do
+    """
+    synchronize_rng_states([rng_type], generator=generator)
 
 
 def _synchronize(rng_type: str, generator: torch.Generator | None) -> None:

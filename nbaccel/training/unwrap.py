@@ -1,4 +1,4 @@
-"""Undoing ``prepare``'s wrappers: the model under DDP, a DeepSpeed engine, ``torch.compile``, autocast."""
+"""Undoing ``prepare``'s wrappers: the model under DDP / DataParallel, a DeepSpeed engine, ``torch.compile``, autocast."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from nbaccel.training.deepspeed_engine import is_deepspeed_engine
 from nbaccel.training.precision import unwrap_forward
 
-__all__ = ["unwrap_model"]
+__all__ = ["extract_model_from_parallel", "unwrap_model"]
 
 
 def unwrap_model(model: torch.nn.Module, keep_fp32_wrapper: bool = True,
@@ -21,7 +21,7 @@ def unwrap_model(model: torch.nn.Module, keep_fp32_wrapper: bool = True,
     """
     compiled: torch.nn.Module | None = None
     while True:
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel) or is_deepspeed_engine(model):
+        if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)) or is_deepspeed_engine(model):
             compiled = None  # a compile wrapper around DDP cannot be kept without the DDP inside it
             model = model.module
         elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):
@@ -32,3 +32,30 @@ def unwrap_model(model: torch.nn.Module, keep_fp32_wrapper: bool = True,
     if not keep_fp32_wrapper:
         unwrap_forward(model)
     return compiled if keep_torch_compile and compiled is not None else model
+
+
+def _unwrap_tree(module: torch.nn.Module) -> torch.nn.Module:
+    inner = _unwrap_tree(module.module) if isinstance(getattr(module, "module", None), torch.nn.Module) else module
+    for name, child in list(inner.named_children()):
+        setattr(inner, name, _unwrap_tree(child))
+    return inner
+
+
+def extract_model_from_parallel(model: torch.nn.Module, keep_fp32_wrapper: bool = True,
+                                keep_torch_compile: bool = True, recursive: bool = False) -> torch.nn.Module:
+    """Accelerate's ``extract_model_from_parallel``: :func:`unwrap_model`, and with ``recursive`` every submodule too.
+
+    ``recursive`` replaces each submodule that wraps another as ``.module`` (DDP, DataParallel,
+    DeepSpeed, FSDP1-style wrappers) by the module inside it, throughout the tree.
+
+    Example:
+        >>> inner = torch.nn.Linear(1, 1)
+        >>> extract_model_from_parallel(torch.nn.DataParallel(inner)) is inner
+        True
+    """
+    model = unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper, keep_torch_compile=keep_torch_compile)
+    if recursive:
+        inner = model._orig_mod if isinstance(getattr(model, "_orig_mod", None), torch.nn.Module) else model
+        for name, child in list(inner.named_children()):
+            setattr(inner, name, _unwrap_tree(child))
+    return model

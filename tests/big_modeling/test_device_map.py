@@ -167,9 +167,26 @@ def test_unknown_module_names_suggest_close_ones():
 @pytest.mark.parametrize("device", ["gpu", 0, "cuda:0", "cuda", 1.5, torch.device("cuda", 2)])
 def test_unknown_devices(device):
     with pytest.raises(DeviceMapError) as info:
-        check_device_map(empty_model(), {"": device})
+        check_device_map(empty_model(), {"": device}, on_this_machine=True)  # as dispatch and loading check
     assert info.value.key == ""
     assert "'cpu', 'disk'" in str(info.value)
+
+
+@pytest.mark.parametrize("device", ["gpu", 1.5, "cuda:x"])
+def test_non_devices_are_refused_even_when_planning(device):
+    with pytest.raises(DeviceMapError) as info:
+        check_device_map(empty_model(), {"": device})
+    assert info.value.key == ""
+
+
+def test_a_map_for_gpus_this_machine_lacks_passes_the_check_but_not_dispatch():
+    from nbaccel.big_modeling.dispatch import dispatch_model
+
+    gpus = torch.cuda.device_count()
+    planned = {"": gpus, "embed": "cpu"}  # GPU index `gpus` is never visible here
+    assert check_device_map(empty_model(), planned) == planned
+    with pytest.raises(DeviceMapError):
+        dispatch_model(torch.nn.Linear(2, 2), {"": gpus})
 
 
 def test_devices_are_normalized():

@@ -15,7 +15,8 @@ from tests.training.helpers import flat_weights, launch, model_and_optimizer
 
 
 def test_distributed_type_members_are_the_strings_used_before():
-    assert [m.value for m in nbaccel.DistributedType] == ["NO", "MULTI_CPU", "MULTI_GPU", "XLA", "FSDP", "DEEPSPEED"]
+    assert [m.value for m in nbaccel.DistributedType][:6] == ["NO", "MULTI_CPU", "MULTI_GPU", "XLA", "FSDP", "DEEPSPEED"]
+    assert nbaccel.DistributedType.MULTI_NPU == "MULTI_NPU"  # other hardware is named (code lists it in tuples)
     assert nbaccel.DistributedType.MULTI_CPU == "MULTI_CPU" and "XLA" == nbaccel.DistributedType.XLA
     assert f"{nbaccel.DistributedType.NO}" == "NO" and json.dumps(nbaccel.DistributedType.FSDP) == '"FSDP"'
     accelerator = nbaccel.Accelerator()
@@ -38,7 +39,14 @@ def test_configs_and_worker_settings_hold_the_one_distributed_type(tmp_path):
     assert info.value.key == "distributed_type" and "FSDP" in info.value.valid
     with pytest.raises(nbaccel.ConfigError) as info:
         LaunchConfig(distributed_type="BOGUS")
-    assert info.value.key == "distributed_type" and info.value.valid == tuple(t.value for t in nbaccel.DistributedType)
+    assert info.value.key == "distributed_type" and info.value.valid == ("NO", "MULTI_CPU", "MULTI_GPU", "XLA", "FSDP",
+                                                                          "DEEPSPEED")
+    with pytest.raises(nbaccel.ConfigError) as info:
+        LaunchConfig(distributed_type=nbaccel.DistributedType.MULTI_XPU)
+    assert info.value.value == "MULTI_XPU" and "MULTI_XPU" not in info.value.valid
+    with pytest.raises(nbaccel.ConfigError, match="no engine for") as info:
+        WorkerSettings(distributed_type=nbaccel.DistributedType.MULTI_HPU)
+    assert info.value.valid == ("NO", "MULTI_CPU", "MULTI_GPU", "XLA", "FSDP", "DEEPSPEED")
 
 
 def _states() -> dict:

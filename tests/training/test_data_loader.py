@@ -60,9 +60,9 @@ def test_sharding_errors():
     with pytest.raises(nbaccel.ConfigError) as info:
         nbaccel.BatchSamplerShard(base, 2, 0, split_batches=True)
     assert info.value.key == "batch_size"
-    with pytest.raises(nbaccel.ConfigError) as info:
-        nbaccel.BatchSamplerShard([[0, 1], [2]], 2, 0)
-    assert info.value.key == "even_batches"
+    # batches of varying size (no batch_size): the last round is padded with whole first batches
+    assert [list(nbaccel.BatchSamplerShard([[0, 1], [2], [3, 4, 5]], 2, r)) for r in (0, 1)] == \
+        [[[0, 1], [3, 4, 5]], [[2], [0, 1]]]
     with pytest.raises(nbaccel.ConfigError):
         nbaccel.IterableDatasetShard(range(10), batch_size=3, num_processes=2, split_batches=True)
     with pytest.raises(nbaccel.ConfigError):

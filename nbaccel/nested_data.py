@@ -1,0 +1,152 @@
+"""Conversions of nested batches (lists, tuples, namedtuples, dicts of tensors) that Accelerate's scripts use.
+
+``listify`` and ``convert_to_fp32`` walk the structure with :func:`~nbaccel.ops.recursively_apply`;
+``pad_input_tensors`` grows a batch so that every process gets a slice of it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from nbaccel.errors import ConfigError
+from nbaccel.ops import find_batch_size, recursively_apply
+
+__all__ = ["convert_to_fp32", "honor_type", "ignorant_find_batch_size", "is_namedtuple", "is_torch_tensor", "listify",
+           "merge_dicts",
+           "pad_input_tensors", "recursive_getattr"]
+
+
+def is_namedtuple(data: Any) -> bool:
+    """Whether ``data`` is a namedtuple (a tuple with ``_asdict`` and ``_fields``), as Accelerate decides.
+
+    Example:
+        >>> import collections
+        >>> is_namedtuple(collections.namedtuple("P", "x")(1)), is_namedtuple((1,))
+        (True, False)
+    """
+    return isinstance(data, tuple) and hasattr(data, "_asdict") and hasattr(data, "_fields")
+
+
+def honor_type(obj: Any, generator: Any) -> Any:
+    """``generator``'s items in a container of ``obj``'s type (a namedtuple gets them as fields).
+
+    Example:
+        >>> honor_type((1, 2), (x * 2 for x in (1, 2)))
+        (2, 4)
+    """
+    return type(obj)(*list(generator)) if is_namedtuple(obj) else type(obj)(generator)
+
+
+def is_torch_tensor(tensor: Any) -> bool:
+    """Whether ``tensor`` is a ``torch.Tensor``."""
+    return isinstance(tensor, torch.Tensor)
+
+
+def merge_dicts(source: dict, destination: dict) -> dict:
+    """Merge ``source`` into ``destination`` (in place, nested dicts merged key by key); returns ``destination``.
+
+    Example:
+        >>> merge_dicts({"a": {"b": 1}}, {"a": {"c": 2}, "d": 3})
+        {'a': {'c': 2, 'b': 1}, 'd': 3}
+    """
+    for key, value in source.items():
+        if isinstance(value, dict):
+            merge_dicts(value, destination.setdefault(key, {}))
+        else:
+            destination[key] = value
+    return destination
+
+
+def recursive_getattr(obj: Any, attr: str) -> Any:
+    """``obj.a.b.c`` for ``attr="a.b.c"``.
+
+    Example:
+        >>> recursive_getattr(torch.nn.Sequential(torch.nn.Linear(1, 2)), "0.out_features")
+        2
+    """
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _to_list(tensor: torch.Tensor) -> Any:
+    tensor = tensor.detach().cpu()
+    if tensor.dtype == torch.bfloat16:  # .tolist() has no bf16 path
+        tensor = tensor.to(torch.float32)
+    return tensor.tolist()
+
+
+def listify(data: Any) -> Any:
+    """Every tensor in ``data`` as nested Python lists (or a number, for a 0-d tensor), the structure kept.
+
+    Example:
+        >>> listify({"a": torch.tensor([1, 2]), "b": (torch.tensor(3.5),)})
+        {'a': [1, 2], 'b': (3.5,)}
+    """
+    return recursively_apply(_to_list, data)
+
+
+def _is_half(tensor: Any) -> bool:
+    return torch.is_tensor(tensor) and tensor.dtype in (torch.float16, torch.bfloat16)
+
+
+def convert_to_fp32(tensor: Any) -> Any:
+    """Every fp16/bf16 tensor in ``tensor`` (a nested structure) as float32; other values unchanged.
+
+    Example:
+        >>> convert_to_fp32({"x": torch.ones(1, dtype=torch.bfloat16), "n": torch.ones(1, dtype=torch.int64)})
+        {'x': tensor([1.]), 'n': tensor([1])}
+    """
+    return recursively_apply(lambda t: t.float(), tensor, test_type=_is_half)
+
+
+def pad_input_tensors(tensor: Any, batch_size: int, num_processes: int, dim: int = 0) -> Any:
+    """Pad the batch (first dimension, with zeros) to the next multiple of ``num_processes`` above ``batch_size``.
+
+    A batch smaller than ``num_processes`` grows to ``num_processes`` rows, so every process gets
+    one. Differs from Accelerate on purpose: Accelerate adds ``num_processes - batch_size //
+    num_processes`` rows, which for some sizes (6 over 4 processes: 9 rows) is not a multiple of
+    ``num_processes``; the results agree wherever Accelerate's is a multiple.
+
+    Args:
+        tensor: a tensor or a nested structure of tensors, all with ``batch_size`` rows.
+        batch_size: the rows in the batch.
+        num_processes: the processes to split it over.
+        dim: the dimension the input is copied along (rows are added along the first one).
+
+    Raises:
+        ConfigError: ``num_processes`` is not a positive int.
+
+    Example:
+        >>> pad_input_tensors(torch.ones(3, 2), batch_size=3, num_processes=4).shape
+        torch.Size([4, 2])
+    """
+    if not isinstance(num_processes, int) or isinstance(num_processes, bool) or num_processes < 1:
+        raise ConfigError(f"`num_processes` must be a positive int (got {num_processes!r}). Fix: pass the number of "
+                          "processes the batch is split over, e.g. `num_processes=accelerator.num_processes`.",
+                          key="num_processes", value=num_processes, valid="int >= 1")
+    rows = max(num_processes, -(-batch_size // num_processes) * num_processes)
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        if rows == batch_size:
+            return t
+        padded = t.new_zeros((rows, *t.shape[1:]))
+        padded[tuple(slice(0, t.shape[dim]) if i == dim else slice(None) for i in range(t.dim()))] = t
+        return padded
+
+    return recursively_apply(pad, tensor, error_on_other_type=True)
+
+
+def ignorant_find_batch_size(data: Any) -> int | None:
+    """:func:`~nbaccel.ops.find_batch_size`, or ``None`` where it cannot tell.
+
+    Example:
+        >>> ignorant_find_batch_size({"x": torch.ones(3, 2)}), ignorant_find_batch_size("text")
+        (3, None)
+    """
+    try:
+        return find_batch_size(data)
+    except (ValueError, TypeError):
+        return None

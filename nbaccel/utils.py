@@ -1,0 +1,287 @@
+"""Accelerate's ``accelerate.utils`` import path: re-exports only, so ``from accelerate.utils import X`` ports as is.
+
+Nothing is defined here (nbaccel keeps no grab-bag of helpers): each name lives in the module whose
+one job it belongs to, and this module exists only so that Accelerate's import lines keep working.
+Names Accelerate has here that nbaccel does not (other hardware, integrations that are not installed,
+names not ported yet) are listed in the README's "Coming from Accelerate" section.
+"""
+
+from __future__ import annotations
+
+from nbaccel.availability import (
+    compare_versions,
+    is_bf16_available,
+    is_cuda_available,
+    is_datasets_available,
+    is_deepspeed_available,
+    is_fp16_available,
+    is_import_timer_available,
+    is_lomo_available,
+    is_matplotlib_available,
+    is_mps_available,
+    is_pandas_available,
+    is_peft_available,
+    is_peft_model,
+    is_pynvml_available,
+    is_pytest_available,
+    is_rich_available,
+    is_schedulefree_available,
+    is_timm_available,
+    is_torch_version,
+    is_torch_xla_available,
+    is_torchdata_available,
+    is_torchdata_stateful_dataloader_available,
+    is_torchvision_available,
+    is_transformers_available,
+    is_triton_available,
+)
+from nbaccel.big_modeling.device_map import (
+    check_device_map,
+    infer_auto_device_map,
+)
+from nbaccel.big_modeling.loading import (
+    load_checkpoint_in_model,
+)
+from nbaccel.big_modeling.module_state import (
+    align_module_device,
+    calculate_maximum_sizes,
+    check_tied_parameters_on_same_device,
+    clean_device_map,
+    clean_state_dict_for_safetensors,
+    compute_module_total_buffer_size,
+    extract_submodules_state_dict,
+    get_module_children_bottom_up,
+    get_module_size_with_ties,
+    get_non_persistent_buffers,
+    get_state_dict_offloaded_model,
+    has_offloaded_params,
+    id_tensor_storage,
+    load_offloaded_weights,
+    retie_parameters,
+)
+from nbaccel.big_modeling.offload import (
+    OffloadedWeightsLoader,
+    PrefixedDataset,
+    load_offloaded_weight,
+    offload_state_dict,
+    offload_weight,
+    save_offload_index,
+)
+from nbaccel.big_modeling.sizes import (
+    compute_module_sizes,
+    dtype_byte_size,
+    find_tied_parameters,
+    get_balanced_memory,
+    get_max_layer_size,
+    get_max_memory,
+)
+from nbaccel.big_modeling.tensors import (
+    find_device,
+    named_module_tensors,
+    set_module_tensor_to_device,
+)
+from nbaccel.distributed_type import (
+    DistributedType,
+)
+from nbaccel.environment import (
+    clear_environment,
+    get_int_from_env,
+    parse_choice_from_env,
+    parse_flag_from_env,
+    patch_environment,
+    str_to_bool,
+)
+from nbaccel.errors import (
+    DistributedOperationException,
+)
+from nbaccel.file_size import (
+    convert_bytes,
+    convert_file_size_to_int,
+)
+from nbaccel.hardware import (
+    check_os_kernel,
+)
+from nbaccel.launch.rendezvous import (
+    is_port_in_use,
+)
+from nbaccel.nested_data import (
+    convert_to_fp32,
+    honor_type,
+    ignorant_find_batch_size,
+    is_namedtuple,
+    is_torch_tensor,
+    listify,
+    merge_dicts,
+    pad_input_tensors,
+    recursive_getattr,
+)
+from nbaccel.ops import (
+    broadcast,
+    broadcast_object_list,
+    concatenate,
+    find_batch_size,
+    gather,
+    gather_object,
+    pad_across_processes,
+    recursively_apply,
+    reduce,
+    send_to_device,
+    slice_tensors,
+)
+from nbaccel.state import (
+    wait_for_everyone,
+)
+from nbaccel.tensor_copy import (
+    copy_tensor_to_devices,
+)
+from nbaccel.training.ddp_comm_hooks import (
+    DDPCommunicationHookType,
+)
+from nbaccel.training.memory import (
+    find_executable_batch_size,
+    release_memory,
+)
+from nbaccel.training.plugins import (
+    AutocastKwargs,
+    DataLoaderConfiguration,
+    DeepSpeedPlugin,
+    DistributedDataParallelKwargs,
+    FullyShardedDataParallelPlugin,
+    GradScalerKwargs,
+    GradientAccumulationPlugin,
+    InitProcessGroupKwargs,
+    KwargsHandler,
+    ProjectConfiguration,
+)
+from nbaccel.training.precision import (
+    PrecisionType,
+    convert_outputs_to_fp32,
+)
+from nbaccel.training.random import (
+    RNGType,
+    set_seed,
+    synchronize_rng_state,
+    synchronize_rng_states,
+)
+from nbaccel.training.saving import (
+    save,
+)
+from nbaccel.training.unwrap import (
+    extract_model_from_parallel,
+)
+
+__all__ = [
+    "AutocastKwargs",
+    "DDPCommunicationHookType",
+    "DataLoaderConfiguration",
+    "DeepSpeedPlugin",
+    "DistributedDataParallelKwargs",
+    "DistributedOperationException",
+    "DistributedType",
+    "FullyShardedDataParallelPlugin",
+    "GradScalerKwargs",
+    "GradientAccumulationPlugin",
+    "InitProcessGroupKwargs",
+    "KwargsHandler",
+    "OffloadedWeightsLoader",
+    "PrecisionType",
+    "PrefixedDataset",
+    "ProjectConfiguration",
+    "RNGType",
+    "align_module_device",
+    "broadcast",
+    "broadcast_object_list",
+    "calculate_maximum_sizes",
+    "check_device_map",
+    "check_os_kernel",
+    "check_tied_parameters_on_same_device",
+    "clean_device_map",
+    "clean_state_dict_for_safetensors",
+    "clear_environment",
+    "compare_versions",
+    "compute_module_sizes",
+    "compute_module_total_buffer_size",
+    "concatenate",
+    "convert_bytes",
+    "convert_file_size_to_int",
+    "convert_outputs_to_fp32",
+    "convert_to_fp32",
+    "copy_tensor_to_devices",
+    "dtype_byte_size",
+    "extract_model_from_parallel",
+    "extract_submodules_state_dict",
+    "find_batch_size",
+    "find_device",
+    "find_executable_batch_size",
+    "find_tied_parameters",
+    "gather",
+    "gather_object",
+    "get_balanced_memory",
+    "get_int_from_env",
+    "get_max_layer_size",
+    "get_max_memory",
+    "get_module_children_bottom_up",
+    "get_module_size_with_ties",
+    "get_non_persistent_buffers",
+    "get_state_dict_offloaded_model",
+    "has_offloaded_params",
+    "honor_type",
+    "id_tensor_storage",
+    "ignorant_find_batch_size",
+    "infer_auto_device_map",
+    "is_bf16_available",
+    "is_cuda_available",
+    "is_datasets_available",
+    "is_deepspeed_available",
+    "is_fp16_available",
+    "is_import_timer_available",
+    "is_lomo_available",
+    "is_matplotlib_available",
+    "is_mps_available",
+    "is_namedtuple",
+    "is_pandas_available",
+    "is_peft_available",
+    "is_peft_model",
+    "is_port_in_use",
+    "is_pynvml_available",
+    "is_pytest_available",
+    "is_rich_available",
+    "is_schedulefree_available",
+    "is_timm_available",
+    "is_torch_tensor",
+    "is_torch_version",
+    "is_torch_xla_available",
+    "is_torchdata_available",
+    "is_torchdata_stateful_dataloader_available",
+    "is_torchvision_available",
+    "is_transformers_available",
+    "is_triton_available",
+    "listify",
+    "load_checkpoint_in_model",
+    "load_offloaded_weight",
+    "load_offloaded_weights",
+    "merge_dicts",
+    "named_module_tensors",
+    "offload_state_dict",
+    "offload_weight",
+    "pad_across_processes",
+    "pad_input_tensors",
+    "parse_choice_from_env",
+    "parse_flag_from_env",
+    "patch_environment",
+    "recursive_getattr",
+    "recursively_apply",
+    "reduce",
+    "release_memory",
+    "retie_parameters",
+    "save",
+    "save_offload_index",
+    "send_to_device",
+    "set_module_tensor_to_device",
+    "set_seed",
+    "slice_tensors",
+    "str_to_bool",
+    "synchronize_rng_state",
+    "synchronize_rng_states",
+    "wait_for_everyone",
+]

@@ -1,0 +1,56 @@
+"""A prepared loader's epoch count after ``skip_first_batches``, and its lifetime after ``free_memory``, as in Accelerate."""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import weakref
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+pytest.importorskip("accelerate")
+
+
+def fresh_accelerator(library: str):
+    lib = importlib.import_module(library)
+    if library == "accelerate":
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    return lib, lib.Accelerator(cpu=True)
+
+
+def counted(library: str) -> dict:
+    lib, accelerator = fresh_accelerator(library)
+    loader = accelerator.prepare(DataLoader(list(range(10)), batch_size=2))
+    list(loader), list(loader)
+    skipped = lib.skip_first_batches(loader, 2)
+    before = skipped.iteration
+    batches = [b.tolist() for b in skipped]
+    return {"before": before, "batches": batches, "after": skipped.iteration}
+
+
+def test_a_skipped_loader_keeps_the_epoch_count():
+    ours, theirs = counted("nbaccel"), counted("accelerate")
+    assert ours == theirs == {"before": 2, "batches": [[4, 5], [6, 7], [8, 9]], "after": 3}
+
+
+def freed(library: str) -> dict:
+    _, accelerator = fresh_accelerator(library)
+    model = accelerator.prepare(torch.nn.Linear(1, 1))
+    loader = accelerator.prepare(DataLoader(list(range(10)), batch_size=2))
+    for _ in loader:
+        break  # left mid-pass, as after an exception or an early stop
+    references = (weakref.ref(loader), weakref.ref(model))
+    del loader, model
+    accelerator.free_memory()
+    gc.collect()
+    return {"alive": [r() is not None for r in references], "registered": len(accelerator._dataloaders)}
+
+
+def test_free_memory_lets_a_loader_left_mid_pass_go():
+    ours, theirs = freed("nbaccel"), freed("accelerate")
+    assert ours == theirs == {"alive": [False, False], "registered": 0}
