@@ -156,6 +156,8 @@ from nbaccel.training.plugins import (
 from nbaccel.training.precision import (
     PrecisionType,
     convert_outputs_to_fp32,
+    get_grad_scaler,
+    get_mixed_precision_context_manager,
 )
 from nbaccel.training.random import (
     RNGType,
@@ -217,9 +219,11 @@ __all__ = [
     "gather",
     "gather_object",
     "get_balanced_memory",
+    "get_grad_scaler",
     "get_int_from_env",
     "get_max_layer_size",
     "get_max_memory",
+    "get_mixed_precision_context_manager",
     "get_module_children_bottom_up",
     "get_module_size_with_ties",
     "get_non_persistent_buffers",

@@ -149,3 +149,34 @@ def test_load_offloaded_weights_reads_an_offload_folder(tmp_path):
         target = nn.Linear(3, 2, device="meta")
         modeling(lib).load_offloaded_weights(target, index, str(tmp_path))
         assert torch.equal(target.weight, source.weight) and target.weight.device.type == "cpu", lib
+
+
+def test_get_grad_scaler_matches():
+    for kwargs in ({}, {"init_scale": 8.0, "growth_interval": 3}):
+        theirs, ours = utils("accelerate").get_grad_scaler(**kwargs), utils("nbaccel").get_grad_scaler(**kwargs)
+        assert type(ours) is type(theirs) and ours.get_scale() == theirs.get_scale()
+        assert ours.get_growth_interval() == theirs.get_growth_interval()
+
+
+def autocast_dtype(library: str) -> list:
+    lib = importlib.import_module(library)
+    u = utils(library)
+    if library == "accelerate":
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+    lib.Accelerator(cpu=True)  # the launch's mixed precision
+    seen = []
+    for native_amp in (False, True):
+        with u.get_mixed_precision_context_manager(native_amp=native_amp):
+            seen.append(str(nn.Linear(2, 2)(torch.ones(1, 2)).dtype))
+    return seen
+
+
+def test_get_mixed_precision_context_manager_matches_in_a_bf16_launch():
+    import nbaccel
+
+    ours, theirs = (nbaccel.notebook_launcher(autocast_dtype, (lib,), num_processes=2, use_cpu=True,
+                                              mixed_precision="bf16", return_all=True, timeout=120)
+                    for lib in ("nbaccel", "accelerate"))
+    assert ours == theirs == {0: ["torch.float32", "torch.bfloat16"], 1: ["torch.float32", "torch.bfloat16"]}
