@@ -75,6 +75,9 @@ from nbaccel.big_modeling.sizes import (
     get_max_layer_size,
     get_max_memory,
 )
+from nbaccel.big_modeling.state_dict_file import (
+    load_state_dict,
+)
 from nbaccel.big_modeling.tensors import (
     find_device,
     named_module_tensors,
@@ -127,6 +130,9 @@ from nbaccel.ops import (
     reduce,
     send_to_device,
     slice_tensors,
+)
+from nbaccel.safe_load import (
+    load,
 )
 from nbaccel.state import (
     wait_for_everyone,
@@ -261,9 +267,11 @@ __all__ = [
     "is_transformers_available",
     "is_triton_available",
     "listify",
+    "load",
     "load_checkpoint_in_model",
     "load_offloaded_weight",
     "load_offloaded_weights",
+    "load_state_dict",
     "merge_dicts",
     "named_module_tensors",
     "offload_state_dict",

@@ -180,3 +180,34 @@ def test_get_mixed_precision_context_manager_matches_in_a_bf16_launch():
                                               mixed_precision="bf16", return_all=True, timeout=120)
                     for lib in ("nbaccel", "accelerate"))
     assert ours == theirs == {0: ["torch.float32", "torch.bfloat16"], 1: ["torch.float32", "torch.bfloat16"]}
+
+
+def test_load_and_load_state_dict_match(tmp_path, caplog):
+    import numpy as np
+    from safetensors.torch import save_file
+
+    import accelerate
+
+    accelerate.PartialState(cpu=True)  # Accelerate's logger needs its state
+    torch.save({"w": torch.ones(2), "rng": np.arange(3, dtype=np.uint32)}, tmp_path / "state.bin")
+    tensors = {"a.weight": torch.arange(4.0), "b.weight": torch.ones(2, 2)}
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    for lib in ("accelerate", "nbaccel"):
+        loaded = utils(lib).load(str(tmp_path / "state.bin"))
+        assert torch.equal(loaded["w"], torch.ones(2)) and loaded["rng"].tolist() == [0, 1, 2], lib
+        for device_map in (None, {"a": "cpu", "b": "disk"}):
+            state = modeling(lib).load_state_dict(str(tmp_path / "model.safetensors"), device_map=device_map)
+            assert sorted(state) == sorted(tensors) and all(torch.equal(state[k], tensors[k]) for k in tensors), lib
+            assert {t.device.type for t in state.values()} == {"cpu"}
+        torch.save({"x": nn.Linear(1, 1)}, tmp_path / "code.bin")
+        with pytest.raises(Exception, match="Weights only load failed"):  # weights_only by default in both
+            utils(lib).load(str(tmp_path / "code.bin"))
+
+
+def test_load_state_dict_refuses_another_frameworks_file_as_a_value_error(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(1)}, tmp_path / "tf.safetensors", metadata={"format": "tf"})
+    for lib in ("accelerate", "nbaccel"):
+        with pytest.raises(ValueError, match="tf"):
+            modeling(lib).load_state_dict(str(tmp_path / "tf.safetensors"))

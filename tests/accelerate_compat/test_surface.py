@@ -69,9 +69,8 @@ NOT_HERE: dict[str, str] = {
     **dict.fromkeys("CannotPadNestedTensorWarning CustomDtype TensorInformation are_libraries_initialized "
                     "attach_align_device_hook_on_blocks check_tied_parameters_in_config get_accelerator_free_memory "
                     "get_current_device_type get_data_structure get_distributed_backend get_gpu_info get_pretty_name "
-                    "initialize_tensors is_tensor_information load load_state_dict normalize_device tqdm "
-                    "DataLoaderAdapter DataLoaderStateMixin ThreadLocalSharedDict do_nothing "
-                    "get_torch_accelerator_backend".split(), _LATER),
+                    "initialize_tensors is_tensor_information normalize_device tqdm DataLoaderAdapter "
+                    "DataLoaderStateMixin ThreadLocalSharedDict do_nothing get_torch_accelerator_backend".split(), _LATER),
 }
 """Accelerate names nbaccel does not have, with the reason; the README lists the same."""
 
