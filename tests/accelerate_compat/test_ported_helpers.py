@@ -211,3 +211,20 @@ def test_load_state_dict_refuses_another_frameworks_file_as_a_value_error(tmp_pa
     for lib in ("accelerate", "nbaccel"):
         with pytest.raises(ValueError, match="tf"):
             modeling(lib).load_state_dict(str(tmp_path / "tf.safetensors"))
+
+
+def structures(lib: str) -> dict:
+    u = utils(lib)
+    data = {"x": torch.ones(2, 3, dtype=torch.float16), "y": [torch.zeros(4, dtype=torch.int64)]}
+    described = u.get_data_structure(data)
+    made = u.initialize_tensors(described)
+    return {"described": {"x": (tuple(described["x"].shape), described["x"].dtype),
+                          "y": (tuple(described["y"][0].shape), described["y"][0].dtype)},
+            "is_info": (u.is_tensor_information(described["x"]), u.is_tensor_information(data["x"])),
+            "made": {"x": (tuple(made["x"].shape), made["x"].dtype), "y": (tuple(made["y"][0].shape), made["y"][0].dtype)}}
+
+
+def test_data_structures_describe_and_rebuild_as_in_accelerate():
+    theirs, ours = structures("accelerate"), structures("nbaccel")
+    assert ours == theirs
+    assert ours["made"] == ours["described"] == {"x": ((2, 3), torch.float16), "y": ((4,), torch.int64)}

@@ -66,11 +66,11 @@ NOT_HERE: dict[str, str] = {
                     "is_wandb_available".split(), _TRACKERS),
     **dict.fromkeys("ProfileKwargs DynamoBackend TorchDynamoPlugin compile_regions has_compiled_regions "
                     "is_compiled_module".split(), _COMPILE),
-    **dict.fromkeys("CannotPadNestedTensorWarning CustomDtype TensorInformation are_libraries_initialized "
+    **dict.fromkeys("CannotPadNestedTensorWarning CustomDtype are_libraries_initialized "
                     "attach_align_device_hook_on_blocks check_tied_parameters_in_config get_accelerator_free_memory "
-                    "get_current_device_type get_data_structure get_distributed_backend get_gpu_info get_pretty_name "
-                    "initialize_tensors is_tensor_information normalize_device tqdm DataLoaderAdapter "
-                    "DataLoaderStateMixin ThreadLocalSharedDict do_nothing get_torch_accelerator_backend".split(), _LATER),
+                    "get_current_device_type get_distributed_backend get_gpu_info get_pretty_name normalize_device tqdm "
+                    "DataLoaderAdapter DataLoaderStateMixin ThreadLocalSharedDict do_nothing "
+                    "get_torch_accelerator_backend".split(), _LATER),
 }
 """Accelerate names nbaccel does not have, with the reason; the README lists the same."""
 
