@@ -14,9 +14,21 @@ import torch
 from nbaccel.errors import ConfigError
 from nbaccel.ops import find_batch_size, recursively_apply
 
-__all__ = ["TensorInformation", "convert_to_fp32", "get_data_structure", "honor_type", "ignorant_find_batch_size", "is_namedtuple", "is_torch_tensor", "listify",
-           "initialize_tensors", "is_tensor_information", "merge_dicts",
-           "pad_input_tensors", "recursive_getattr"]
+__all__ = [
+    "TensorInformation",
+    "convert_to_fp32",
+    "get_data_structure",
+    "honor_type",
+    "ignorant_find_batch_size",
+    "initialize_tensors",
+    "is_namedtuple",
+    "is_tensor_information",
+    "is_torch_tensor",
+    "listify",
+    "merge_dicts",
+    "pad_input_tensors",
+    "recursive_getattr",
+]
 
 
 def is_namedtuple(data: Any) -> bool:

@@ -75,15 +75,15 @@ NOT_HERE: dict[str, str] = {
 """Accelerate names nbaccel does not have, with the reason; the README lists the same."""
 
 SIGNATURE_DIFFERS: dict[str, str] = {
-    "Accelerator": "no deepspeed_plugins / dynamo / megatron_lm / parallelism_config / torch_tp_plugin (see NOT_HERE)",
+    "Accelerator": "no deepspeed_plugins / dynamo / megatron_lm / parallelism_config / torch_tp_plugin (see the names above)",
     "AcceleratorState": "one state per process; training settings (mixed_precision, plugins) live on the Accelerator",
     "DeepSpeedPlugin": "no NVMe offload paths, MoE classes, zero3_init_flag, zero3_save_16bit_model (set them in the config)",
     "InitProcessGroupKwargs": "no init_method: workers always join through env://",
     "set_module_tensor_to_device": "no fp16_statistics (bitsandbytes), tied_params_map, clear_cache, non_blocking",
     "slice_tensors": "no num_processes / process_index (XLA-only in Accelerate)",
-    "AlignDevicesHook": "no tied_params_map: dispatch loads a tied weight once",
-    "attach_align_device_hook": "no tied_params_map: dispatch loads a tied weight once",
-    "attach_execution_device_hook": "no tied_params_map: dispatch loads a tied weight once",
+    "AlignDevicesHook": "no tied_params_map: loading makes tied names share one tensor (no per-device copies to track)",
+    "attach_align_device_hook": "no tied_params_map: loading makes tied names share one tensor (no per-device copies to track)",
+    "attach_execution_device_hook": "no tied_params_map: loading makes tied names share one tensor (no per-device copies to track)",
     "SeedableRandomSampler": "names RandomSampler's parameters (Accelerate passes them through *args, **kwargs)",
 }
 """Callables whose parameters differ from Accelerate's, with the reason."""
