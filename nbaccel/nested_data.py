@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -13,9 +14,21 @@ import torch
 from nbaccel.errors import ConfigError
 from nbaccel.ops import find_batch_size, recursively_apply
 
-__all__ = ["convert_to_fp32", "honor_type", "ignorant_find_batch_size", "is_namedtuple", "is_torch_tensor", "listify",
-           "merge_dicts",
-           "pad_input_tensors", "recursive_getattr"]
+__all__ = [
+    "TensorInformation",
+    "convert_to_fp32",
+    "get_data_structure",
+    "honor_type",
+    "ignorant_find_batch_size",
+    "initialize_tensors",
+    "is_namedtuple",
+    "is_tensor_information",
+    "is_torch_tensor",
+    "listify",
+    "merge_dicts",
+    "pad_input_tensors",
+    "recursive_getattr",
+]
 
 
 def is_namedtuple(data: Any) -> bool:
@@ -150,3 +163,37 @@ def ignorant_find_batch_size(data: Any) -> int | None:
         return find_batch_size(data)
     except (ValueError, TypeError):
         return None
+
+
+@dataclass
+class TensorInformation:
+    """A tensor's shape and dtype, without its data (what rank 0 tells the others before a dispatched batch)."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+def is_tensor_information(tensor_info: Any) -> bool:
+    """Whether ``tensor_info`` is a :class:`TensorInformation`."""
+    return isinstance(tensor_info, TensorInformation)
+
+
+def get_data_structure(data: Any) -> Any:
+    """``data`` with every tensor replaced by its :class:`TensorInformation`.
+
+    Example:
+        >>> get_data_structure({"x": torch.ones(2, dtype=torch.int8)})
+        {'x': TensorInformation(shape=torch.Size([2]), dtype=torch.int8)}
+    """
+    return recursively_apply(lambda t: TensorInformation(shape=t.shape, dtype=t.dtype), data)
+
+
+def initialize_tensors(data_structure: Any) -> Any:
+    """Empty tensors of the shapes and dtypes a :func:`get_data_structure` result describes.
+
+    Example:
+        >>> initialize_tensors(get_data_structure([torch.ones(3)]))[0].shape
+        torch.Size([3])
+    """
+    return recursively_apply(lambda info: torch.empty(*info.shape, dtype=info.dtype), data_structure,
+                             test_type=is_tensor_information)

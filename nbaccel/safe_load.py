@@ -25,7 +25,7 @@ import torch
 
 from nbaccel.errors import CheckpointError, UnsafeCheckpointError
 
-__all__ = ["OPT_IN", "SAFE_GLOBALS", "load_state_file"]
+__all__ = ["OPT_IN", "SAFE_GLOBALS", "load", "load_state_file"]
 
 OPT_IN = 'load_state(..., load_kwargs={"weights_only": False})'
 
@@ -84,3 +84,20 @@ def load_state_file(path: Path, load_kwargs: Mapping[str, Any] | None = None) ->
     except (RuntimeError, EOFError, ValueError, struct.error, zipfile.BadZipFile, UnicodeDecodeError) as exc:
         raise CheckpointError(f"cannot read {str(path)!r} (truncated or corrupt?): {str(exc) or repr(exc)}. "
                               "Fix: save the checkpoint again, or load an earlier one", path=str(path)) from None
+
+
+def load(f: Any, map_location: Any = None, **kwargs: Any) -> Any:
+    """Accelerate's ``load``: ``torch.load`` with ``weights_only=True`` unless told otherwise, NumPy arrays allowed.
+
+    Unlike :func:`load_state_file`, torch's own errors come through unchanged, as in Accelerate.
+
+    Example:
+        >>> import io; buffer = io.BytesIO(); torch.save({"state": np.arange(2, dtype=np.uint32)}, buffer); _ = buffer.seek(0)
+        >>> load(buffer)
+        {'state': array([0, 1], dtype=uint32)}
+    """
+    kwargs.setdefault("weights_only", True)
+    if kwargs["weights_only"]:
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            return torch.load(f, map_location=map_location, **kwargs)
+    return torch.load(f, map_location=map_location, **kwargs)

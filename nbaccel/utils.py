@@ -75,6 +75,9 @@ from nbaccel.big_modeling.sizes import (
     get_max_layer_size,
     get_max_memory,
 )
+from nbaccel.big_modeling.state_dict_file import (
+    load_state_dict,
+)
 from nbaccel.big_modeling.tensors import (
     find_device,
     named_module_tensors,
@@ -105,10 +108,14 @@ from nbaccel.launch.rendezvous import (
     is_port_in_use,
 )
 from nbaccel.nested_data import (
+    TensorInformation,
     convert_to_fp32,
+    get_data_structure,
     honor_type,
     ignorant_find_batch_size,
+    initialize_tensors,
     is_namedtuple,
+    is_tensor_information,
     is_torch_tensor,
     listify,
     merge_dicts,
@@ -127,6 +134,9 @@ from nbaccel.ops import (
     reduce,
     send_to_device,
     slice_tensors,
+)
+from nbaccel.safe_load import (
+    load,
 )
 from nbaccel.state import (
     wait_for_everyone,
@@ -156,6 +166,8 @@ from nbaccel.training.plugins import (
 from nbaccel.training.precision import (
     PrecisionType,
     convert_outputs_to_fp32,
+    get_grad_scaler,
+    get_mixed_precision_context_manager,
 )
 from nbaccel.training.random import (
     RNGType,
@@ -188,6 +200,7 @@ __all__ = [
     "PrefixedDataset",
     "ProjectConfiguration",
     "RNGType",
+    "TensorInformation",
     "align_module_device",
     "broadcast",
     "broadcast_object_list",
@@ -217,9 +230,12 @@ __all__ = [
     "gather",
     "gather_object",
     "get_balanced_memory",
+    "get_data_structure",
+    "get_grad_scaler",
     "get_int_from_env",
     "get_max_layer_size",
     "get_max_memory",
+    "get_mixed_precision_context_manager",
     "get_module_children_bottom_up",
     "get_module_size_with_ties",
     "get_non_persistent_buffers",
@@ -229,6 +245,7 @@ __all__ = [
     "id_tensor_storage",
     "ignorant_find_batch_size",
     "infer_auto_device_map",
+    "initialize_tensors",
     "is_bf16_available",
     "is_cuda_available",
     "is_datasets_available",
@@ -247,6 +264,7 @@ __all__ = [
     "is_pytest_available",
     "is_rich_available",
     "is_schedulefree_available",
+    "is_tensor_information",
     "is_timm_available",
     "is_torch_tensor",
     "is_torch_version",
@@ -257,9 +275,11 @@ __all__ = [
     "is_transformers_available",
     "is_triton_available",
     "listify",
+    "load",
     "load_checkpoint_in_model",
     "load_offloaded_weight",
     "load_offloaded_weights",
+    "load_state_dict",
     "merge_dicts",
     "named_module_tensors",
     "offload_state_dict",

@@ -5,8 +5,8 @@
 module's dotted name); :func:`attach_execution_device_hook` only moves inputs and tensors to one
 device; :func:`remove_hook_from_submodules` takes every hook off again.
 
-Differs from Accelerate: there is no ``tied_params_map`` argument (nbaccel's dispatch keeps tied
-weights tied by loading them once; Accelerate's map of copies per device is not needed here).
+Differs from Accelerate: there is no ``tied_params_map`` argument (nbaccel's loading makes tied
+names share one tensor; it keeps no map of per-device copies).
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ from nbaccel.errors import ConfigError
 from nbaccel.ops import recursively_apply
 from nbaccel.training.plugins import AutocastKwargs, GradScalerKwargs
 
-__all__ = ["PrecisionType", "autocast_context", "convert_outputs_to_fp32", "make_grad_scaler", "validate_mixed_precision"]
+__all__ = ["PrecisionType", "autocast_context", "convert_outputs_to_fp32", "get_grad_scaler",
+           "get_mixed_precision_context_manager", "make_grad_scaler", "validate_mixed_precision"]
 
 # fp8: torchao's Float8Linear layers do the fp8 matmuls; the rest runs under bf16 autocast, as in Accelerate.
 _DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
@@ -89,6 +90,45 @@ def make_grad_scaler(mixed_precision: MixedPrecision, device: torch.device,
                           valid=valid)
     kwargs = (handler or GradScalerKwargs()).to_kwargs()
     return torch.amp.GradScaler(device.type, **kwargs)
+
+
+def get_grad_scaler(distributed_type: str | None = None, **kwargs: Any) -> Any:
+    """Accelerate's ``get_grad_scaler``: a ``GradScaler`` for this machine's accelerator (sharded for FSDP).
+
+    Args:
+        distributed_type: ``"FSDP"`` gives torch's ``ShardedGradScaler``.
+        **kwargs: the scaler's arguments (``init_scale``, ``growth_interval``, ...).
+
+    Example:
+        >>> get_grad_scaler(init_scale=8.0).get_scale()
+        8.0
+    """
+    if distributed_type == "FSDP":
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(**kwargs)
+    from nbaccel.hardware import cuda_device_count
+
+    return torch.amp.GradScaler("cuda" if cuda_device_count() else "cpu", **kwargs)
+
+
+def get_mixed_precision_context_manager(native_amp: bool = False, autocast_kwargs: AutocastKwargs | None = None
+                                        ) -> contextlib.AbstractContextManager[Any]:
+    """Accelerate's ``get_mixed_precision_context_manager``: autocast for this process's mixed precision.
+
+    With ``native_amp=False`` a null context. The precision is the launch's (this process's
+    state), as in Accelerate.
+
+    Example:
+        >>> with get_mixed_precision_context_manager():   # no autocast
+        ...     pass
+    """
+    if not native_amp:
+        return contextlib.nullcontext()
+    from nbaccel.state import ProcessState
+
+    state = ProcessState()
+    return autocast_context(state.mixed_precision, state.device, autocast_kwargs)
 
 
 def _to_fp32(tensor: torch.Tensor) -> torch.Tensor:

@@ -149,3 +149,82 @@ def test_load_offloaded_weights_reads_an_offload_folder(tmp_path):
         target = nn.Linear(3, 2, device="meta")
         modeling(lib).load_offloaded_weights(target, index, str(tmp_path))
         assert torch.equal(target.weight, source.weight) and target.weight.device.type == "cpu", lib
+
+
+def test_get_grad_scaler_matches():
+    for kwargs in ({}, {"init_scale": 8.0, "growth_interval": 3}):
+        theirs, ours = utils("accelerate").get_grad_scaler(**kwargs), utils("nbaccel").get_grad_scaler(**kwargs)
+        assert type(ours) is type(theirs) and ours.get_scale() == theirs.get_scale()
+        assert ours.get_growth_interval() == theirs.get_growth_interval()
+
+
+def autocast_dtype(library: str) -> list:
+    lib = importlib.import_module(library)
+    u = utils(library)
+    if library == "accelerate":
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+    lib.Accelerator(cpu=True)  # the launch's mixed precision
+    seen = []
+    for native_amp in (False, True):
+        with u.get_mixed_precision_context_manager(native_amp=native_amp):
+            seen.append(str(nn.Linear(2, 2)(torch.ones(1, 2)).dtype))
+    return seen
+
+
+def test_get_mixed_precision_context_manager_matches_in_a_bf16_launch():
+    import nbaccel
+
+    ours, theirs = (nbaccel.notebook_launcher(autocast_dtype, (lib,), num_processes=2, use_cpu=True,
+                                              mixed_precision="bf16", return_all=True, timeout=120)
+                    for lib in ("nbaccel", "accelerate"))
+    assert ours == theirs == {0: ["torch.float32", "torch.bfloat16"], 1: ["torch.float32", "torch.bfloat16"]}
+
+
+def test_load_and_load_state_dict_match(tmp_path, caplog):
+    import numpy as np
+    from safetensors.torch import save_file
+
+    import accelerate
+
+    accelerate.PartialState(cpu=True)  # Accelerate's logger needs its state
+    torch.save({"w": torch.ones(2), "rng": np.arange(3, dtype=np.uint32)}, tmp_path / "state.bin")
+    tensors = {"a.weight": torch.arange(4.0), "b.weight": torch.ones(2, 2)}
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    for lib in ("accelerate", "nbaccel"):
+        loaded = utils(lib).load(str(tmp_path / "state.bin"))
+        assert torch.equal(loaded["w"], torch.ones(2)) and loaded["rng"].tolist() == [0, 1, 2], lib
+        for device_map in (None, {"a": "cpu", "b": "disk"}):
+            state = modeling(lib).load_state_dict(str(tmp_path / "model.safetensors"), device_map=device_map)
+            assert sorted(state) == sorted(tensors) and all(torch.equal(state[k], tensors[k]) for k in tensors), lib
+            assert {t.device.type for t in state.values()} == {"cpu"}
+        torch.save({"x": nn.Linear(1, 1)}, tmp_path / "code.bin")
+        with pytest.raises(Exception, match="Weights only load failed"):  # weights_only by default in both
+            utils(lib).load(str(tmp_path / "code.bin"))
+
+
+def test_load_state_dict_refuses_another_frameworks_file_as_a_value_error(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(1)}, tmp_path / "tf.safetensors", metadata={"format": "tf"})
+    for lib in ("accelerate", "nbaccel"):
+        with pytest.raises(ValueError, match="tf"):
+            modeling(lib).load_state_dict(str(tmp_path / "tf.safetensors"))
+
+
+def structures(lib: str) -> dict:
+    u = utils(lib)
+    data = {"x": torch.ones(2, 3, dtype=torch.float16), "y": [torch.zeros(4, dtype=torch.int64)]}
+    described = u.get_data_structure(data)
+    made = u.initialize_tensors(described)
+    return {"described": {"x": (tuple(described["x"].shape), described["x"].dtype),
+                          "y": (tuple(described["y"][0].shape), described["y"][0].dtype)},
+            "is_info": (u.is_tensor_information(described["x"]), u.is_tensor_information(data["x"])),
+            "made": {"x": (tuple(made["x"].shape), made["x"].dtype), "y": (tuple(made["y"][0].shape), made["y"][0].dtype)}}
+
+
+def test_data_structures_describe_and_rebuild_as_in_accelerate():
+    theirs, ours = structures("accelerate"), structures("nbaccel")
+    assert ours == theirs
+    assert ours["made"] == ours["described"] == {"x": ((2, 3), torch.float16), "y": ((4,), torch.int64)}

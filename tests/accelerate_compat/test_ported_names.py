@@ -163,8 +163,9 @@ def layerwise(lib: str) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Conv1d(1, 1, 1), nn.Linear(4, 2))
     model.head = nn.Linear(2, 2)
-    importlib.import_module(f"{lib}.big_modeling").attach_layerwise_casting_hooks(model, torch.bfloat16, torch.float32, skip_modules_pattern=("head",),
-                                              skip_modules_classes=(nn.Conv1d,))
+    attach = importlib.import_module(f"{lib}.big_modeling").attach_layerwise_casting_hooks
+    attach(model, torch.bfloat16, torch.float32, skip_modules_pattern=("head",),
+           skip_modules_classes=(nn.Conv1d,))
     x = torch.randn(3, 4)
     out = model[3](model[1](model[0](x)))
     return {"dtypes": {n: str(p.dtype) for n, p in model.named_parameters()}, "out": out,

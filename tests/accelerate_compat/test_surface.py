@@ -66,25 +66,24 @@ NOT_HERE: dict[str, str] = {
                     "is_wandb_available".split(), _TRACKERS),
     **dict.fromkeys("ProfileKwargs DynamoBackend TorchDynamoPlugin compile_regions has_compiled_regions "
                     "is_compiled_module".split(), _COMPILE),
-    **dict.fromkeys("CannotPadNestedTensorWarning CustomDtype TensorInformation are_libraries_initialized "
+    **dict.fromkeys("CannotPadNestedTensorWarning CustomDtype are_libraries_initialized "
                     "attach_align_device_hook_on_blocks check_tied_parameters_in_config get_accelerator_free_memory "
-                    "get_current_device_type get_data_structure get_distributed_backend get_gpu_info get_grad_scaler "
-                    "get_mixed_precision_context_manager get_pretty_name initialize_tensors is_tensor_information load "
-                    "load_state_dict normalize_device tqdm DataLoaderAdapter DataLoaderStateMixin ThreadLocalSharedDict "
-                    "do_nothing get_torch_accelerator_backend".split(), _LATER),
+                    "get_current_device_type get_distributed_backend get_gpu_info get_pretty_name normalize_device tqdm "
+                    "DataLoaderAdapter DataLoaderStateMixin ThreadLocalSharedDict do_nothing "
+                    "get_torch_accelerator_backend".split(), _LATER),
 }
 """Accelerate names nbaccel does not have, with the reason; the README lists the same."""
 
 SIGNATURE_DIFFERS: dict[str, str] = {
-    "Accelerator": "no deepspeed_plugins / dynamo / megatron_lm / parallelism_config / torch_tp_plugin (see NOT_HERE)",
+    "Accelerator": "no deepspeed_plugins / dynamo / megatron_lm / parallelism_config / torch_tp_plugin (see the names above)",
     "AcceleratorState": "one state per process; training settings (mixed_precision, plugins) live on the Accelerator",
     "DeepSpeedPlugin": "no NVMe offload paths, MoE classes, zero3_init_flag, zero3_save_16bit_model (set them in the config)",
     "InitProcessGroupKwargs": "no init_method: workers always join through env://",
     "set_module_tensor_to_device": "no fp16_statistics (bitsandbytes), tied_params_map, clear_cache, non_blocking",
     "slice_tensors": "no num_processes / process_index (XLA-only in Accelerate)",
-    "AlignDevicesHook": "no tied_params_map: dispatch loads a tied weight once",
-    "attach_align_device_hook": "no tied_params_map: dispatch loads a tied weight once",
-    "attach_execution_device_hook": "no tied_params_map: dispatch loads a tied weight once",
+    "AlignDevicesHook": "no tied_params_map: loading makes tied names share one tensor (no per-device copies to track)",
+    "attach_align_device_hook": "no tied_params_map: loading makes tied names share one tensor (no per-device copies to track)",
+    "attach_execution_device_hook": "no tied_params_map: loading makes tied names share one tensor (no per-device copies to track)",
     "SeedableRandomSampler": "names RandomSampler's parameters (Accelerate passes them through *args, **kwargs)",
 }
 """Callables whose parameters differ from Accelerate's, with the reason."""

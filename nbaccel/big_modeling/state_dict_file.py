@@ -1,0 +1,55 @@
+"""`load_state_dict`: one checkpoint file (safetensors or a torch pickle) read into a state dict, tensors on their devices.
+
+Accelerate's ``load_state_dict(checkpoint_file, device_map=None)``: with a device map each tensor
+is read onto the device its module is mapped to (``"disk"`` ones onto the CPU, to be offloaded);
+torch pickles are read with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+
+import torch
+
+from nbaccel.big_modeling.device_map import device_for
+from nbaccel.errors import CheckpointError
+from nbaccel.safe_load import load
+
+__all__ = ["load_state_dict"]
+
+logger = logging.getLogger(__name__)
+
+
+def load_state_dict(checkpoint_file: str | os.PathLike,
+                    device_map: Mapping[str, int | str | torch.device] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of ``checkpoint_file``, on CPU or on the devices ``device_map`` gives their modules.
+
+    Raises:
+        CheckpointError: a safetensors file saved for another framework (``format`` not ``"pt"``).
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "w.bin"; torch.save({"w": torch.ones(1)}, path)
+        >>> load_state_dict(path)
+        {'w': tensor([1.])}
+    """
+    path = os.fspath(checkpoint_file)
+    if not path.endswith(".safetensors"):
+        return load(path, map_location="cpu")
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        metadata = f.metadata() or {}
+        if metadata.get("format", "pt") != "pt":
+            raise CheckpointError(f"{path!r} was saved with format {metadata['format']!r}, not PyTorch's ('pt'). "
+                                  "Fix: convert it to a PyTorch checkpoint first.", path=path)
+        if not metadata:
+            logger.warning("The safetensors archive passed at %s does not contain metadata; reading it as 'pt'.", path)
+        result = {}
+        for key in f.keys():
+            device = "cpu" if device_map is None else device_for(key, device_map, "cpu")
+            device = "cpu" if device == "disk" else device
+            result[key] = f.get_tensor(key).to(device if not isinstance(device, int) else f"cuda:{device}")
+    return result
