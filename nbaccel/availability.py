@@ -26,7 +26,8 @@ __all__ = [
     "is_pytest_available", "is_rich_available", "is_schedulefree_available", "is_timm_available",
     "is_torch_version", "is_torch_xla_available", "is_torchdata_available",
     "is_torchdata_stateful_dataloader_available", "is_torchvision_available", "is_transformers_available",
-    "is_triton_available",
+    "is_triton_available", "is_mlflow_available", "is_tensorboard_available", "is_trackio_available",
+    "is_wandb_available",
 ]
 
 OPERATIONS: dict[str, Callable[[Any, Any], bool]] = {">": operator.gt, ">=": operator.ge, "==": operator.eq,
@@ -169,3 +170,17 @@ is_timm_available = _package_probe("timm", "is_timm_available")
 is_torchdata_available = _package_probe("torchdata", "is_torchdata_available")
 is_torchvision_available = _package_probe("torchvision", "is_torchvision_available")
 is_transformers_available = _package_probe("transformers", "is_transformers_available")
+
+
+def is_tensorboard_available() -> bool:
+    """Whether ``tensorboard`` (or ``tensorboardX``) is installed: nbaccel's TensorBoard tracker can run."""
+    return _installed("tensorboard") or _installed("tensorboardX")
+
+
+def is_mlflow_available() -> bool:
+    """Whether ``mlflow`` (or ``mlflow-skinny``, the same client) is installed."""
+    return _installed("mlflow") or _installed("mlflow", "mlflow-skinny")
+
+
+is_trackio_available = _package_probe("trackio", "is_trackio_available")
+is_wandb_available = _package_probe("wandb", "is_wandb_available")

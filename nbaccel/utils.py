@@ -18,6 +18,7 @@ from nbaccel.availability import (
     is_import_timer_available,
     is_lomo_available,
     is_matplotlib_available,
+    is_mlflow_available,
     is_mps_available,
     is_pandas_available,
     is_peft_available,
@@ -26,14 +27,17 @@ from nbaccel.availability import (
     is_pytest_available,
     is_rich_available,
     is_schedulefree_available,
+    is_tensorboard_available,
     is_timm_available,
     is_torch_version,
     is_torch_xla_available,
     is_torchdata_available,
     is_torchdata_stateful_dataloader_available,
     is_torchvision_available,
+    is_trackio_available,
     is_transformers_available,
     is_triton_available,
+    is_wandb_available,
 )
 from nbaccel.big_modeling.device_map import (
     check_device_map,
@@ -144,6 +148,7 @@ from nbaccel.state import (
 from nbaccel.tensor_copy import (
     copy_tensor_to_devices,
 )
+from nbaccel.tracking.base import LoggerType
 from nbaccel.training.ddp_comm_hooks import (
     DDPCommunicationHookType,
 )
@@ -195,6 +200,7 @@ __all__ = [
     "GradientAccumulationPlugin",
     "InitProcessGroupKwargs",
     "KwargsHandler",
+    "LoggerType",
     "OffloadedWeightsLoader",
     "PrecisionType",
     "PrefixedDataset",
@@ -254,6 +260,7 @@ __all__ = [
     "is_import_timer_available",
     "is_lomo_available",
     "is_matplotlib_available",
+    "is_mlflow_available",
     "is_mps_available",
     "is_namedtuple",
     "is_pandas_available",
@@ -265,6 +272,7 @@ __all__ = [
     "is_rich_available",
     "is_schedulefree_available",
     "is_tensor_information",
+    "is_tensorboard_available",
     "is_timm_available",
     "is_torch_tensor",
     "is_torch_version",
@@ -272,8 +280,10 @@ __all__ = [
     "is_torchdata_available",
     "is_torchdata_stateful_dataloader_available",
     "is_torchvision_available",
+    "is_trackio_available",
     "is_transformers_available",
     "is_triton_available",
+    "is_wandb_available",
     "listify",
     "load",
     "load_checkpoint_in_model",

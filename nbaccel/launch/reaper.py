@@ -16,7 +16,6 @@ when the launcher does, so no reaper is left behind. Its command line carries :d
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import threading
 
@@ -55,10 +54,13 @@ class GroupReaper:
     def __init__(self) -> None:
         read_end, write_end = os.pipe()
         try:
-            self.process = subprocess.Popen(
-                [sys.executable, "-S", "-c", _PROGRAM, str(read_end), MARKER], pass_fds=(read_end,),
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                start_new_session=True, close_fds=True)
+            os.set_inheritable(read_end, True)
+            # posix_spawn, not Popen: nothing here ever waits for the reaper (it outlives this process
+            # by design), and a Popen object would warn that it was left running.
+            self.pid = os.posix_spawn(
+                sys.executable, [sys.executable, "-S", "-c", _PROGRAM, str(read_end), MARKER], dict(os.environ),
+                file_actions=[(os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_RDWR, 0) for fd in (0, 1, 2)],
+                setsid=True)
         finally:
             os.close(read_end)
         os.set_inheritable(write_end, False)

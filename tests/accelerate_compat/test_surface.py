@@ -31,7 +31,7 @@ _PARALLEL = "tensor / context / N-D parallelism (ParallelismConfig, torch_tp_plu
 _DEEPSPEED = "DeepSpeed internals (ZeRO-3 gathering, sequence parallelism, launcher env): DeepSpeed is used only through the Accelerator"
 _FSDP = "FSDP1-era and FSDP2 internals: nbaccel shards with FSDP2 inside Accelerator.prepare; the helpers are not exposed"
 _LAUNCH = "Accelerate's CLI / SageMaker / TPU-pod launch internals: nbaccel launches with its own launcher and config"
-_TRACKERS = "experiment trackers (init_trackers / log): not in nbaccel yet"
+_TRACKERS = "trackers nbaccel does not integrate (it has TensorBoard, MLflow, W&B and trackio)"
 _COMPILE = "torch.compile regions, dynamo plugin and profiler kwargs: not supported by nbaccel's Accelerator yet"
 _LATER = "not ported yet"
 
@@ -61,9 +61,8 @@ NOT_HERE: dict[str, str] = {
                     "prepare_simple_launcher_cmd_env write_basic_config convert_dict_to_env_variables "
                     "purge_accelerate_environment get_cpu_distributed_information set_numa_affinity "
                     "check_cuda_p2p_ib_support".split(), _LAUNCH),
-    **dict.fromkeys("LoggerType is_aim_available is_clearml_available is_comet_ml_available is_dvclive_available "
-                    "is_mlflow_available is_swanlab_available is_tensorboard_available is_trackio_available "
-                    "is_wandb_available".split(), _TRACKERS),
+    **dict.fromkeys("is_aim_available is_clearml_available is_comet_ml_available is_dvclive_available "
+                    "is_swanlab_available".split(), _TRACKERS),
     **dict.fromkeys("ProfileKwargs DynamoBackend TorchDynamoPlugin compile_regions has_compiled_regions "
                     "is_compiled_module".split(), _COMPILE),
     **dict.fromkeys("CannotPadNestedTensorWarning CustomDtype are_libraries_initialized "
