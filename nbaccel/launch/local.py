@@ -24,7 +24,7 @@ from nbaccel.launch.starter import SpawnFiles, start_forked, start_spawned
 from nbaccel.launch.supervisor import Supervisor, SupervisorPolicy
 from nbaccel.launch.warmup import finish_warmup, may_build_ddp, start_warmup
 
-__all__ = ["LAUNCHER", "LocalLauncher"]
+__all__ = ["LAUNCHER", "LocalLauncher", "local_environments"]
 
 
 class LocalLauncher:
@@ -52,12 +52,7 @@ class LocalLauncher:
                             on_progress=getattr(observer, "on_progress", None),  # optional in the protocol
                             show_redraws=not getattr(observer, "shows_progress", False))
         try:
-            envs = []
-            for rank in range(n):
-                dist = DistributedEnv(rank=rank, local_rank=rank, world_size=n, local_world_size=n, node_rank=0,
-                                      master_addr="127.0.0.1", master_port=store.port if store else 0) if n > 1 else None
-                envs.append(worker_environment(plan.settings, dist, agent_store=store is not None, loopback_only=True,
-                                               threads=plan.threads, visible_gpus=plan.visible_gpus))
+            envs = local_environments(request, store)
             if observer is not None:
                 observer.on_launch(list(range(n)), plan.start_method)
             ok = False
@@ -94,6 +89,18 @@ class LocalLauncher:
                 store.close()
             if files is not None:
                 files.remove()
+
+
+def local_environments(request: LaunchRequest, store: LoopbackStore | None) -> list[dict[str, str]]:
+    """Each rank's environment for workers on this machine meeting at ``store`` on loopback."""
+    plan, n = request.plan, request.num_processes
+    envs = []
+    for rank in range(n):
+        dist = DistributedEnv(rank=rank, local_rank=rank, world_size=n, local_world_size=n, node_rank=0,
+                              master_addr="127.0.0.1", master_port=store.port if store else 0) if n > 1 else None
+        envs.append(worker_environment(plan.settings, dist, agent_store=store is not None, loopback_only=True,
+                                       threads=plan.threads, visible_gpus=plan.visible_gpus))
+    return envs
 
 
 LAUNCHER = LocalLauncher()

@@ -14,7 +14,6 @@ started) is killed. Nothing is left running, bound or on disk.
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import socket
@@ -22,11 +21,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from nbaccel.environment import DistributedEnv, worker_environment
 from nbaccel.errors import LaunchError
 from nbaccel.launch.failures import WorkerFailure, raise_failures
 from nbaccel.launch.frames import FrameReader
 from nbaccel.launch.handles import WorkerHandle
+from nbaccel.launch.local import local_environments
 from nbaccel.launch.pool_channels import PoolChannels, PoolMember
 from nbaccel.launch.pool_worker import serve
 from nbaccel.launch.rendezvous import LoopbackStore
@@ -66,21 +65,17 @@ class PoolProcesses:
     def kill(self, members: list[PoolMember] | None = None) -> None:
         """SIGKILL ``members`` (default: all) with whatever they started, and reap them.
 
-        A connected worker leads its own process group (it left the caller's), so the signal goes
-        to the group: a child it started (a DataLoader worker, a subprocess) goes with it.
+        Every worker leads its own process group (the starter puts it there), so the signal goes
+        to the group: a child it started (a DataLoader worker, a subprocess) goes with it, also
+        when the worker itself had already died.
         """
         targets = members if members is not None else self.members
         for member in targets:
-            if member.sock is not None and not member.handle.exited:
-                try:
-                    os.killpg(member.handle.pid, signal.SIGKILL)
-                    continue
-                except (ProcessLookupError, PermissionError):
-                    pass
-            member.handle.send(signal.SIGKILL)
+            member.handle.send_tree(signal.SIGKILL)
         for member in targets:
             while not member.handle.poll():
                 time.sleep(0.005)
+            member.handle.kill_leftovers()
 
     def shutdown(self) -> None:
         """End every worker and what it started, free the port and the folder; safe to call again.
@@ -100,20 +95,9 @@ class PoolProcesses:
             shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def _environments(request: LaunchRequest, store: LoopbackStore | None) -> list[dict[str, str]]:
-    plan, n = request.plan, request.num_processes
-    envs = []
-    for rank in range(n):
-        dist = DistributedEnv(rank=rank, local_rank=rank, world_size=n, local_world_size=n, node_rank=0,
-                              master_addr="127.0.0.1", master_port=store.port if store else 0) if n > 1 else None
-        envs.append(worker_environment(plan.settings, dist, agent_store=store is not None, loopback_only=True,
-                                       threads=plan.threads, visible_gpus=plan.visible_gpus))
-    return envs
-
-
 def _start_processes(request: LaunchRequest, path: Path, listener: socket.socket,
                      store: LoopbackStore | None, files: SpawnFiles | None) -> list[WorkerHandle]:
-    envs = _environments(request, store)
+    envs = local_environments(request, store)
     if files is not None:
         return start_spawned(serve, (str(path),), {}, envs, files)
     if request.warm_imports is not False:

@@ -8,11 +8,11 @@ body as every launch (:func:`~nbaccel.launch.worker.run_body`: ``started``, then
 ``error``), with the socket as its control channel. What a task leaves behind stays: the process
 group, the ``Accelerator``'s shared state, imported modules, and :func:`worker_namespace`.
 
-Signals: the worker leaves the caller's process group, so a terminal's or Jupyter's interrupt
-reaches only the pool's owner, which forwards it. ``SIGINT`` raises ``KeyboardInterrupt`` only
+Signals: the worker leads its own process group (as every started worker does), so a terminal's
+or Jupyter's interrupt reaches only the pool's owner, which forwards it. ``SIGINT`` raises ``KeyboardInterrupt`` only
 while a task's own code runs; elsewhere (reporting, waiting) it is ignored, so a cancelled task
-never leaves half a message on the socket. Leaving the caller's group also makes the worker the
-leader of its own, so the pool ends the worker and whatever it started with one ``killpg``. The
+never leaves half a message on the socket. The pool ends the worker and whatever it started
+with one ``killpg``. The
 worker exits when its socket reaches EOF (its owner is gone), and dies with its owner anyway
 (``PR_SET_PDEATHSIG``).
 """
@@ -151,11 +151,7 @@ def serve(socket_path: str) -> None:
     Raises:
         BaseException: joining the process group failed (reported as a start failure).
     """
-    try:
-        os.setpgid(0, 0)  # interrupts reach the owner only; it decides which ranks to cancel
-    except OSError:
-        pass
-    signal.signal(signal.SIGINT, _on_sigint)
+    signal.signal(signal.SIGINT, _on_sigint)  # the starter made this worker its own group's leader
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(socket_path)
     fd = sock.fileno()
