@@ -1,22 +1,26 @@
-"""Conversions of nested batches (lists, tuples, namedtuples, dicts of tensors) that Accelerate's scripts use.
+"""Nested batches (lists, tuples, namedtuples, dicts of tensors): walk, move, slice, join and convert them.
 
-``listify`` and ``convert_to_fp32`` walk the structure with :func:`~nbaccel.ops.recursively_apply`;
-``pad_input_tensors`` grows a batch so that every process gets a slice of it.
+:func:`recursively_apply` walks any nesting; :func:`send_to_device` moves it (the one used by
+prepared loaders, optimizers and the big-model hooks); ``concatenate``, ``find_batch_size``,
+``slice_tensors``, ``listify``, ``convert_to_fp32`` and the rest are Accelerate's helpers over the
+same structures. Nothing here talks to other processes: collectives are :mod:`nbaccel.ops`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from nbaccel.errors import ConfigError
-from nbaccel.ops import find_batch_size, recursively_apply
 
 __all__ = [
     "TensorInformation",
+    "concatenate",
     "convert_to_fp32",
+    "find_batch_size",
     "get_data_structure",
     "honor_type",
     "ignorant_find_batch_size",
@@ -28,7 +32,111 @@ __all__ = [
     "merge_dicts",
     "pad_input_tensors",
     "recursive_getattr",
+    "recursively_apply",
+    "send_to_device",
+    "slice_tensors",
 ]
+
+
+def recursively_apply(func: Callable[..., Any], data: Any, *args: Any, test_type: Callable[[Any], bool] = torch.is_tensor,
+                      error_on_other_type: bool = False, **kwargs: Any) -> Any:
+    """Apply ``func`` to every leaf of ``data`` that passes ``test_type``, keeping the nesting.
+
+    Raises:
+        TypeError: a leaf fails ``test_type`` and ``error_on_other_type`` is set.
+
+    Example:
+        >>> recursively_apply(lambda t: t * 2, {"a": [torch.ones(1)]})["a"][0].item()
+        2.0
+    """
+    if isinstance(data, (tuple, list)):
+        items = [recursively_apply(func, o, *args, test_type=test_type, error_on_other_type=error_on_other_type,
+                                   **kwargs) for o in data]
+        return type(data)(*items) if hasattr(data, "_fields") else type(data)(items)
+    if isinstance(data, Mapping):
+        return type(data)({k: recursively_apply(func, v, *args, test_type=test_type,
+                                                error_on_other_type=error_on_other_type, **kwargs)
+                           for k, v in data.items()})
+    if test_type(data):
+        return func(data, *args, **kwargs)
+    if error_on_other_type:
+        raise TypeError(f"Unsupported type {type(data).__name__!r} passed to {getattr(func, '__name__', func)}: "
+                        "only nested lists/tuples/dicts of tensors are supported")
+    return data
+
+
+def send_to_device(tensor: Any, device: torch.device | str | int, non_blocking: bool = False,
+                   skip_keys: list[str] | str | None = None) -> Any:
+    """Move every tensor (or object with ``.to``) in a nested list/tuple/dict to ``device``.
+
+    Accelerate's ``send_to_device``: the one used by prepared dataloaders, optimizers and the
+    big-model hooks alike.
+
+    Args:
+        tensor: a tensor, an object with ``.to`` (a model input such as ``BatchEncoding``), or
+            nested lists, tuples (named too) and mappings of them; anything else is left as is.
+        device: where to move them (an int is a CUDA device index).
+        non_blocking: copy asynchronously where the device allows.
+        skip_keys: mapping keys whose values stay where they are (at every level).
+
+    Returns:
+        The same structure, moved.
+
+    Example:
+        >>> moved = send_to_device({"x": torch.ones(1), "mask": torch.ones(1)}, "meta", skip_keys="mask")
+        >>> moved["x"].device.type, moved["mask"].device.type
+        ('meta', 'cpu')
+    """
+    if hasattr(tensor, "to") and not isinstance(tensor, type):  # first, as Accelerate: a BatchEncoding moves whole
+        try:
+            return tensor.to(device, non_blocking=non_blocking)
+        except TypeError:  # objects whose .to takes no non_blocking
+            return tensor.to(device)
+    if isinstance(skip_keys, str):
+        skip_keys = [skip_keys]
+    if isinstance(tensor, (tuple, list)):
+        items = [send_to_device(o, device, non_blocking, skip_keys) for o in tensor]
+        return type(tensor)(*items) if hasattr(tensor, "_fields") else type(tensor)(items)
+    if isinstance(tensor, Mapping):
+        return type(tensor)({k: v if skip_keys and k in skip_keys
+                             else send_to_device(v, device, non_blocking, skip_keys) for k, v in tensor.items()})
+    return tensor
+
+
+def concatenate(data: list[Any], dim: int = 0) -> Any:
+    """Concatenate a list of same-structured nests of tensors leaf by leaf.
+
+    Raises:
+        TypeError: the items are not tensors or nests of tensors.
+    """
+    first = data[0]
+    if isinstance(first, (tuple, list)):
+        return type(first)(concatenate([d[i] for d in data], dim=dim) for i in range(len(first)))
+    if isinstance(first, Mapping):
+        return type(first)({k: concatenate([d[k] for d in data], dim=dim) for k in first})
+    if not torch.is_tensor(first):
+        raise TypeError(f"can only concatenate tensors or nests of them (got {type(first).__name__})")
+    return torch.cat(data, dim=dim)
+
+
+def find_batch_size(data: Any) -> int | None:
+    """The first dimension of the first tensor found in ``data`` (``None`` if there is none)."""
+    if isinstance(data, (tuple, list)):
+        for item in data:
+            size = find_batch_size(item)
+            if size is not None:
+                return size
+        return None
+    if isinstance(data, Mapping):
+        return find_batch_size(list(data.values()))
+    if torch.is_tensor(data):
+        return data.shape[0] if data.ndim else None
+    return None
+
+
+def slice_tensors(data: Any, tensor_slice: slice) -> Any:
+    """Slice every tensor in ``data`` along its first dimension."""
+    return recursively_apply(lambda t: t[tensor_slice], data)
 
 
 def is_namedtuple(data: Any) -> bool:
@@ -153,7 +261,7 @@ def pad_input_tensors(tensor: Any, batch_size: int, num_processes: int, dim: int
 
 
 def ignorant_find_batch_size(data: Any) -> int | None:
-    """:func:`~nbaccel.ops.find_batch_size`, or ``None`` where it cannot tell.
+    """:func:`find_batch_size`, or ``None`` where it cannot tell.
 
     Example:
         >>> ignorant_find_batch_size({"x": torch.ones(3, 2)}), ignorant_find_batch_size("text")

@@ -113,7 +113,9 @@ from nbaccel.launch.rendezvous import (
 )
 from nbaccel.nested_data import (
     TensorInformation,
+    concatenate,
     convert_to_fp32,
+    find_batch_size,
     get_data_structure,
     honor_type,
     ignorant_find_batch_size,
@@ -125,19 +127,17 @@ from nbaccel.nested_data import (
     merge_dicts,
     pad_input_tensors,
     recursive_getattr,
+    recursively_apply,
+    send_to_device,
+    slice_tensors,
 )
 from nbaccel.ops import (
     broadcast,
     broadcast_object_list,
-    concatenate,
-    find_batch_size,
     gather,
     gather_object,
     pad_across_processes,
-    recursively_apply,
     reduce,
-    send_to_device,
-    slice_tensors,
 )
 from nbaccel.safe_load import (
     load,
@@ -152,20 +152,22 @@ from nbaccel.tracking.base import LoggerType
 from nbaccel.training.ddp_comm_hooks import (
     DDPCommunicationHookType,
 )
+from nbaccel.training.kwargs_handlers import (
+    AutocastKwargs,
+    DistributedDataParallelKwargs,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    KwargsHandler,
+)
 from nbaccel.training.memory import (
     find_executable_batch_size,
     release_memory,
 )
 from nbaccel.training.plugins import (
-    AutocastKwargs,
     DataLoaderConfiguration,
     DeepSpeedPlugin,
-    DistributedDataParallelKwargs,
     FullyShardedDataParallelPlugin,
-    GradScalerKwargs,
     GradientAccumulationPlugin,
-    InitProcessGroupKwargs,
-    KwargsHandler,
     ProjectConfiguration,
 )
 from nbaccel.training.precision import (

@@ -23,7 +23,7 @@ from nbaccel.big_modeling.tensors import (
     named_module_tensors,
     set_module_tensor_to_device,
 )
-from nbaccel.ops import send_to_device
+from nbaccel.nested_data import send_to_device
 
 __all__ = [
     "AlignDevicesHook",

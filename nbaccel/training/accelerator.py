@@ -23,8 +23,16 @@ from nbaccel.distributed_type import DistributedType
 from nbaccel.environment import MixedPrecision
 from nbaccel.errors import ConfigError
 from nbaccel.partial_state import AcceleratorState
+from nbaccel.tracking.helpers import TrackingHelpers
 from nbaccel.training.checkpoint_helpers import CheckpointHelpers
 from nbaccel.training.gradient_state import GradientState
+from nbaccel.training.kwargs_handlers import (
+    AutocastKwargs,
+    DistributedDataParallelKwargs,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    KwargsHandler,
+)
 from nbaccel.training.optimizer import AcceleratedOptimizer
 from nbaccel.training.plugin_resolution import (
     collect_handlers,
@@ -33,15 +41,10 @@ from nbaccel.training.plugin_resolution import (
     resolve_deepspeed_plugin,
 )
 from nbaccel.training.plugins import (
-    AutocastKwargs,
     DataLoaderConfiguration,
     DeepSpeedPlugin,
-    DistributedDataParallelKwargs,
     FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
-    GradScalerKwargs,
-    InitProcessGroupKwargs,
-    KwargsHandler,
     ProjectConfiguration,
 )
 from nbaccel.training.precision import (
@@ -52,9 +55,8 @@ from nbaccel.training.precision import (
 from nbaccel.training.preparation import PrepareHelpers
 from nbaccel.training.prepared import PreparedObjects, RegistryView
 from nbaccel.training.process_helpers import ProcessHelpers
-from nbaccel.tracking.helpers import TrackingHelpers
-from nbaccel.training.unwrap import unwrap_model
 from nbaccel.training.uneven_inputs import UnevenInputs
+from nbaccel.training.unwrap import unwrap_model
 
 __all__ = ["Accelerator"]
 

@@ -21,13 +21,13 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
-from nbaccel.ops import (
-    broadcast_object_list,
+from nbaccel.nested_data import (
     concatenate,
     find_batch_size,
     send_to_device,
     slice_tensors,
 )
+from nbaccel.ops import broadcast_object_list
 from nbaccel.training.data_sharding import IterableDatasetShard
 from nbaccel.training.gradient_state import GradientState
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from nbaccel.errors import EnvironmentStateError
-from nbaccel.ops import send_to_device
+from nbaccel.nested_data import send_to_device
 from nbaccel.training.gradient_state import GradientState
 
 __all__ = ["AcceleratedOptimizer"]

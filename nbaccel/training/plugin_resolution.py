@@ -12,15 +12,17 @@ import importlib.util
 from typing import Any
 
 from nbaccel.errors import ConfigError, MissingDependencyError
-from nbaccel.training.plugins import (
+from nbaccel.training.kwargs_handlers import (
     AutocastKwargs,
-    DataLoaderConfiguration,
-    DeepSpeedPlugin,
     DistributedDataParallelKwargs,
-    GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
     KwargsHandler,
+)
+from nbaccel.training.plugins import (
+    DataLoaderConfiguration,
+    DeepSpeedPlugin,
+    GradientAccumulationPlugin,
 )
 
 __all__ = ["collect_handlers", "resolve_accumulation_plugin", "resolve_dataloader_config", "resolve_deepspeed_plugin"]

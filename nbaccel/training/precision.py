@@ -18,8 +18,8 @@ import torch
 
 from nbaccel.environment import MixedPrecision
 from nbaccel.errors import ConfigError
-from nbaccel.ops import recursively_apply
-from nbaccel.training.plugins import AutocastKwargs, GradScalerKwargs
+from nbaccel.nested_data import recursively_apply
+from nbaccel.training.kwargs_handlers import AutocastKwargs, GradScalerKwargs
 
 __all__ = ["PrecisionType", "autocast_context", "convert_outputs_to_fp32", "get_grad_scaler",
            "get_mixed_precision_context_manager", "make_grad_scaler", "validate_mixed_precision"]

@@ -16,13 +16,15 @@ from torch.utils.data import DataLoader
 from nbaccel.errors import ConfigError
 from nbaccel.state import ProcessState
 from nbaccel.training.gradient_state import GradientState
+from nbaccel.training.kwargs_handlers import (
+    AutocastKwargs,
+    DistributedDataParallelKwargs,
+)
 from nbaccel.training.loader_preparation import prepare_data_loader, skip_first_batches
 from nbaccel.training.optimizer import AcceleratedOptimizer
 from nbaccel.training.plugins import (
-    AutocastKwargs,
     DataLoaderConfiguration,
     DeepSpeedPlugin,
-    DistributedDataParallelKwargs,
     FullyShardedDataParallelPlugin,
 )
 from nbaccel.training.precision import wrap_forward

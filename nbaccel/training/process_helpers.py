@@ -16,6 +16,7 @@ import torch
 
 from nbaccel import ops
 from nbaccel.errors import ConfigError
+from nbaccel.nested_data import recursively_apply
 from nbaccel.state import ProcessState
 from nbaccel.training.gradient_state import GradientState
 
@@ -52,7 +53,7 @@ class ProcessHelpers:
             ...     preds, refs = accelerator.gather_for_metrics((model(x).argmax(-1), y))
         """
         try:
-            ops.recursively_apply(lambda t: t, input_data, error_on_other_type=True)
+            recursively_apply(lambda t: t, input_data, error_on_other_type=True)
             all_tensors = True
         except TypeError:
             all_tensors = False
@@ -64,7 +65,7 @@ class ProcessHelpers:
         keep = state.remainder
         if use_gather_object:
             return data[:keep]
-        return ops.recursively_apply(lambda t: t[:keep], data)
+        return recursively_apply(lambda t: t[:keep], data)
 
     def gather_object(self, obj: Any) -> Any:
         """Gather picklable objects from all processes: one flat list of every rank's items.

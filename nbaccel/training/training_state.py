@@ -147,7 +147,7 @@ def _optimizer_state(prepared: PreparedObjects, context: CheckpointContext, inde
         return full_optimizer_state_dict(prepared.models[index], optimizer.optimizer)
     state = optimizer.state_dict()
     if context.process.device.type == "xla":
-        from nbaccel.ops import send_to_device
+        from nbaccel.nested_data import send_to_device
 
         state = send_to_device(state, torch.device("cpu"))
     return state

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from nbaccel.ops import send_to_device
+from nbaccel.nested_data import send_to_device
 from nbaccel.training.data_loader import DataLoaderDispatcher, DataLoaderShard
 
 __all__ = ["XlaDeviceLoader"]

@@ -29,8 +29,14 @@ from nbaccel.big_modeling import (
 )
 from nbaccel.big_modeling.tensors import find_device
 from nbaccel.errors import CheckpointError, CheckpointMismatchError, DeviceMapError
-from nbaccel.ops import send_to_device
-from tests.big_modeling.helpers import TinyLM, empty_model, make_model, sample_ids, save_checkpoint
+from nbaccel.nested_data import send_to_device
+from tests.big_modeling.helpers import (
+    TinyLM,
+    empty_model,
+    make_model,
+    sample_ids,
+    save_checkpoint,
+)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import nbaccel
 from nbaccel.errors import EnvironmentStateError
-from nbaccel.training.plugins import GradScalerKwargs
+from nbaccel.training.kwargs_handlers import GradScalerKwargs
 
 
 def _train(mixed_precision: str, clip_every_micro_step: bool) -> torch.Tensor:
