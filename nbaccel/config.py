@@ -27,10 +27,12 @@ from nbaccel.distributed_type import LAUNCHABLE_TYPES, DistributedType, as_distr
 from nbaccel.environment import MixedPrecision, config_file_path
 from nbaccel.errors import ConfigError
 
-__all__ = ["LaunchConfig", "StartMethod", "load_config", "save_config"]
+__all__ = ["LaunchBackend", "LaunchConfig", "PlacementStrategy", "StartMethod", "load_config", "save_config"]
 
 StartMethod = Literal["fork", "spawn"]
 RdzvBackend = Literal["static", "c10d"]
+LaunchBackend = Literal["local", "ray"]
+PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 
 # Keys an Accelerate config file can hold that nbaccel reads but does not act on: every field of
 # Accelerate 1.16's ClusterConfig and SageMakerConfig (commands/config/config_args.py) that is
@@ -49,6 +51,8 @@ _ACCELERATE_PASSTHROUGH = frozenset({
     "fp16", "dynamo_backend", "tp_config", "tpu_metadata", "tpu_virtual_env", "ipex_config",
     "num_cpu_threads_per_process", "use_mps_device",
 })
+# nbaccel's own keys, which Accelerate does not know: written to a file only when not the default.
+_NBACCEL_ONLY = frozenset({"backend", "ray_address", "ray_placement_strategy"})
 # Accelerate's distributed types that nbaccel has no engine for.
 _UNSUPPORTED_TYPES = ("MULTI_NPU", "MULTI_XPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA",
                       "MULTI_HPU", "MEGATRON_LM")
@@ -79,6 +83,13 @@ class LaunchConfig:
         debug: extra checks of collective shapes in the workers.
         fsdp_config: Accelerate's ``fsdp_config`` mapping.
         deepspeed_config: Accelerate's ``deepspeed_config`` mapping.
+        backend: where the workers run: ``"local"`` (this machine, or torch elastic across
+            ``num_machines``) or ``"ray"`` (Ray actors on a Ray cluster; nbaccel's own key).
+        ray_address: the Ray cluster to use with ``backend="ray"``: ``None`` uses the connection
+            this process already has (``ray.init``) or else what ``ray.init()`` does (``RAY_ADDRESS``,
+            or a new local instance); ``"auto"`` or ``"ray://host:10001"`` connect as Ray does.
+        ray_placement_strategy: how Ray places the ranks' bundles: ``"PACK"`` (as few nodes as
+            fit, the default), ``"SPREAD"``, ``"STRICT_PACK"`` or ``"STRICT_SPREAD"``.
         extra: Accelerate keys nbaccel keeps but does not act on.
 
     Example:
@@ -104,6 +115,9 @@ class LaunchConfig:
     debug: bool = False
     fsdp_config: Mapping[str, Any] = field(default_factory=dict)
     deepspeed_config: Mapping[str, Any] = field(default_factory=dict)
+    backend: LaunchBackend = "local"
+    ray_address: str | None = None
+    ray_placement_strategy: PlacementStrategy = "PACK"
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -199,8 +213,8 @@ class LaunchConfig:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name == "extra":
-                continue
+            if f.name == "extra" or (f.name in _NBACCEL_ONLY and value == f.default):
+                continue  # nbaccel's own keys only when set: Accelerate's loader rejects keys it does not know
             if isinstance(value, Mapping):
                 value = dict(value)
             elif isinstance(value, enum.Enum):  # plain strings in files
@@ -290,6 +304,13 @@ def _check_combinations(cfg: LaunchConfig) -> None:
     if cfg.use_cpu and cfg.distributed_type in ("MULTI_GPU", "XLA", "DEEPSPEED"):
         raise bad("distributed_type", f"use_cpu=True conflicts with distributed_type='{cfg.distributed_type}'. "
                   "Fix: drop use_cpu, or set distributed_type to 'MULTI_CPU'.", ("NO", "MULTI_CPU", "FSDP"))
+    if cfg.backend == "ray" and cfg.num_machines > 1:
+        raise bad("num_machines", f"backend='ray' places ranks on the cluster's nodes itself, so num_machines must "
+                  f"stay 1 (got {cfg.num_machines}). Fix: drop num_machines (num_processes counts every rank on "
+                  "the cluster), or use backend='local' for torch elastic.", 1)
+    if cfg.backend == "ray" and cfg.distributed_type in ("XLA", "DEEPSPEED"):
+        raise bad("distributed_type", f"backend='ray' runs CPU or GPU ranks, not distributed_type="
+                  f"'{cfg.distributed_type}'. Fix: use backend='local' for it.", ("NO", "MULTI_CPU", "MULTI_GPU", "FSDP"))
     if cfg.gpu_ids != "all":
         parts = [p.strip() for p in cfg.gpu_ids.split(",")]
         if not all(p.isdigit() or re.fullmatch(r"(GPU|MIG)-[\w\-/]+", p) for p in parts):

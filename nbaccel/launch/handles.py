@@ -37,6 +37,10 @@ class WorkerHandle:
     group: bool = False
     """The worker leads its own process group, which holds what it starts (subprocesses, loader workers)."""
 
+    def open_exit_fd(self) -> int | None:
+        """A descriptor that becomes readable when the worker exits (a pidfd), or ``None``: exits are polled."""
+        return open_pidfd(self.pid)
+
     def poll(self) -> bool:
         """Reap the process if it has exited; returns whether it has."""
         if self.exited:

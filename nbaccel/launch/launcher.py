@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from nbaccel.config import LaunchConfig, StartMethod
+from nbaccel.config import LaunchBackend, LaunchConfig, StartMethod
 from nbaccel.environment import MixedPrecision
 from nbaccel.launch.events import LaunchObserver
 from nbaccel.launch.registry import launch
@@ -56,6 +56,8 @@ def notebook_launcher(
     use_cpu: bool | None = None,
     config: LaunchConfig | None = None,
     observer: LaunchObserver | None = None,
+    backend: LaunchBackend | None = None,
+    ray_address: str | None = None,
 ) -> Any:
     """Run ``function(*args, **kwargs)`` on ``num_processes`` workers and return its result.
 
@@ -97,12 +99,20 @@ def notebook_launcher(
         use_cpu: run on CPU processes even where GPUs exist.
         config: a :class:`LaunchConfig` supplying every value not given here.
         observer: receives per-rank state and output events (the status panel).
+        backend: ``"local"`` (this machine; torch elastic across ``num_nodes``) or ``"ray"``: the
+            ranks run as Ray actors on a Ray cluster, ``num_processes`` of them across its nodes
+            (a GPU each unless ``use_cpu``), with the same output, results, failures and interrupt
+            as a local launch. ``None``: the config's (default ``"local"``). nbaccel's own option.
+        ray_address: with ``backend="ray"``, the cluster: ``None`` uses this process's connection
+            (``ray.init`` done already) or else starts a local instance; ``"auto"`` or
+            ``"ray://host:10001"`` connect as Ray does.
 
     Returns:
         Rank 0's return value (moved to CPU), or ``{rank: value}`` when ``return_all``.
 
     Raises:
         ConfigError: an argument is invalid; nothing was started.
+        MissingDependencyError: ``backend="ray"`` without Ray installed.
         EnvironmentStateError: ``start_method="fork"`` but fork is unsafe here.
         PayloadPicklingError: under spawn, the function or an argument cannot be pickled.
         LaunchTimeoutError: ``timeout`` passed or the watchdog fired.
@@ -124,7 +134,7 @@ def notebook_launcher(
         max_restarts=max_restarts, monitor_interval=monitor_interval,
         log_line_prefix_template=log_line_prefix_template, num_processes=num_processes,
         mixed_precision=mixed_precision, use_cpu=use_cpu, machine_rank=node_rank, num_machines=num_nodes,
-        start_method=start_method, timeout=timeout)
+        start_method=start_method, timeout=timeout, backend=backend, ray_address=ray_address)
     if request.rendezvous is not None:  # several machines: the elastic agent restarts
         return launch(request)
     return run_with_restarts(lambda: launch(request), max_restarts)

@@ -24,7 +24,7 @@ from nbaccel.launch.starter import SpawnFiles, start_forked, start_spawned
 from nbaccel.launch.supervisor import Supervisor, SupervisorPolicy
 from nbaccel.launch.warmup import finish_warmup, may_build_ddp, start_warmup
 
-__all__ = ["LAUNCHER", "LocalLauncher", "local_environments"]
+__all__ = ["LAUNCHER", "LocalLauncher", "local_environments", "request_relay"]
 
 
 class LocalLauncher:
@@ -47,10 +47,7 @@ class LocalLauncher:
         observer = request.observer
         store = LoopbackStore(port=request.config.main_process_port or 0) if n > 1 else None
         files = SpawnFiles() if payload is not None else None
-        relay = OutputRelay(show=request.output_ranks, on_line=observer.on_output if observer is not None else None,
-                            on_display=CellPublisher(), display_ranks=request.output_ranks or (0,),
-                            on_progress=getattr(observer, "on_progress", None),  # optional in the protocol
-                            show_redraws=not getattr(observer, "shows_progress", False))
+        relay = request_relay(request)
         try:
             envs = local_environments(request, store)
             if observer is not None:
@@ -89,6 +86,15 @@ class LocalLauncher:
                 store.close()
             if files is not None:
                 files.remove()
+
+
+def request_relay(request: LaunchRequest) -> OutputRelay:
+    """Where a launch's output goes: the cell (labelled per rank), the observer, displays of the chosen ranks."""
+    observer = request.observer
+    return OutputRelay(show=request.output_ranks, on_line=observer.on_output if observer is not None else None,
+                       on_display=CellPublisher(), display_ranks=request.output_ranks or (0,),
+                       on_progress=getattr(observer, "on_progress", None),  # optional in the protocol
+                       show_redraws=not getattr(observer, "shows_progress", False))
 
 
 def local_environments(request: LaunchRequest, store: LoopbackStore | None) -> list[dict[str, str]]:

@@ -23,7 +23,7 @@ from nbaccel.hardware import (
     tpu_detected,
 )
 
-__all__ = ["LaunchPlan", "plan_launch"]
+__all__ = ["DeviceKind", "LaunchPlan", "plan_launch", "say", "settings_for"]
 
 DeviceKind = Literal["cpu", "cuda", "xla"]
 _MAX_AUTO_CPU_WORKERS = 4
@@ -164,23 +164,28 @@ def plan_launch(config: LaunchConfig) -> LaunchPlan:
         method, reason = _start_method(config.start_method)
     if reason:
         notes.append(reason)
-    if kind == "xla":
-        dtype = "XLA"
-    elif config.distributed_type in ("FSDP", "DEEPSPEED"):
-        dtype = config.distributed_type
-    elif n * config.num_machines > 1:
-        dtype = "MULTI_GPU" if kind == "cuda" else "MULTI_CPU"
-    else:
-        dtype = "NO"
-    settings = WorkerSettings(
-        mixed_precision=config.mixed_precision, use_cpu=config.use_cpu or kind == "cpu",
-        distributed_type=dtype,  # type: ignore[arg-type]
-        num_machines=config.num_machines, fsdp_config=dict(config.fsdp_config),
-        deepspeed_config=dict(config.deepspeed_config), debug=config.debug, launched=True)
+    settings = settings_for(config, kind, n * config.num_machines)
     threads = max(1, cpu_count() // max(n, 1)) if kind == "cpu" else 1
     return LaunchPlan(num_processes=n, device_kind=kind, start_method=method, start_reason=reason,
                       settings=settings, visible_gpus=visible, threads=threads,
                       note="\n".join(notes) or None)
+
+
+def settings_for(config: LaunchConfig, kind: DeviceKind, world_size: int) -> WorkerSettings:
+    """What every worker of a ``world_size``-rank job on ``kind`` devices reads back as its settings."""
+    if kind == "xla":
+        dtype = "XLA"
+    elif config.distributed_type in ("FSDP", "DEEPSPEED"):
+        dtype = config.distributed_type
+    elif world_size > 1:
+        dtype = "MULTI_GPU" if kind == "cuda" else "MULTI_CPU"
+    else:
+        dtype = "NO"
+    return WorkerSettings(
+        mixed_precision=config.mixed_precision, use_cpu=config.use_cpu or kind == "cpu",
+        distributed_type=dtype,  # type: ignore[arg-type]
+        num_machines=config.num_machines, fsdp_config=dict(config.fsdp_config),
+        deepspeed_config=dict(config.deepspeed_config), debug=config.debug, launched=True)
 
 
 def say(note: str | None) -> None:

@@ -179,8 +179,8 @@ def build_request(
         args: its positional arguments.
         kwargs: its keyword arguments.
         config: the settings layered so far (file < session < flags); ``None``: the defaults.
-        launcher: a launcher module's name, to choose one explicitly; ``None`` picks ``"elastic"``
-            for several machines, ``"xla"`` on XLA devices, else ``"local"``.
+        launcher: a launcher module's name, to choose one explicitly; ``None`` picks ``"ray"`` for
+            ``backend="ray"``, ``"elastic"`` for several machines, ``"xla"`` on XLA devices, else ``"local"``.
         hang_timeout: see :class:`LaunchRequest`.
         output_ranks: see :class:`LaunchRequest`.
         return_all: see :class:`LaunchRequest`.
@@ -219,7 +219,13 @@ def build_request(
         rendezvous = _rendezvous(cfg, backend=rdzv_backend, endpoint=rdzv_endpoint, conf=rdzv_conf,
                                  run_id=rdzv_id, max_restarts=max_restarts, monitor_interval=monitor_interval,
                                  prefix=log_line_prefix_template)
-    plan = plan_launch(cfg)
+    if cfg.backend == "ray":  # the cluster, not this machine, says what the ranks run on
+        from nbaccel.launch.ray_plan import plan_ray_launch
+
+        plan = plan_ray_launch(cfg)
+        launcher = launcher or "ray"
+    else:
+        plan = plan_launch(cfg)
     if launcher is None:
         launcher = "elastic" if rendezvous is not None else "xla" if plan.device_kind == "xla" else "local"
     return LaunchRequest(

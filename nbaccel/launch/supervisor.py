@@ -28,7 +28,7 @@ from nbaccel.errors import LaunchError, LaunchTimeoutError
 from nbaccel.launch.events import LaunchObserver, RankState
 from nbaccel.launch.failures import WorkerFailure, raise_failures
 from nbaccel.launch.frames import DISPLAY_MARK
-from nbaccel.launch.handles import WorkerHandle, open_pidfd
+from nbaccel.launch.handles import WorkerHandle
 from nbaccel.launch.output import OutputRelay
 from nbaccel.launch.payload import loads
 from nbaccel.tracking.history import begin_run_history
@@ -92,7 +92,7 @@ class Supervisor:
             for fd, kind in ((handle.ctl_fd, "ctl"), (handle.out_fd, "stdout"), (handle.err_fd, "stderr")):
                 os.set_blocking(fd, False)
                 self._selector.register(fd, selectors.EVENT_READ, (handle, kind))
-            handle.pidfd = open_pidfd(handle.pid) if handle is host or host is None else None
+            handle.pidfd = handle.open_exit_fd() if handle is host or host is None else None
             if handle.pidfd is not None:  # wakes the loop the moment the worker exits
                 self._selector.register(handle.pidfd, selectors.EVENT_READ, (handle, "exit"))
 
@@ -239,7 +239,7 @@ class Supervisor:
         if handle.result is not None and handle.error is None and handle.rank not in self._stopped:
             self._set_state(handle, "finished")
             return None
-        if handle.rank in self._stopped and handle.error is None and handle.signal in (None, *_STOP_SIGNALS):
+        if handle.rank in self._stopped and _quiet_stop(handle) and handle.signal in (None, *_STOP_SIGNALS):
             self._set_state(handle, "stopped")
             return None
         self._set_state(handle, "failed")
@@ -380,6 +380,11 @@ class Supervisor:
             except OSError:
                 pass
         self._selector.close()
+
+
+def _quiet_stop(handle: WorkerHandle) -> bool:
+    """A stopped rank reported nothing, or only the ``KeyboardInterrupt`` that stopping it raised."""
+    return handle.error is None or handle.error.get("exc_type") == "KeyboardInterrupt"
 
 
 def _load_result(rank: int, data: bytes) -> Any:
