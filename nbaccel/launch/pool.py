@@ -30,12 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nbaccel.config import LaunchConfig, StartMethod
+from nbaccel.config import LaunchBackend, LaunchConfig, StartMethod
 from nbaccel.environment import MixedPrecision
 from nbaccel.errors import ConfigError, WorkerPoolError
 from nbaccel.launch.events import LaunchObserver
 from nbaccel.launch.output import OutputRelay
 from nbaccel.launch.payload import dumps_payload
+from nbaccel.launch.pool_ray import RayPoolRanks
 from nbaccel.launch.pool_run import TaskOutcome, run_task
 from nbaccel.launch.pool_start import PoolProcesses, start_pool
 from nbaccel.launch.preflight import say
@@ -97,6 +98,10 @@ class WorkerPool:
         grace: seconds a cancelled rank has to stop before it is killed (and the pool with it).
         start_timeout: seconds the workers have to start and join the process group.
         config: a :class:`LaunchConfig` supplying every value not given here.
+        backend: ``"local"`` (this machine's processes) or ``"ray"``: the workers are Ray actors
+            on a Ray cluster, kept (with their process group) until the pool closes; see
+            :mod:`nbaccel.launch.pool_ray`. ``None``: the config's.
+        ray_address: with ``backend="ray"``, the cluster (as in ``notebook_launcher``).
 
     Raises:
         ConfigError: an option is invalid, or asks for several machines or XLA devices.
@@ -115,7 +120,8 @@ class WorkerPool:
                  use_port: int | str | None = None, *, start_method: StartMethod | None = None,
                  use_cpu: bool | None = None, output_ranks: Iterable[int] | int | None = None,
                  timeout: float | None = None, grace: float = 3.0, start_timeout: float = 300.0,
-                 config: LaunchConfig | None = None) -> None:
+                 config: LaunchConfig | None = None, backend: LaunchBackend | None = None,
+                 ray_address: str | None = None) -> None:
         for key, value, example in (("grace", grace, 3.0), ("start_timeout", start_timeout, 300.0)):
             if not (isinstance(value, (int, float)) and value > 0):
                 raise ConfigError(f"{key} must be a positive number of seconds (got {value!r}). Fix: {key}={example}",
@@ -123,11 +129,12 @@ class WorkerPool:
         self._request = build_request(
             _pool_placeholder, config=config, output_ranks=output_ranks, use_port=use_port, launcher="pool",
             num_processes=num_processes, mixed_precision=mixed_precision, use_cpu=use_cpu,
-            start_method=start_method, timeout=timeout)
+            start_method=start_method, timeout=timeout, backend=backend, ray_address=ray_address)
         _refuse_unsupported(self._request)
         self.grace = grace
         self.start_timeout = start_timeout
         self._processes: PoolProcesses | None = None
+        self._ray: RayPoolRanks | None = None
         self._finalizer: weakref.finalize | None = None
         self._dead = ""
         self._closed = False
@@ -136,6 +143,11 @@ class WorkerPool:
     # ------------------------------------------------------------------ lifecycle
     def _start(self) -> None:
         say(self._request.plan.note)
+        if self._request.config.backend == "ray":
+            ranks = RayPoolRanks(self._request, self.start_timeout)
+            self._ray, self._dead, self._closed = ranks, "", False
+            self._finalizer = weakref.finalize(self, ranks.shutdown)
+            return
         processes = start_pool(self._request, self.start_timeout)
         self._processes, self._dead, self._closed = processes, "", False
         self._finalizer = weakref.finalize(self, processes.shutdown)  # also at interpreter exit
@@ -150,7 +162,7 @@ class WorkerPool:
         self._closed = True
         if self._finalizer is not None:
             self._finalizer()  # runs processes.shutdown once
-        self._processes = None
+        self._processes = self._ray = None
 
     def restart(self) -> None:
         """Stop the workers (alive or dead) and start fresh ones with the same options.
@@ -174,18 +186,27 @@ class WorkerPool:
 
     @property
     def start_method(self) -> str:
-        """How the workers were started: ``"fork"`` or ``"spawn"``."""
-        return self._request.plan.start_method
+        """How the workers were started: ``"fork"``, ``"spawn"``, or ``"ray"`` (actors on a Ray cluster)."""
+        return "ray" if self._request.config.backend == "ray" else self._request.plan.start_method
 
     @property
     def alive(self) -> bool:
         """Whether the pool can run tasks: started, not closed, and no worker died."""
-        if self._processes is None or self._closed or self._dead:
+        if self._closed or self._dead:
+            return False
+        if self._ray is not None:
+            return not self._ray.dead()
+        if self._processes is None:
             return False
         return not any(m.handle.poll() for m in self._processes.members)
 
     def workers(self) -> list[WorkerInfo]:
-        """Each worker's rank, pid, liveness, device and resident memory (empty once closed)."""
+        """Each worker's rank, pid, liveness, device and resident memory (empty once closed).
+
+        On Ray, ``pid`` is the actor's process on its node, and the memory is what the actor reports.
+        """
+        if self._ray is not None:
+            return [WorkerInfo(*row) for row in self._ray.workers()]
         if self._processes is None:
             return []
         return [WorkerInfo(rank=m.rank, pid=m.handle.pid, alive=not m.handle.poll(), device=m.device,
@@ -197,11 +218,13 @@ class WorkerPool:
         """The workers' process ids, by rank."""
         return [w.pid for w in self.workers()]
 
-    def _usable(self) -> PoolProcesses:
-        if self._closed or self._processes is None:
+    def _usable(self) -> PoolProcesses | RayPoolRanks:
+        if self._closed or (self._processes is None and self._ray is None):
             raise WorkerPoolError("this WorkerPool was closed, so it runs nothing. Fix: pool.restart() to start "
                                   "fresh workers, or create a new WorkerPool.", state="closed", reason="close()")
-        if not self._dead:
+        if self._ray is not None:
+            self._dead = self._dead or self._ray.dead()
+        elif not self._dead:
             died = [m for m in self._processes.members if m.handle.poll()]
             if died:
                 self._dead = "; ".join(f"rank {m.rank} (pid {m.handle.pid}) exited while idle" for m in died)
@@ -209,7 +232,7 @@ class WorkerPool:
             raise WorkerPoolError(f"this WorkerPool is dead: {self._dead}. Its process group is gone with it. Fix: "
                                   "pool.restart() (or %accel_workers restart), then load your state again.",
                                   state="dead", reason=self._dead)
-        return self._processes
+        return self._ray if self._ray is not None else self._processes
 
     # ------------------------------------------------------------------ running
     def run(self, function: Callable[..., Any], *args: Any, return_all: bool = False, **kwargs: Any) -> Any:
@@ -266,6 +289,8 @@ class WorkerPool:
     def _dispatch(self, function: Callable[..., Any], args: Any, kwargs: Mapping[str, Any],
                   output_ranks: Any, observer: Any) -> dict[int, Any]:
         processes = self._usable()
+        if isinstance(processes, RayPoolRanks):
+            return self._dispatch_ray(processes, function, args, kwargs, output_ranks, observer)
         payload = dumps_payload(function, args, kwargs)
         processes.channels.relay = OutputRelay(show=output_ranks,
                                                on_line=observer.on_output if observer is not None else None)
@@ -282,6 +307,21 @@ class WorkerPool:
             if outcome.dead:
                 self._dead = outcome.dead
                 processes.kill()
+
+    def _dispatch_ray(self, ranks: RayPoolRanks, function: Callable[..., Any], args: Any, kwargs: Mapping[str, Any],
+                      output_ranks: Any, observer: Any) -> dict[int, Any]:
+        try:
+            return ranks.run(function, args, kwargs, output_ranks, observer, grace=self.grace,
+                             timeout=self._request.config.timeout)
+        except Exception as exc:
+            if ranks.ranks.lost:
+                exc.add_note(f"[nbaccel] the WorkerPool is dead ({ranks.ranks.lost}); its actors were stopped. "
+                             "Fix: pool.restart() (or %accel_workers restart).")
+            raise
+        finally:
+            if ranks.ranks.lost:
+                self._dead = ranks.ranks.lost
+                ranks.shutdown()
 
     def __repr__(self) -> str:
         state = "alive" if self.alive else "closed" if self._closed else "dead"

@@ -247,6 +247,17 @@ class RankActor:
         sys.stderr.write(f"Thread 0x{thread:x} (most recent call last):\n{text}")
         sys.stderr.flush()
 
+    def resident_bytes(self) -> int | None:
+        """This actor's resident memory (``None`` where ``/proc`` is not available)."""
+        try:
+            with open("/proc/self/status") as status:
+                for line in status:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError):
+            pass
+        return None
+
     def teardown(self) -> None:
         """Leave the process group (before the actor is killed)."""
         dist = sys.modules.get("torch.distributed")

@@ -21,9 +21,15 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from nbaccel.config import LaunchConfig, StartMethod, load_config
+from nbaccel.config import LaunchBackend, LaunchConfig, StartMethod, load_config
 from nbaccel.environment import MixedPrecision, config_file_path
-from nbaccel.errors import ConfigError, EnvironmentStateError, PayloadPicklingError, WorkerFailedError
+from nbaccel.errors import (
+    ConfigError,
+    EnvironmentStateError,
+    MissingDependencyError,
+    PayloadPicklingError,
+    WorkerFailedError,
+)
 from nbaccel.hardware import in_colab, in_notebook
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.magics.cell import CellProgram, CellResult, run_cell_program
@@ -100,6 +106,11 @@ class AccelMagics(Magics):
     @argument("--ranks", type=_ranks, default=None, help="show only these ranks' output and displays, e.g. 0 or 0,1 "
                    "(default: every rank's output, rank 0's displays)")
     @argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
+    @argument("--backend", choices=get_args(LaunchBackend), default=None,
+              help="where the ranks run: this machine ('local') or a Ray cluster ('ray'); default: the config's")
+    @argument("--ray_address", default=None,
+              help="with --backend ray: the cluster ('auto', 'ray://host:10001'; default: this kernel's "
+                   "connection, else a new local instance)")
     @argument("--num_nodes", type=int, default=None, help="machines taking part (multi-node)")
     @argument("--node_rank", type=int, default=None, help="this machine's rank (multi-node)")
     @argument("--rdzv_endpoint", default="", help="host:port of the rendezvous (multi-node)")
@@ -171,7 +182,8 @@ class AccelMagics(Magics):
                 start_method=args.start_method, timeout=args.timeout,
                 main_process_port=args.port if args.port is not None else endpoint_port,
                 num_machines=getattr(args, "num_nodes", None), machine_rank=getattr(args, "node_rank", None),
-                main_process_ip=endpoint_host)
+                main_process_ip=endpoint_host, backend=getattr(args, "backend", None),
+                ray_address=getattr(args, "ray_address", None))
         except ConfigError as exc:
             raise _usage(exc) from None
 
@@ -187,7 +199,7 @@ class AccelMagics(Magics):
             return build_request(run_cell_program, (program,), config=config, output_ranks=args.ranks,
                                  return_all=args.all_ranks, hang_timeout=args.hang_timeout,
                                  rdzv_endpoint=args.rdzv_endpoint, warm_imports=warm)
-        except (ConfigError, EnvironmentStateError) as exc:
+        except (ConfigError, EnvironmentStateError, MissingDependencyError) as exc:
             raise _usage(exc) from None
 
     def _program(self, line: str, cell: str, out_names: Sequence[str], all_ranks: bool,
@@ -271,6 +283,8 @@ class AccelMagics(Magics):
     @argument("--port", type=int, default=None, help="rendezvous port (start only; default: a free one)")
     @argument("--timeout", type=_positive_float, default=None,
               help="cancel a cell after this many seconds (start only)")
+    @argument("--backend", choices=get_args(LaunchBackend), default=None, help="'local' or 'ray' (start only)")
+    @argument("--ray_address", default=None, help="with --backend ray: the cluster (start only)")
     @argument("--grace", type=_positive_float, default=3.0,
               help="seconds a cancelled rank has to stop before the pool is killed (start only)")
     @line_magic
@@ -288,7 +302,8 @@ class AccelMagics(Magics):
         args = parse_argstring(self.accel_workers, line)
         flags = [n for n, default in (("num_processes", None), ("mixed_precision", None), ("cpu", None),
                                       ("config_file", None), ("start_method", None), ("port", None),
-                                      ("timeout", None), ("grace", 3.0)) if getattr(args, n) != default]
+                                      ("timeout", None), ("grace", 3.0), ("backend", None), ("ray_address", None))
+                 if getattr(args, n) != default]
         if flags and args.action != "start":
             raise UsageError(f"%accel_workers {args.action} takes no launch flags (got --{flags[0]}); they apply "
                              f"when the workers start. Fix: %accel_workers start --{flags[0]} ...")

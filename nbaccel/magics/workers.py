@@ -14,7 +14,7 @@ from typing import Any
 from IPython.core.error import UsageError
 
 from nbaccel.config import LaunchConfig
-from nbaccel.errors import ConfigError, EnvironmentStateError
+from nbaccel.errors import ConfigError, EnvironmentStateError, MissingDependencyError
 from nbaccel.launch.pool import WorkerPool
 from nbaccel.launch.request import LaunchRequest
 
@@ -24,7 +24,7 @@ __all__ = ["NotebookPool", "defined_names", "format_status", "launch_flags_given
 # %%accel_launch flags that say how workers start: a persisted cell runs on workers started already.
 _LAUNCH_FLAGS = {"num_processes": None, "mixed_precision": None, "cpu": None, "config_file": None,
                  "start_method": None, "timeout": None, "hang_timeout": 120.0, "port": None, "num_nodes": None,
-                 "node_rank": None, "rdzv_endpoint": ""}
+                 "node_rank": None, "rdzv_endpoint": "", "backend": None, "ray_address": None}
 
 _START_HINT = "%accel_workers start -n 2   (add --cpu, --mixed_precision, ... as for %%accel_launch)"
 
@@ -77,7 +77,7 @@ class NotebookPool:
         self.stop()
         try:
             self.pool = WorkerPool(config=config, grace=grace)
-        except (ConfigError, EnvironmentStateError) as exc:
+        except (ConfigError, EnvironmentStateError, MissingDependencyError) as exc:
             raise UsageError(f"%accel_workers start: {exc}") from None
         return self.pool
 

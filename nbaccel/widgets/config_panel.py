@@ -30,7 +30,8 @@ __all__ = ["ConfigPanel", "FieldSpec", "field_specs", "widgets_available"]  # wi
 
 _AUTO = "auto"
 _PLACEHOLDERS = {"num_processes": "auto (one per GPU, else up to 4 CPUs)", "main_process_port": "auto (a free port)",
-                 "timeout": "none (no limit)", "main_process_ip": "none (single machine)"}
+                 "timeout": "none (no limit)", "main_process_ip": "none (single machine)",
+                 "ray_address": "auto (this kernel's Ray connection, else a local instance)"}
 FieldKind = Literal["choice", "bool", "int", "float", "str", "mapping"]
 _CSS = (".nbaccel-invalid input, .nbaccel-invalid textarea, .nbaccel-invalid select "
         "{border-color: #dc2626 !important; background: #fef2f2 !important}")
@@ -39,6 +40,7 @@ _GROUPS: dict[str, tuple[str, ...]] = {
                   "start_method", "timeout", "debug"),
     "Machines": ("num_machines", "machine_rank", "main_process_ip", "main_process_port", "rdzv_backend",
                  "same_network"),
+    "Ray cluster": ("backend", "ray_address", "ray_placement_strategy"),
     "Scripts and plugins": ("main_training_function", "fsdp_config", "deepspeed_config", "extra"),
 }
 
