@@ -13,6 +13,10 @@ fi
 export OMP_NUM_THREADS=1
 status=0
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@" || status=$?
+# Ray listens on every interface: its tests (and notebook 07) run in a loopback-only network namespace.
+if [ "${NBACCEL_SKIP_RAY:-0}" != "1" ]; then
+  bash scripts/test_ray.sh || status=$?
+fi
 if [ -f tests/run_xla.sh ] && [ "${NBACCEL_SKIP_XLA:-0}" != "1" ]; then
   bash tests/run_xla.sh || status=$?
 fi
