@@ -11,6 +11,7 @@ Ray is imported only here and in the actor; ``pip install 'nbaccel[ray]'`` bring
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ __all__ = ["Placement", "RankLayout", "RankSite", "bundle_for", "check_room", "c
            "place_bundles", "require_ray"]
 
 _INSTALL = "pip install 'nbaccel[ray]'"
+_QUIET_WAIT = 10.0  # seconds of waiting for the cluster's resources before saying so
 
 
 def require_ray() -> ModuleType:
@@ -163,7 +165,12 @@ def place_bundles(n: int, use_gpu: bool, strategy: str, wait: float) -> Placemen
     group = placement_group([dict(bundle) for _ in range(n)], strategy=strategy)
     placement = Placement(group=group, bundles=n)
     try:
-        ready = group.wait(timeout_seconds=wait)
+        ready = group.wait(timeout_seconds=min(wait, _QUIET_WAIT))
+        if not ready and wait > _QUIET_WAIT:
+            free = require_ray().available_resources()
+            print(f"nbaccel: waiting up to {wait - _QUIET_WAIT:g}s more for the Ray cluster to free {n} x {bundle} "
+                  f"(free now: {free.get('CPU', 0):g} CPUs, {free.get('GPU', 0):g} GPUs)", file=sys.stderr, flush=True)
+            ready = group.wait(timeout_seconds=wait - _QUIET_WAIT)
     except BaseException:
         placement.remove()
         raise

@@ -239,7 +239,9 @@ class Supervisor:
         if handle.result is not None and handle.error is None and handle.rank not in self._stopped:
             self._set_state(handle, "finished")
             return None
-        if handle.rank in self._stopped and _quiet_stop(handle) and handle.signal in (None, *_STOP_SIGNALS):
+        # a stopped rank that reported nothing, or only the KeyboardInterrupt that stopping it raised
+        quiet = handle.error is None or handle.error.get("exc_type") == "KeyboardInterrupt"
+        if handle.rank in self._stopped and quiet and handle.signal in (None, *_STOP_SIGNALS):
             self._set_state(handle, "stopped")
             return None
         self._set_state(handle, "failed")
@@ -380,11 +382,6 @@ class Supervisor:
             except OSError:
                 pass
         self._selector.close()
-
-
-def _quiet_stop(handle: WorkerHandle) -> bool:
-    """A stopped rank reported nothing, or only the ``KeyboardInterrupt`` that stopping it raised."""
-    return handle.error is None or handle.error.get("exc_type") == "KeyboardInterrupt"
 
 
 def _load_result(rank: int, data: bytes) -> Any:

@@ -1,0 +1,199 @@
+"""Launch-to-return on a local Ray for 4 ranks: nbaccel on Ray against the local launcher and Ray Train.
+
+Three ways to run the same work on 4 CPU ranks, interleaved, ``--rounds`` times each:
+
+- ``nbaccel ray``: ``notebook_launcher(fn, num_processes=4, backend="ray", use_cpu=True)``
+  (actors and a placement group made and removed per launch);
+- ``ray train``: Ray Train's ``TorchTrainer(fn, scaling_config=ScalingConfig(num_workers=4)).fit()``,
+  the peer on Ray (``pip install 'ray[train]'``, for this benchmark only);
+- ``nbaccel local``: the same ``notebook_launcher`` on this machine's processes (fork), the floor;
+- ``nbaccel ray pool``: a ``WorkerPool(4, backend="ray")`` started once, then ``pool.run`` (the warm
+  answer on Ray; its start is reported separately).
+
+Two kinds of work: an empty function, and "DDP": build a model, wrap it in DDP and take 20
+training steps (nbaccel's ``Accelerator``; Ray Train's ``prepare_model``). Warm figures come from
+one process connected to a local Ray instance; first-call figures from a fresh process per
+measurement (imports, ``ray.init`` of a new local instance where the library needs one, one
+launch). Medians [min..max] in seconds, and ratios of medians.
+
+Ray listens on every interface, so this runs in a loopback-only network namespace: the script
+re-executes itself through ``scripts/loopback_namespace.py`` (needs root).
+
+Run: ``.venv/bin/python benchmarks/ray_launch.py [--rounds 5] [--fresh-rounds 3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+RANKS = 4
+STEPS = 20
+
+
+def empty() -> int:
+    return 1
+
+
+def ddp_nbaccel() -> float:
+    import torch
+
+    from nbaccel import Accelerator
+
+    accelerator = Accelerator()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    x, y = torch.randn(32, 64), torch.randn(32, 1)
+    for _ in range(STEPS):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        accelerator.backward(loss)
+        optimizer.step()
+    return float(loss)
+
+
+def ddp_ray_train() -> None:
+    import torch
+    from ray import train
+    from ray.train.torch import prepare_model
+
+    torch.manual_seed(0)
+    model = prepare_model(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(32, 64), torch.randn(32, 1)
+    for _ in range(STEPS):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    train.report({"loss": float(loss)})
+
+
+def empty_ray_train() -> None:
+    pass
+
+
+def run_nbaccel(backend: str, work: str) -> None:
+    from nbaccel import notebook_launcher
+
+    function = ddp_nbaccel if work == "ddp" else empty
+    notebook_launcher(function, num_processes=RANKS, use_cpu=True, backend=backend)
+
+
+def run_ray_train(work: str) -> None:
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    function = ddp_ray_train if work == "ddp" else empty_ray_train
+    storage = tempfile.mkdtemp(prefix="raytrain-")
+    TorchTrainer(function, scaling_config=ScalingConfig(num_workers=RANKS, use_gpu=False),
+                 run_config=RunConfig(storage_path=storage)).fit()
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.3f} [{min(values):.3f}..{max(values):.3f}]"
+
+
+def _timed(run: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def _ratio(a: list[float], b: list[float]) -> str:
+    return f"{statistics.median(a) / statistics.median(b):.2f}x"
+
+
+def warm(rounds: int) -> None:
+    import ray
+
+    from nbaccel import WorkerPool
+
+    # Logical CPUs for the pool's ranks, a launch's and Ray Train's (which also runs a controller).
+    ray.init(num_cpus=3 * RANKS, log_to_driver=False, configure_logging=False)
+    pool_start = time.perf_counter()
+    pool = WorkerPool(RANKS, use_cpu=True, backend="ray")
+    pool_started = time.perf_counter() - pool_start
+    columns = ("nbaccel ray", "ray train", "nbaccel local", "nbaccel ray pool")
+    for work in ("empty", "ddp"):
+        runs: dict[str, Callable[[], object]] = {
+            "nbaccel ray": lambda: run_nbaccel("ray", work),
+            "ray train": lambda: run_ray_train(work),
+            "nbaccel local": lambda: run_nbaccel("local", work),
+            "nbaccel ray pool": lambda: pool.run(ddp_nbaccel if work == "ddp" else empty),
+        }
+        for run in runs.values():  # one untimed call each: imports, Ray's worker pool warm-up
+            run()
+        times: dict[str, list[float]] = {name: [] for name in columns}
+        for _ in range(rounds):
+            for name in columns:
+                times[name].append(_timed(runs[name]))
+        print(f"\nwarm, {work} ({RANKS} ranks, {rounds} interleaved rounds; seconds, median [min..max])")
+        for name in columns:
+            print(f"  {name:17s} {_spread(times[name])}")
+        print(f"  nbaccel ray / ray train        {_ratio(times['nbaccel ray'], times['ray train'])}")
+        print(f"  nbaccel ray / nbaccel local    {_ratio(times['nbaccel ray'], times['nbaccel local'])}")
+        print(f"  ray pool run / ray train       {_ratio(times['nbaccel ray pool'], times['ray train'])}")
+    print(f"\nWorkerPool(4, backend='ray') start (joins the process group once): {pool_started:.3f} s")
+    pool.close()
+    ray.shutdown()
+
+
+_FRESH = {
+    "nbaccel ray": "import ray; ray.init(num_cpus={n}, log_to_driver=False, configure_logging=False); "
+                   "from benchmarks.ray_launch import run_nbaccel; run_nbaccel('ray', '{work}')",
+    "ray train": "import ray; ray.init(num_cpus={n}, log_to_driver=False, configure_logging=False); "
+                 "from benchmarks.ray_launch import run_ray_train; run_ray_train('{work}')",
+    "nbaccel local": "from benchmarks.ray_launch import run_nbaccel; run_nbaccel('local', '{work}')",
+}
+
+
+def fresh(rounds: int) -> None:
+    root = Path(__file__).resolve().parent.parent
+    for work in ("empty", "ddp"):
+        times: dict[str, list[float]] = {name: [] for name in _FRESH}
+        for _ in range(rounds):
+            for name, code in _FRESH.items():
+                start = time.perf_counter()
+                subprocess.run([sys.executable, "-c", code.format(n=RANKS, work=work)], cwd=root, check=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
+                times[name].append(time.perf_counter() - start)
+        print(f"\nfirst call in a fresh process, {work} (process start to exit, local Ray instance started inside;"
+              f" {rounds} interleaved rounds)")
+        for name in _FRESH:
+            print(f"  {name:17s} {_spread(times[name])}")
+        print(f"  nbaccel ray / ray train        {_ratio(times['nbaccel ray'], times['ray train'])}")
+        print(f"  nbaccel ray / nbaccel local    {_ratio(times['nbaccel ray'], times['nbaccel local'])}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the warm figures")
+    parser.add_argument("--fresh-rounds", type=int, default=3, help="interleaved rounds of the fresh-process figures")
+    parser.add_argument("--no-fresh", action="store_true", help="skip the fresh-process figures")
+    args = parser.parse_args()
+    if [name for _, name in socket.if_nameindex()] != ["lo"]:  # Ray must not see this machine's network
+        here = Path(__file__).resolve()
+        helper = here.parent.parent / "scripts" / "loopback_namespace.py"
+        os.execv(sys.executable, [sys.executable, str(helper), sys.executable, str(here), *sys.argv[1:]])
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    warm(args.rounds)
+    if not args.no_fresh:
+        fresh(args.fresh_rounds)
+    print(f"\nload average after: {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
