@@ -20,6 +20,20 @@ Ray listens on every interface, so this runs in a loopback-only network namespac
 re-executes itself through ``scripts/loopback_namespace.py`` (needs root).
 
 Run: ``.venv/bin/python benchmarks/ray_launch.py [--rounds 5] [--fresh-rounds 3]``.
+
+Figures (2026-12-04, this 2-core machine, 4 CPU ranks, ``--rounds 5 --fresh-rounds 3``; seconds,
+median [min..max]; ratios of medians)::
+
+    warm, empty     nbaccel ray 2.43 [2.29..2.57]   ray train 11.61 [10.93..12.09]  -> 0.21x
+                    nbaccel local 0.029             ray pool run 0.083 [0.081..0.135]
+    warm, ddp       nbaccel ray 6.49 [6.43..6.89]   ray train 18.44 [17.30..18.71]  -> 0.35x
+                    nbaccel local 0.787             ray pool run 0.277 [0.221..0.312]
+    fresh, empty    nbaccel ray 7.82 [7.53..8.02]   ray train 21.40 [20.48..22.81]  -> 0.37x
+    fresh, ddp      nbaccel ray 11.28 [11.23..11.53] ray train 25.66 [25.07..26.01] -> 0.44x
+    WorkerPool(4, backend="ray") start: 5.6 s
+
+A one-shot launch on Ray pays for new actor processes (each imports torch and joins the group);
+the pool pays that once, after which a DDP run returns faster than a local fork launch.
 """
 
 from __future__ import annotations
@@ -115,39 +129,97 @@ def _ratio(a: list[float], b: list[float]) -> str:
     return f"{statistics.median(a) / statistics.median(b):.2f}x"
 
 
+class Driver:
+    """One library's long-lived driver process, connected to the shared Ray instance; runs on request.
+
+    Each library gets a process of its own (as in a notebook, one kernel per user), so one library's
+    leftovers in a driver (Ray Train keeps its controller actors) never slow another's launches.
+    """
+
+    def __init__(self, library: str, address: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, "--serve", library, "--address", address],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent)
+        self.started = float(self._reply())  # seconds the driver's own setup took (the pool's start)
+
+    def _reply(self) -> str:
+        line = self.process.stdout.readline().strip()
+        if not line or line.startswith("error"):
+            raise RuntimeError(f"driver failed: {line or 'exited'}")
+        return line
+
+    def time(self, work: str) -> float:
+        self.process.stdin.write(work + "\n")
+        self.process.stdin.flush()
+        return float(self._reply())
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=120)
+
+
+def serve(library: str, address: str) -> None:
+    """The driver side: read a work name per line, run it once, answer with the seconds it took."""
+    channel = os.fdopen(os.dup(1), "w", buffering=1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    started = time.perf_counter()
+    pool = None
+    if library != "nbaccel local":
+        import ray
+
+        ray.init(address=address, log_to_driver=False, configure_logging=False)
+    if library == "nbaccel ray pool":
+        from nbaccel import WorkerPool
+
+        pool = WorkerPool(RANKS, use_cpu=True, backend="ray")
+    runs: dict[str, Callable[[str], object]] = {
+        "nbaccel ray": lambda work: run_nbaccel("ray", work),
+        "ray train": run_ray_train,
+        "nbaccel local": lambda work: run_nbaccel("local", work),
+        "nbaccel ray pool": lambda work: pool.run(ddp_nbaccel if work == "ddp" else empty),
+    }
+    channel.write(f"{time.perf_counter() - started}\n")
+    for line in sys.stdin:
+        try:
+            channel.write(f"{_timed(lambda: runs[library](line.strip()))}\n")
+        except Exception as error:  # noqa: BLE001 - reported to the parent, which stops
+            channel.write(f"error: {type(error).__name__}: {error}\n".replace("\n", " ") + "\n")
+    if pool is not None:
+        pool.close()
+
+
+COLUMNS = ("nbaccel ray", "ray train", "nbaccel local", "nbaccel ray pool")
+
+
 def warm(rounds: int) -> None:
     import ray
 
-    from nbaccel import WorkerPool
-
     # Logical CPUs for the pool's ranks, a launch's and Ray Train's (which also runs a controller).
-    ray.init(num_cpus=3 * RANKS, log_to_driver=False, configure_logging=False)
-    pool_start = time.perf_counter()
-    pool = WorkerPool(RANKS, use_cpu=True, backend="ray")
-    pool_started = time.perf_counter() - pool_start
-    columns = ("nbaccel ray", "ray train", "nbaccel local", "nbaccel ray pool")
-    for work in ("empty", "ddp"):
-        runs: dict[str, Callable[[], object]] = {
-            "nbaccel ray": lambda: run_nbaccel("ray", work),
-            "ray train": lambda: run_ray_train(work),
-            "nbaccel local": lambda: run_nbaccel("local", work),
-            "nbaccel ray pool": lambda: pool.run(ddp_nbaccel if work == "ddp" else empty),
-        }
-        for run in runs.values():  # one untimed call each: imports, Ray's worker pool warm-up
-            run()
-        times: dict[str, list[float]] = {name: [] for name in columns}
-        for _ in range(rounds):
-            for name in columns:
-                times[name].append(_timed(runs[name]))
-        print(f"\nwarm, {work} ({RANKS} ranks, {rounds} interleaved rounds; seconds, median [min..max])")
-        for name in columns:
-            print(f"  {name:17s} {_spread(times[name])}")
-        print(f"  nbaccel ray / ray train        {_ratio(times['nbaccel ray'], times['ray train'])}")
-        print(f"  nbaccel ray / nbaccel local    {_ratio(times['nbaccel ray'], times['nbaccel local'])}")
-        print(f"  ray pool run / ray train       {_ratio(times['nbaccel ray pool'], times['ray train'])}")
-    print(f"\nWorkerPool(4, backend='ray') start (joins the process group once): {pool_started:.3f} s")
-    pool.close()
-    ray.shutdown()
+    context = ray.init(num_cpus=3 * RANKS + 2, log_to_driver=False, configure_logging=False)
+    drivers = {name: Driver(name, context.address_info["gcs_address"]) for name in COLUMNS}
+    try:
+        for work in ("empty", "ddp"):
+            for driver in drivers.values():  # one untimed call each: imports, Ray's worker start
+                driver.time(work)
+            times: dict[str, list[float]] = {name: [] for name in COLUMNS}
+            for _ in range(rounds):
+                for name, driver in drivers.items():
+                    times[name].append(driver.time(work))
+            print(f"\nwarm, {work} ({RANKS} ranks, {rounds} interleaved rounds, one driver process per library;"
+                  " seconds, median [min..max])")
+            for name in COLUMNS:
+                print(f"  {name:17s} {_spread(times[name])}")
+            print(f"  nbaccel ray / ray train        {_ratio(times['nbaccel ray'], times['ray train'])}")
+            print(f"  nbaccel ray / nbaccel local    {_ratio(times['nbaccel ray'], times['nbaccel local'])}")
+            print(f"  ray pool run / ray train       {_ratio(times['nbaccel ray pool'], times['ray train'])}")
+            print(f"  ray pool run / nbaccel local   {_ratio(times['nbaccel ray pool'], times['nbaccel local'])}")
+        print(f"\nWorkerPool(4, backend='ray') start (actors, process group): {drivers['nbaccel ray pool'].started:.3f} s")
+    finally:
+        for driver in drivers.values():
+            driver.close()
+        ray.shutdown()
 
 
 _FRESH = {
@@ -182,7 +254,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the warm figures")
     parser.add_argument("--fresh-rounds", type=int, default=3, help="interleaved rounds of the fresh-process figures")
     parser.add_argument("--no-fresh", action="store_true", help="skip the fresh-process figures")
+    parser.add_argument("--serve", choices=COLUMNS, help=argparse.SUPPRESS)  # a driver process (internal)
+    parser.add_argument("--address", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.serve:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        serve(args.serve, args.address)
+        return
     if [name for _, name in socket.if_nameindex()] != ["lo"]:  # Ray must not see this machine's network
         here = Path(__file__).resolve()
         helper = here.parent.parent / "scripts" / "loopback_namespace.py"
