@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO, TypeVar, get_args
 
-from nbaccel.config import LaunchConfig, load_config, save_config
+from nbaccel.config import LaunchConfig, PlacementStrategy, load_config, save_config
 from nbaccel.environment import MixedPrecision, config_file_path
 from nbaccel.errors import ConfigError
 from nbaccel.hardware import cpu_count, cuda_device_count, tpu_detected
@@ -147,6 +147,41 @@ def _machines(ask: _Asker, base: LaunchConfig) -> dict[str, Any]:
     }
 
 
+def _ray_address(text: str) -> str | None:
+    if text.lower() == "none":
+        return None
+    if text == "auto" or re.fullmatch(r"(ray://)?[\w.\-]+:\d+", text):
+        return text
+    raise ValueError(f"{text!r} is not 'none', 'auto', 'ray://host:port' or 'host:port'")
+
+
+def _strategy(text: str) -> str:
+    strategies = get_args(PlacementStrategy)
+    if text.upper() not in strategies:
+        raise ValueError(f"{text!r} is not one of {list(strategies)}")
+    return text.upper()
+
+
+def _ray(ask: _Asker, base: LaunchConfig, machines: int) -> dict[str, Any]:
+    """The Ray questions, asked last so piped answers for a local launch need not mention them."""
+    if machines > 1:  # several machines by hand is torch elastic; Ray places ranks itself
+        return {"backend": "local"}
+    on_ray = ask.ask("Run the ranks on a Ray cluster (yes/no)?", base.backend == "ray", _yes_no,
+                     "yes" if base.backend == "ray" else "no")
+    if not on_ray:
+        return {"backend": "local"}
+    strategies = get_args(PlacementStrategy)
+    return {
+        "backend": "ray",
+        "ray_address": ask.ask("Ray cluster address (none: the notebook's ray.init, else a new local instance; "
+                               "auto; ray://host:10001)?", base.ray_address, _ray_address,
+                               base.ray_address or "none"),
+        "ray_placement_strategy": ask.ask(f"Placement of the ranks ({'/'.join(strategies)})?",
+                                          base.ray_placement_strategy,
+                                          _strategy),
+    }
+
+
 def ask_config(base: LaunchConfig, inp: TextIO, out: TextIO) -> LaunchConfig:
     """Ask the questions, defaults taken from ``base``; returns the answered config.
 
@@ -166,6 +201,7 @@ def ask_config(base: LaunchConfig, inp: TextIO, out: TextIO) -> LaunchConfig:
     method = ask.ask("Start method (auto/fork/spawn)?", base.start_method or "auto", _choice(("auto", "fork", "spawn")))
     timeout = ask.ask("Stop a launch after how many seconds (none for no limit)?", base.timeout, _timeout,
                       "none" if base.timeout is None else f"{base.timeout:g}")
+    values.update(_ray(ask, base, values["num_machines"]))
     world = n * values["num_machines"]
     if base.distributed_type in ("FSDP", "DEEPSPEED"):
         dtype = base.distributed_type

@@ -142,3 +142,31 @@ def test_each_question_explains_a_wrong_answer_and_asks_again(monkeypatch):
     assert (config.num_machines, config.machine_rank, config.rdzv_backend) == (2, 1, "c10d")
     assert (config.num_processes, config.gpu_ids, config.distributed_type, config.timeout) == (2, "0,1", "MULTI_GPU",
                                                                                               600.0)
+
+
+def test_ray_questions_write_the_backend_address_and_placement():
+    answers = "1\nyes\n4\nno\nauto\nnone\nyes\nsomewhere\nray://head:10001\nscatter\nspread\n"
+    result = nbaccel("config", input=answers)
+    assert result.returncode == 0, result.stderr
+    assert "'somewhere' is not 'none', 'auto', 'ray://host:port' or 'host:port'" in result.stdout
+    assert "'scatter' is not one of ['PACK', 'SPREAD', 'STRICT_PACK', 'STRICT_SPREAD']" in result.stdout
+    cfg = load_config(_config_path())
+    assert (cfg.backend, cfg.ray_address, cfg.ray_placement_strategy, cfg.num_processes) == \
+        ("ray", "ray://head:10001", "SPREAD", 4)
+
+
+def test_ray_question_defaults_keep_a_ray_config_and_none_clears_the_address():
+    save_config(LaunchConfig(backend="ray", ray_address="auto", use_cpu=True, num_processes=2), _config_path())
+    result = nbaccel("config", input="\n\n\n\n\n\n\nnone\n")
+    assert result.returncode == 0, result.stderr
+    assert "Run the ranks on a Ray cluster (yes/no)? [yes]" in result.stdout
+    cfg = load_config(_config_path())
+    assert (cfg.backend, cfg.ray_address, cfg.ray_placement_strategy) == ("ray", None, "PACK")
+
+
+def test_several_machines_are_never_asked_about_ray():
+    save_config(LaunchConfig(backend="ray", use_cpu=True), _config_path())
+    result = nbaccel("config", input="2\n0\n10.0.0.5\n29555\nstatic\nyes\n2\nno\nauto\nnone\n")
+    assert result.returncode == 0, result.stderr
+    assert "Ray cluster" not in result.stdout
+    assert load_config(_config_path()).backend == "local"
