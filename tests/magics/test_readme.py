@@ -11,6 +11,7 @@ README = Path(__file__).parent.parent.parent / "README.md"
 
 
 def test_readme_tour_cells_run_and_bring_back_state(ip, capfd):
+    # Blocks fenced ```py are shown, not run: they need what a test here has not (a Ray cluster).
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
     assert any(block.startswith("%%accel_launch") for block in blocks)
     for block in blocks:
