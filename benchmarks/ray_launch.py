@@ -32,6 +32,11 @@ median [min..max]; ratios of medians)::
     fresh, ddp      nbaccel ray 11.28 [11.23..11.53] ray train 25.66 [25.07..26.01] -> 0.44x
     WorkerPool(4, backend="ray") start: 5.6 s
 
+A second run 50 minutes later (same command) found every Ray figure about 2x slower for both
+libraries (local ones unchanged), with the ratios holding: warm empty 5.77 vs 20.22 -> 0.29x, warm
+ddp 9.86 vs 31.52 -> 0.31x, fresh empty 0.39x, fresh ddp 0.43x, pool run / local ddp 0.30x. Trust
+the ratios, not the absolute seconds, on a shared 2-core machine.
+
 A one-shot launch on Ray pays for new actor processes (each imports torch and joins the group);
 the pool pays that once, after which a DDP run returns faster than a local fork launch.
 """
