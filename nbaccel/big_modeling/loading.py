@@ -21,8 +21,9 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from nbaccel.big_modeling.checkpoint_files import TensorInfo
+from nbaccel.big_modeling.checkpoint_files import TensorInfo, can_map
 from nbaccel.big_modeling.checkpoint_layout import Checkpoint, open_checkpoint
+from nbaccel.big_modeling.cpu_copies import copy_to_cpu
 from nbaccel.big_modeling.device_map import (
     DeviceMapStrategy,
     MapDevice,
@@ -128,11 +129,29 @@ def _staged_to_gpus(ckpt: Checkpoint, sources: Mapping[str, str],
     return staged
 
 
-def _resident_value(ckpt: Checkpoint, key: str, home: MapDevice, maps: FileMaps,
-                    staged: dict[tuple[str, MapDevice], torch.Tensor]) -> torch.Tensor:
-    """The stored tensor, without a copy where one is not needed: staged on its GPU, a view
-    of its file on CPU, else read (pickles: as ``torch.load`` gave it)."""
+def _copied_to_cpu(ckpt: Checkpoint, sources: Mapping[str, str], homes: Mapping[str, MapDevice],
+                   targets: Mapping[str, torch.dtype],
+                   maps: FileMaps) -> dict[tuple[str, torch.dtype], torch.Tensor]:
+    """``{(checkpoint key, dtype): tensor}`` for the CPU-bound safetensors weights that cannot be
+    views of their file (off the 64-byte alignment, or cast to another dtype), copied by one
+    thread pool for the whole load; a cast reads straight from the file's map."""
+    wanted: dict[tuple[str, torch.dtype], TensorInfo] = {}
+    for name, key in sources.items():
+        info = ckpt.location(key)
+        if info is not None and homes[name] == "cpu" and (targets[name] != info.dtype or not can_map(info)):
+            wanted[(key, targets[name])] = info
+    tensors = copy_to_cpu(list(wanted.values()), [dtype for _, dtype in wanted], view=maps.view)
+    return dict(zip(wanted, tensors))
+
+
+def _resident_value(ckpt: Checkpoint, key: str, home: MapDevice, target: torch.dtype, maps: FileMaps,
+                    staged: dict[tuple[str, MapDevice], torch.Tensor],
+                    copied: dict[tuple[str, torch.dtype], torch.Tensor]) -> torch.Tensor:
+    """The stored tensor, without a copy where one is not needed: staged on its GPU, copied
+    already on CPU, a view of its file on CPU, else read (pickles: as ``torch.load`` gave it)."""
     value = staged.pop((key, home), None)
+    if value is None and home == "cpu":
+        value = copied.pop((key, target), None)
     if value is not None:
         return value
     info = ckpt.location(key)
@@ -159,11 +178,13 @@ def _load(model: nn.Module, checkpoint: str | os.PathLike,
             key="offload_folder", value=None, valid="a writable folder path")
     index: dict[str, IndexEntry] = {}
     loaded: dict[tuple[str, MapDevice], torch.Tensor] = {}
+    targets = {n: _target_dtype(n, ckpt.dtype(k), tensors[n].dtype, dtype, keep_in_fp32)
+               for n, k in sources.items()}
     maps, staged = FileMaps(), _staged_to_gpus(ckpt, sources, homes)
+    copied = _copied_to_cpu(ckpt, sources, homes, targets, maps)
     resident_first = sorted(sources, key=lambda n: homes[n] == "disk")
     for name in resident_first:
-        key, home, current = sources[name], homes[name], tensors[name]
-        target = _target_dtype(name, ckpt.dtype(key), current.dtype, dtype, keep_in_fp32)
+        key, home, target = sources[name], homes[name], targets[name]
         shared = loaded.get((key, home))
         if home == "disk":  # tied to a resident tensor: share it rather than offload a copy
             shared = next((t for (k, _), t in loaded.items() if k == key), None)
@@ -180,7 +201,7 @@ def _load(model: nn.Module, checkpoint: str | os.PathLike,
         elif home == "meta":
             set_module_tensor_to_device(model, name, "meta", dtype=target)
         else:
-            value = _resident_value(ckpt, key, home, maps, staged)
+            value = _resident_value(ckpt, key, home, target, maps, staged, copied)
             set_module_tensor_to_device(model, name, home, value=value, dtype=target)
             loaded[(key, home)] = model.get_parameter(name) if name not in buffers \
                 else model.get_buffer(name)
