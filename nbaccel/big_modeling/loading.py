@@ -5,7 +5,8 @@ headers alone, so a mismatch leaves the model untouched. Then each tensor goes s
 the device map puts it. CPU weights that live in a safetensors file, in their stored dtype and
 at 64-byte aligned offsets, are not copied: they are views of a private, copy-on-write map of
 the file, its pages mapped in at load (so processes on one machine share them); a dtype change,
-or a file off that alignment, copies. GPU weights are read through pinned staging
+or a file off that alignment, copies, on one thread pool for the whole load (:mod:`.cpu_copies`;
+a cast reads straight from the file's map). GPU weights are read through pinned staging
 buffers, overlapping reads with copies. Weights mapped to ``"disk"`` that live in a safetensors
 file are not read either: the offload index points into the checkpoint's own file. Weights from
 ``.bin``/``.pt`` pickles come from ``torch.load`` (memory-mapped where its format allows) and are
