@@ -210,15 +210,18 @@ def _cast_source(info: TensorInfo, view: Callable[[TensorInfo], torch.Tensor | N
 
 
 def _run(jobs: list[Callable[[], None]], threads: int) -> None:
-    """Run every job; the first error is raised once the jobs already started have stopped."""
+    """Run every job; the first error (or an interrupt) cancels the jobs not yet started and is
+    raised once the running ones have stopped."""
     if threads <= 1:
         for job in jobs:
             job()
         return
-    with ThreadPoolExecutor(threads, thread_name_prefix="nbaccel-copy") as pool:
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="nbaccel-copy")
+    try:
         futures = [pool.submit(job) for job in jobs]
         wait(futures, return_when=FIRST_EXCEPTION)
-        failed = next((f for f in futures if f.done() and f.exception() is not None), None)
-        if failed is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
-            raise failed.exception()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    failed = next((f for f in futures if not f.cancelled() and f.exception() is not None), None)
+    if failed is not None:
+        raise failed.exception()
