@@ -18,8 +18,9 @@ across cores:
 What always holds: each result owns fresh memory, holds exactly the bytes (or the cast of
 exactly the values) a plain ``load_state_dict`` would, and is 64-byte aligned as torch
 allocates it; writing to it never reaches the file. A file that is gone or ends early is a
-:class:`~nbaccel.errors.CheckpointError` naming it, raised before the load returns; threads
-still copying other chunks are waited for (none keeps running).
+:class:`~nbaccel.errors.CheckpointError` naming it, raised before the load returns; chunks
+not yet started are dropped and the ones being copied are waited for (no thread outlives the
+call), and an interrupt does the same.
 """
 
 from __future__ import annotations

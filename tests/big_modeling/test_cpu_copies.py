@@ -116,8 +116,9 @@ def test_a_file_removed_after_its_header_was_read_names_the_file(tmp_path):
 
 
 def test_populate_write_brings_the_pages_in_before_the_copy():
-    if not populate(0, 0, MADV_POPULATE_WRITE):
-        pytest.skip("no madvise")
+    probe = mmap.mmap(-1, mmap.PAGESIZE)
+    if not populate(ctypes.addressof(ctypes.c_char.from_buffer(probe)), 1, MADV_POPULATE_WRITE):
+        pytest.skip("this kernel is older than 5.14: no MADV_POPULATE_WRITE")
     raw = mmap.mmap(-1, 64 * mmap.PAGESIZE)
     address = ctypes.addressof(ctypes.c_char.from_buffer(raw))
     libc = ctypes.CDLL(None, use_errno=True)
