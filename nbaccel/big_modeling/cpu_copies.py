@@ -136,13 +136,27 @@ def _chunk_jobs(infos: Sequence[TensorInfo], outs: Sequence[torch.Tensor],
             continue
         flat = out.reshape(-1)
         step = max(1, chunk_bytes // max(out.element_size(), source.element_size() if source is not None else 1))
-        for first in range(0, flat.numel(), step):
-            last = min(first + step, flat.numel())
+        for first, last in _cuts(flat, step):
             if source is None:
                 jobs.append(_read_job(files, info, flat, first, last))
             else:
                 jobs.append(_cast_job(source.reshape(-1), flat, first, last))
     return jobs
+
+
+def _cuts(flat: torch.Tensor, step: int) -> list[tuple[int, int]]:
+    """``(first, last)`` element ranges of at most ``step`` elements whose inner boundaries sit on
+    multiples of the chunk size in memory (so on page boundaries), where the element size allows:
+    two threads then never fault in or write the same page (cut anywhere, loading 1 GiB took
+    about 20% longer on 2 cores)."""
+    size, start = flat.element_size(), flat.data_ptr()
+    span = step * size
+    first_cut = (-start) % span  # bytes from the start to the next multiple of the chunk size
+    if span % mmap.PAGESIZE or first_cut % size:
+        bounds = list(range(0, flat.numel(), step))
+    else:
+        bounds = [0, *range(first_cut // size or step, flat.numel(), step)]
+    return [(a, b) for a, b in zip(bounds, [*bounds[1:], flat.numel()]) if b > a]
 
 
 def _read_job(files: _Descriptors, info: TensorInfo, flat: torch.Tensor, first: int,
