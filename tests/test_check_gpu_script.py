@@ -7,6 +7,7 @@ launches (on 2 gloo processes) are checked, so the first GPU session can run it 
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import re
 import subprocess
@@ -78,23 +79,23 @@ def test_a_failing_check_is_reported_and_the_next_still_runs(script):
 
 def test_the_launched_training_code_runs_on_cpu_processes(script):
     for own_generator in (False, True):
-        orders = list(script.launch(script._shuffled, own_generator, n=2).values())
+        orders = list(script.launch(script.workers.shuffled, own_generator, n=2).values())
         assert orders[0] == orders[1] and sorted(orders[0]) == list(range(64))
-    synced, spread = script.launch(script._accumulate, n=2)[0]
+    synced, spread = script.launch(script.workers.accumulate, n=2)[0]
     assert synced[:4] == [False, True, False, True] and spread < 1e-6
-    gap, refused = script.launch(script._fp16_clipping, n=2)[0]
+    gap, refused = script.launch(script.workers.fp16_clipping, n=2)[0]
     assert gap < 5e-2 and refused == "refused"
     with tempfile.TemporaryDirectory() as folder:
-        gap, steps_on, _ = script.launch(script._save_load, folder, n=2)[0]
+        gap, steps_on, _ = script.launch(script.workers.save_load, folder, n=2)[0]
     assert gap < 1e-5 and steps_on == "cpu"
     config = LaunchConfig(distributed_type="FSDP", use_cpu=True, fsdp_config={"fsdp_state_dict_type": "FULL_STATE_DICT"})
-    backend, norm, keys = script.launch(script._fsdp, n=2, config=config)[0]
+    backend, norm, keys = script.launch(script.workers.fsdp, n=2, config=config)[0]
     assert backend == "gloo" and norm == norm and keys == 4
 
 
 def test_a_failing_rank_is_seen_by_its_check(script):
     with tempfile.TemporaryDirectory() as folder, pytest.raises(ValueError, match="rank 1 fails on purpose"):
-        script.launch(script._hold_memory_then, folder, 1, n=2)
+        script.launch(script.workers.hold_memory_then, folder, 1, n=2)
 
 
 def test_an_unknown_check_name_is_refused_with_the_valid_ones():
@@ -102,3 +103,21 @@ def test_an_unknown_check_name_is_refused_with_the_valid_ones():
     assert done.returncode == 2 and "unknown check(s) ['warp-drive']" in done.stderr and "'fp8'" in done.stderr
     assert _run("--only", "fp8,gpu-ids", "--dry-run", "--gpus", "2").stdout.splitlines()[:2] == [
         "SKIP gpu-ids dry run (would run on 2 GPU(s))", "SKIP fp8 dry run (would run on 2 GPU(s))"]
+
+
+def test_the_entry_point_and_each_checks_module_stay_small_and_say_what_they_do():
+    files = [SCRIPT, *sorted((SCRIPT.parent / "gpu_checks").glob("*.py"))]
+    sizes = {p.name: len(p.read_text().splitlines()) for p in files}
+    assert len(files) >= 5 and max(sizes.values()) < 400, sizes
+    for path in files:
+        doc = ast.get_docstring(ast.parse(path.read_text()))
+        assert doc and len(doc.splitlines()[0]) > 20, f"{path.name} has no docstring saying what it does"
+
+
+def test_the_pinned_load_worker_finds_a_checkpoint_loaded_as_load_state_dict_loads_it(script):
+    """On CPU the load maps and copies instead of staging; the comparison code is the GPU check's."""
+    with tempfile.TemporaryDirectory() as folder:
+        found = script.model_checks.pinned_load(folder, "cpu", width=64, wide=96)
+    assert found["stored"] == ([], True) and found["float16"] == ([], True)
+    assert found["stored tied"] and found["float16 tied"] and found["chunked exact"]
+    assert found["pinned bytes"] is None  # only a CUDA device allocates pinned staging buffers

@@ -4,7 +4,8 @@ Which files make up a checkpoint (a file, a sharded ``*.index.json``, a folder) 
 :mod:`nbaccel.big_modeling.checkpoint_layout`'s job.
 
 A safetensors file is read by its header alone until a tensor is wanted. Resident weights are
-then views of the file's own pages (``resident.FileMaps``), or read through staging buffers
+then views of the file's own pages (``resident.FileMaps``), copies made on a few threads where
+a view would not do (``cpu_copies.copy_to_cpu``), or read through staging buffers
 (:func:`read_into`) when they go to a GPU; an offloaded weight, read and dropped on every
 forward pass, maps its own pages (:func:`map_tensor`) and unmaps them when dropped. A
 truncated or corrupt file is found from the header before any weight is loaded. ``.bin``/``.pt`` pickles are loaded with ``weights_only=True`` only

@@ -5,7 +5,8 @@ headers alone, so a mismatch leaves the model untouched. Then each tensor goes s
 the device map puts it. CPU weights that live in a safetensors file, in their stored dtype and
 at 64-byte aligned offsets, are not copied: they are views of a private, copy-on-write map of
 the file, its pages mapped in at load (so processes on one machine share them); a dtype change,
-or a file off that alignment, copies. GPU weights are read through pinned staging
+or a file off that alignment, copies, on one thread pool for the whole load (:mod:`.cpu_copies`;
+a cast reads straight from the file's map). GPU weights are read through pinned staging
 buffers, overlapping reads with copies. Weights mapped to ``"disk"`` that live in a safetensors
 file are not read either: the offload index points into the checkpoint's own file. Weights from
 ``.bin``/``.pt`` pickles come from ``torch.load`` (memory-mapped where its format allows) and are
@@ -21,8 +22,9 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from nbaccel.big_modeling.checkpoint_files import TensorInfo
+from nbaccel.big_modeling.checkpoint_files import TensorInfo, can_map
 from nbaccel.big_modeling.checkpoint_layout import Checkpoint, open_checkpoint
+from nbaccel.big_modeling.cpu_copies import copy_to_cpu
 from nbaccel.big_modeling.device_map import (
     DeviceMapStrategy,
     MapDevice,
@@ -128,11 +130,29 @@ def _staged_to_gpus(ckpt: Checkpoint, sources: Mapping[str, str],
     return staged
 
 
-def _resident_value(ckpt: Checkpoint, key: str, home: MapDevice, maps: FileMaps,
-                    staged: dict[tuple[str, MapDevice], torch.Tensor]) -> torch.Tensor:
-    """The stored tensor, without a copy where one is not needed: staged on its GPU, a view
-    of its file on CPU, else read (pickles: as ``torch.load`` gave it)."""
+def _copied_to_cpu(ckpt: Checkpoint, sources: Mapping[str, str], homes: Mapping[str, MapDevice],
+                   targets: Mapping[str, torch.dtype],
+                   maps: FileMaps) -> dict[tuple[str, torch.dtype], torch.Tensor]:
+    """``{(checkpoint key, dtype): tensor}`` for the CPU-bound safetensors weights that cannot be
+    views of their file (off the 64-byte alignment, or cast to another dtype), copied by one
+    thread pool for the whole load; a cast reads straight from the file's map."""
+    wanted: dict[tuple[str, torch.dtype], TensorInfo] = {}
+    for name, key in sources.items():
+        info = ckpt.location(key)
+        if info is not None and homes[name] == "cpu" and (targets[name] != info.dtype or not can_map(info)):
+            wanted[(key, targets[name])] = info
+    tensors = copy_to_cpu(list(wanted.values()), [dtype for _, dtype in wanted], view=maps.view)
+    return dict(zip(wanted, tensors))
+
+
+def _resident_value(ckpt: Checkpoint, key: str, home: MapDevice, target: torch.dtype, maps: FileMaps,
+                    staged: dict[tuple[str, MapDevice], torch.Tensor],
+                    copied: dict[tuple[str, torch.dtype], torch.Tensor]) -> torch.Tensor:
+    """The stored tensor, without a copy where one is not needed: staged on its GPU, copied
+    already on CPU, a view of its file on CPU, else read (pickles: as ``torch.load`` gave it)."""
     value = staged.pop((key, home), None)
+    if value is None and home == "cpu":
+        value = copied.pop((key, target), None)
     if value is not None:
         return value
     info = ckpt.location(key)
@@ -159,11 +179,13 @@ def _load(model: nn.Module, checkpoint: str | os.PathLike,
             key="offload_folder", value=None, valid="a writable folder path")
     index: dict[str, IndexEntry] = {}
     loaded: dict[tuple[str, MapDevice], torch.Tensor] = {}
+    targets = {n: _target_dtype(n, ckpt.dtype(k), tensors[n].dtype, dtype, keep_in_fp32)
+               for n, k in sources.items()}
     maps, staged = FileMaps(), _staged_to_gpus(ckpt, sources, homes)
+    copied = _copied_to_cpu(ckpt, sources, homes, targets, maps)
     resident_first = sorted(sources, key=lambda n: homes[n] == "disk")
     for name in resident_first:
-        key, home, current = sources[name], homes[name], tensors[name]
-        target = _target_dtype(name, ckpt.dtype(key), current.dtype, dtype, keep_in_fp32)
+        key, home, target = sources[name], homes[name], targets[name]
         shared = loaded.get((key, home))
         if home == "disk":  # tied to a resident tensor: share it rather than offload a copy
             shared = next((t for (k, _), t in loaded.items() if k == key), None)
@@ -180,7 +202,7 @@ def _load(model: nn.Module, checkpoint: str | os.PathLike,
         elif home == "meta":
             set_module_tensor_to_device(model, name, "meta", dtype=target)
         else:
-            value = _resident_value(ckpt, key, home, maps, staged)
+            value = _resident_value(ckpt, key, home, target, maps, staged, copied)
             set_module_tensor_to_device(model, name, home, value=value, dtype=target)
             loaded[(key, home)] = model.get_parameter(name) if name not in buffers \
                 else model.get_buffer(name)

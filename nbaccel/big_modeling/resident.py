@@ -68,13 +68,35 @@ class FileMaps:
         """
         if not can_map(info):
             return read_tensor(info)
-        storage = self._maps.get(info.path)
-        if storage is None or storage.nbytes() < info.offset + info.nbytes:
-            storage = self._maps[info.path] = self._map(info)
+        storage = self._storage(info)
         first = info.offset - info.offset % mmap.PAGESIZE  # only this tensor's pages: a shard
         _populate(storage.data_ptr() + first, info.offset + info.nbytes - first)  # may hold others
         out = torch.empty(0, dtype=info.dtype)
         return out.set_(storage, info.offset // info.dtype.itemsize, info.shape)
+
+    def view(self, info: TensorInfo) -> torch.Tensor | None:
+        """A view of the tensor's bytes in the file's map, to read (cast) from, not to keep.
+
+        Any offset that is a multiple of the element size will do, since a cast reads values
+        one by one; computing with such a view could differ (see :meth:`tensor`). Its pages are
+        not brought in: the reader faults them in as it goes.
+
+        Returns:
+            The view, or ``None`` for an empty tensor or an offset that splits an element.
+
+        Raises:
+            CheckpointError: the file now ends before the tensor does.
+        """
+        if info.nbytes == 0 or info.offset % info.dtype.itemsize:
+            return None
+        out = torch.empty(0, dtype=info.dtype)
+        return out.set_(self._storage(info), info.offset // info.dtype.itemsize, info.shape)
+
+    def _storage(self, info: TensorInfo) -> torch.UntypedStorage:
+        storage = self._maps.get(info.path)
+        if storage is None or storage.nbytes() < info.offset + info.nbytes:
+            storage = self._maps[info.path] = self._map(info)
+        return storage
 
     @staticmethod
     def _map(info: TensorInfo) -> torch.UntypedStorage:
