@@ -132,8 +132,14 @@ class RankActor:
 
     # ------------------------------------------------------------------ placement
     def where(self, bundle: int) -> dict[str, Any]:
-        """Which node this actor runs on, its address, pid, the GPUs Ray gave it, and the node's CPUs."""
+        """Which node this actor runs on, its address, pid, the GPUs Ray gave it, and the node's CPUs.
+
+        It also imports torch.distributed, which every rank needs (rank 0 for the store, all for the
+        group): done here, every actor imports it at the same time instead of rank 0 alone, in
+        series, before the others may start.
+        """
         import ray
+        import torch.distributed  # noqa: F401 - see above
 
         context = ray.get_runtime_context()
         node_id = context.get_node_id()
