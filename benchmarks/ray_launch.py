@@ -37,6 +37,12 @@ libraries (local ones unchanged), with the ratios holding: warm empty 5.77 vs 20
 ddp 9.86 vs 31.52 -> 0.31x, fresh empty 0.39x, fresh ddp 0.43x, pool run / local ddp 0.30x. Trust
 the ratios, not the absolute seconds, on a shared 2-core machine.
 
+Run 3, after every rank's actor imports torch.distributed at once (commit daf92e7; the machine in
+its slower state, like run 2): warm empty 6.42 [5.97..6.77] vs 18.63 -> 0.34x (an empty function
+now pays 4 torch imports on 2 cores), warm ddp 8.71 [8.53..9.11] vs 29.84 -> 0.29x, fresh empty
+16.17 vs 39.34 -> 0.41x, fresh ddp 18.26 vs 44.53 -> 0.41x, pool run / local ddp 0.33x, pool start
+5.3 s.
+
 A one-shot launch on Ray pays for new actor processes (each imports torch and joins the group);
 the pool pays that once, after which a DDP run returns faster than a local fork launch.
 """
