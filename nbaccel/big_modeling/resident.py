@@ -21,7 +21,6 @@ What always holds:
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import mmap
 import os
 from collections.abc import Iterator, Sequence
@@ -35,6 +34,7 @@ from nbaccel.big_modeling.checkpoint_files import (
     read_tensor,
     truncated_error,
 )
+from nbaccel.big_modeling.cpu_copies import populate
 
 __all__ = ["FileMaps", "read_to_device"]
 
@@ -110,16 +110,8 @@ class FileMaps:
 def _populate(address: int, size: int) -> None:
     """Map a file's pages for reading now, without copying them (MAP_POPULATE on a private
     writable map would copy every page); an older kernel gets readahead advice instead."""
-    madvise = getattr(_libc(), "madvise", None)
-    if madvise is None:  # pragma: no cover - every Linux libc has it
-        return
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    if madvise(address, size, _MADV_POPULATE_READ) != 0:
-        madvise(address, size, _MADV_WILLNEED)
-
-
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
+    if not populate(address, size, _MADV_POPULATE_READ):
+        populate(address, size, _MADV_WILLNEED)
 
 
 def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
