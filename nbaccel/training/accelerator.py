@@ -7,7 +7,8 @@ schedulers and dataloaders, and returns them in the order given; what it prepare
 one registry (:class:`~nbaccel.training.prepared.PreparedObjects`, ``accelerator.prepared``), and an
 object prepared already comes back unchanged (:class:`~nbaccel.training.preparation.PrepareHelpers`).
 Collectives and per-process helpers come from :class:`~nbaccel.training.process_helpers.ProcessHelpers`;
-saving and loading from :class:`~nbaccel.training.checkpoint_helpers.CheckpointHelpers`.
+saving and loading from :class:`~nbaccel.training.checkpoint_helpers.CheckpointHelpers`; unscaling and
+clipping gradients from :class:`~nbaccel.training.gradient_clipping.GradientClipping`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from nbaccel.errors import ConfigError
 from nbaccel.partial_state import AcceleratorState
 from nbaccel.tracking.helpers import TrackingHelpers
 from nbaccel.training.checkpoint_helpers import CheckpointHelpers
+from nbaccel.training.gradient_clipping import GradientClipping
 from nbaccel.training.gradient_state import GradientState
 from nbaccel.training.kwargs_handlers import (
     AutocastKwargs,
@@ -33,7 +35,6 @@ from nbaccel.training.kwargs_handlers import (
     InitProcessGroupKwargs,
     KwargsHandler,
 )
-from nbaccel.training.optimizer import AcceleratedOptimizer
 from nbaccel.training.plugin_resolution import (
     collect_handlers,
     resolve_accumulation_plugin,
@@ -60,7 +61,8 @@ from nbaccel.training.unwrap import unwrap_model
 
 __all__ = ["Accelerator"]
 
-class Accelerator(PrepareHelpers, ProcessHelpers, CheckpointHelpers, TrackingHelpers, UnevenInputs):
+class Accelerator(PrepareHelpers, ProcessHelpers, CheckpointHelpers, TrackingHelpers, UnevenInputs,
+                  GradientClipping):
     """Accelerate's ``Accelerator``: one object that makes a training loop distributed.
 
     Args:
@@ -322,48 +324,6 @@ class Accelerator(PrepareHelpers, ProcessHelpers, CheckpointHelpers, TrackingHel
         """Run the block under this accelerator's mixed precision (for code outside the model)."""
         with autocast_context(self._mixed_precision, self.device, autocast_handler or self.autocast_handler):
             yield
-
-    def unscale_gradients(self, optimizer: Any = None) -> None:
-        """Divide gradients by the fp16 loss scale (done for you by the ``clip_grad_*`` methods)."""
-        targets = self.prepared.optimizers if optimizer is None else (optimizer if isinstance(optimizer, list) else [optimizer])
-        for opt in targets:
-            if isinstance(opt, AcceleratedOptimizer):
-                opt.unscale_()
-
-    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
-        """Clip the total gradient norm (after unscaling fp16 gradients); returns the norm before clipping.
-
-        Under DeepSpeed the engine clips (set ``gradient_clipping`` in its config); this returns
-        the engine's last global gradient norm (``None`` before its first step).
-
-        Example:
-            >>> if accelerator.sync_gradients:                                   # doctest: +SKIP
-            ...     accelerator.clip_grad_norm_(model.parameters(), 1.0)
-        """
-        if self.deepspeed_engine is not None:
-            norm = self.deepspeed_engine.get_global_grad_norm()
-            return None if norm is None else torch.as_tensor(float(norm))
-        parameters = [p for p in parameters if p.grad is not None] if not torch.is_tensor(parameters) else [parameters]
-        self._xla_sync_gradients(parameters)
-        self.unscale_gradients()
-        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
-        """Clip each gradient to ``[-clip_value, clip_value]`` (after unscaling fp16 gradients)."""
-        parameters = [p for p in parameters if p.grad is not None] if not torch.is_tensor(parameters) else [parameters]
-        self._xla_sync_gradients(parameters)
-        self.unscale_gradients()
-        torch.nn.utils.clip_grad_value_(parameters, clip_value)
-
-    def _xla_sync_gradients(self, parameters: list[torch.Tensor]) -> None:
-        """On XLA, all-reduce gradients before clipping (the optimizer step then skips its own reduce)."""
-        if self.device.type != "xla" or self.num_processes == 1 or self.gradient_state.is_xla_gradients_synced:
-            return
-        import torch_xla.core.xla_model as xm
-
-        xm.all_reduce("sum", [p.grad for p in parameters], scale=1.0 / self.num_processes)
-        self.gradient_state.is_xla_gradients_synced = True
 
     # ------------------------------------------------------------------ models and checkpoints
     def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True,
