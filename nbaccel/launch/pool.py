@@ -6,7 +6,8 @@ safe, else spawn, as a launch would), each joins the process group once, and the
 :meth:`WorkerPool.run` is a message to live workers: what a run leaves behind (a loaded model, an
 ``Accelerator``, anything in :func:`~nbaccel.launch.pool_worker.worker_namespace`) is there for
 the next one. Accelerate has no counterpart; ipyparallel keeps engines alive but knows nothing of
-ranks or process groups.
+ranks or process groups. One run at a time: a second thread's :meth:`WorkerPool.run` waits for
+the first to end (each caller gets its own result), and only the values asked for travel back.
 
 ::
 
@@ -17,13 +18,17 @@ ranks or process groups.
 What always holds: after a run returns or raises, the pool is either alive with every rank
 waiting, or dead with every worker gone; a dead or closed pool refuses to run
 (:class:`~nbaccel.errors.WorkerPoolError`) until :meth:`WorkerPool.restart`. Nothing outlives the
-pool's owner: ``close()``, garbage collection and interpreter exit shut it down, and each worker
-dies with the thread that started it (``PR_SET_PDEATHSIG``) or when its socket closes.
+pool's owner: ``close()``, garbage collection and interpreter exit shut it down; each worker dies
+with the owning process (``PR_SET_PDEATHSIG``, set from a thread that lives as long as the process,
+whichever thread made the pool) or when its socket closes; and the group reaper kills what the
+workers started and removes the pool's folder when the owner is killed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import signal
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -138,6 +143,8 @@ class WorkerPool:
         self._finalizer: weakref.finalize | None = None
         self._dead = ""
         self._closed = False
+        self._running = threading.Lock()  # one run at a time: replies are not tagged with their caller
+        self._runner: int | None = None
         self._start()
 
     # ------------------------------------------------------------------ lifecycle
@@ -227,7 +234,8 @@ class WorkerPool:
         elif not self._dead:
             died = [m for m in self._processes.members if m.handle.poll()]
             if died:
-                self._dead = "; ".join(f"rank {m.rank} (pid {m.handle.pid}) exited while idle" for m in died)
+                self._dead = "; ".join(_idle_death(m.rank, m.handle.pid, m.handle.exitcode, m.handle.signal)
+                                       for m in died)
         if self._dead:
             raise WorkerPoolError(f"this WorkerPool is dead: {self._dead}. Its process group is gone with it. Fix: "
                                   "pool.restart() (or %accel_workers restart), then load your state again.",
@@ -253,7 +261,8 @@ class WorkerPool:
             >>> pool.run(lambda: __import__("os").getpid(), return_all=True)   # doctest: +SKIP
             {0: 4711, 1: 4712}
         """
-        results = self._dispatch(function, args, kwargs, self._request.output_ranks, None)
+        results = self._dispatch(function, args, kwargs, self._request.output_ranks, None,
+                                 None if return_all else {0})
         if return_all:
             return results
         return results.get(0)
@@ -265,7 +274,8 @@ class WorkerPool:
         request; where and how the workers run was settled when the pool started.
         """
         ranks = request.output_ranks if request.output_ranks is not None else self._request.output_ranks
-        return self._dispatch(request.function, request.args, request.kwargs, ranks, request.observer)
+        return self._dispatch(request.function, request.args, request.kwargs, ranks, request.observer,
+                              None if request.return_all else {0})
 
     def request(self, function: Callable[..., Any], args: Iterable[Any] = (), kwargs: Mapping[str, Any] | None = None,
                 *, output_ranks: Iterable[int] | int | None = None, return_all: bool = False,
@@ -287,17 +297,32 @@ class WorkerPool:
                                    return_all=return_all, observer=observer)
 
     def _dispatch(self, function: Callable[..., Any], args: Any, kwargs: Mapping[str, Any],
-                  output_ranks: Any, observer: Any) -> dict[int, Any]:
+                  output_ranks: Any, observer: Any, result_ranks: set[int] | None) -> dict[int, Any]:
+        """One run at a time: a second caller waits here for the first run to end."""
+        if self._runner == threading.get_ident():
+            raise WorkerPoolError("this WorkerPool was asked to run a task from inside one of its own runs (an "
+                                  "observer or output callback called pool.run), which would wait for itself "
+                                  "forever. Fix: run the next task after pool.run returns.",
+                                  state="running", reason="nested run")
+        with self._running:
+            self._runner = threading.get_ident()
+            try:
+                return self._dispatch_now(function, args, kwargs, output_ranks, observer, result_ranks)
+            finally:
+                self._runner = None
+
+    def _dispatch_now(self, function: Callable[..., Any], args: Any, kwargs: Mapping[str, Any],
+                      output_ranks: Any, observer: Any, result_ranks: set[int] | None) -> dict[int, Any]:
         processes = self._usable()
         if isinstance(processes, RayPoolRanks):
-            return self._dispatch_ray(processes, function, args, kwargs, output_ranks, observer)
+            return self._dispatch_ray(processes, function, args, kwargs, output_ranks, observer, result_ranks)
         payload = dumps_payload(function, args, kwargs)
         processes.channels.relay = OutputRelay(show=output_ranks,
                                                on_line=observer.on_output if observer is not None else None)
         outcome = TaskOutcome()
         try:
             return run_task(processes.channels, processes.members, payload, observer=observer, grace=self.grace,
-                            timeout=self._request.config.timeout, outcome=outcome)
+                            timeout=self._request.config.timeout, outcome=outcome, result_ranks=result_ranks)
         except Exception as exc:
             if outcome.dead:
                 exc.add_note(f"[nbaccel] the WorkerPool is dead ({outcome.dead}); every worker was stopped. "
@@ -309,10 +334,10 @@ class WorkerPool:
                 processes.kill()
 
     def _dispatch_ray(self, ranks: RayPoolRanks, function: Callable[..., Any], args: Any, kwargs: Mapping[str, Any],
-                      output_ranks: Any, observer: Any) -> dict[int, Any]:
+                      output_ranks: Any, observer: Any, result_ranks: set[int] | None) -> dict[int, Any]:
         try:
             return ranks.run(function, args, kwargs, output_ranks, observer, grace=self.grace,
-                             timeout=self._request.config.timeout)
+                             timeout=self._request.config.timeout, return_all=result_ranks is None)
         except Exception as exc:
             if ranks.ranks.lost:
                 exc.add_note(f"[nbaccel] the WorkerPool is dead ({ranks.ranks.lost}); its actors were stopped. "
@@ -326,6 +351,16 @@ class WorkerPool:
     def __repr__(self) -> str:
         state = "alive" if self.alive else "closed" if self._closed else "dead"
         return f"WorkerPool(num_processes={self.num_processes}, start_method={self.start_method!r}, {state})"
+
+
+def _idle_death(rank: int, pid: int, exitcode: int | None, signum: int | None) -> str:
+    """Why an idle worker is gone, in words: its exit code or signal, and who sends that signal."""
+    if signum is None:
+        return f"rank {rank} (pid {pid}) exited with code {exitcode} while idle"
+    name = signal.Signals(signum).name if signum in signal.Signals._value2member_map_ else str(signum)
+    why = " (sent by the kernel's OOM killer, by someone's kill -9, or because the process that owns the pool " \
+          "is ending)" if signum == signal.SIGKILL else ""
+    return f"rank {rank} (pid {pid}) was killed by {name} while idle{why}"
 
 
 def _refuse_unsupported(request: LaunchRequest) -> None:

@@ -62,8 +62,9 @@ class RayPoolRanks:
         return out
 
     def run(self, function: Callable[..., Any], args: Any, kwargs: Mapping[str, Any], output_ranks: Any,
-            observer: LaunchObserver | None, *, grace: float, timeout: float | None) -> dict[int, Any]:
-        """Run ``function`` on every rank; every rank's value (moved to CPU).
+            observer: LaunchObserver | None, *, grace: float, timeout: float | None,
+            return_all: bool = True) -> dict[int, Any]:
+        """Run ``function`` on every rank; every rank's value (rank 0's alone unless ``return_all``), moved to CPU.
 
         Raises:
             KeyboardInterrupt: the caller was interrupted; its message says whether the pool lives.
@@ -73,7 +74,7 @@ class RayPoolRanks:
         policy = SupervisorPolicy(timeout=timeout, hang_timeout=None, grace=grace)
         try:
             return self.ranks.run(function, args, kwargs, relay=request_relay(request), observer=observer,
-                                  policy=policy, return_all=True, cpu_results=True)
+                                  policy=policy, return_all=return_all, cpu_results=True)
         except KeyboardInterrupt:
             lost = self.ranks.lost
             state = f"; {lost}, so the pool is dead: restart it" if lost else \

@@ -18,7 +18,7 @@ import contextlib
 import signal
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,8 +139,13 @@ class _Collector:
 
 
 def run_task(channels: PoolChannels, members: Sequence[PoolMember], payload: bytes, *, observer: LaunchObserver | None,
-             grace: float, timeout: float | None, outcome: TaskOutcome) -> dict[int, Any]:
+             grace: float, timeout: float | None, outcome: TaskOutcome,
+             result_ranks: Collection[int] | None = None) -> dict[int, Any]:
     """Run the cloudpickled ``payload`` on every member; ``{rank: result}`` or the root-cause failure.
+
+    Only the ranks in ``result_ranks`` (all when ``None``) send their return value; the others
+    report only that they finished, so a value the caller did not ask for is never pickled, sent
+    or unpickled here.
 
     Raises:
         KeyboardInterrupt: the caller was interrupted; the running task was cancelled in every rank.
@@ -154,7 +159,8 @@ def run_task(channels: PoolChannels, members: Sequence[PoolMember], payload: byt
     try:
         with _interrupts_deferred():  # half a frame on a socket would break that rank's stream for good
             for member in members:
-                write_frame(member.sock.fileno(), "task", payload)  # type: ignore[union-attr]
+                wanted = result_ranks is None or member.rank in result_ranks
+                write_frame(member.sock.fileno(), "task", (payload, wanted))  # type: ignore[union-attr]
         _collect(run, timeout)
         ok = True
     except KeyboardInterrupt:
@@ -168,7 +174,8 @@ def run_task(channels: PoolChannels, members: Sequence[PoolMember], payload: byt
     failures = run.failures()
     if failures:
         raise_failures(failures, len(members), run.outcome.cancelled)
-    return {rank: loads(data) for rank, data in sorted(run.results.items())}
+    # An empty result is a rank whose value was not asked for: it finished, nothing more.
+    return {rank: loads(data) for rank, data in sorted(run.results.items()) if data}
 
 
 @contextlib.contextmanager

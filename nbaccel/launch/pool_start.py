@@ -9,7 +9,11 @@
                        └─ wait for every rank's "ready" (it joined the process group), or the first failure
 
 :meth:`PoolProcesses.shutdown` ends them: each worker's process group (the worker and whatever it
-started) is killed. Nothing is left running, bound or on disk.
+started) is killed. Nothing is left running, bound or on disk. If the owner dies first (an OOM-killed
+kernel), the group reaper (:mod:`nbaccel.launch.reaper`), told of every worker's group and of the
+pool's folder, kills the groups and removes the folder. The workers are started from a thread that
+lives as long as the process (:mod:`nbaccel.launch.owner_thread`), so a pool made in a short-lived
+thread keeps its workers when that thread ends.
 """
 
 from __future__ import annotations
@@ -27,13 +31,17 @@ from nbaccel.launch.frames import FrameReader
 from nbaccel.launch.handles import WorkerHandle
 from nbaccel.launch.local import local_environments
 from nbaccel.launch.pool_channels import PoolChannels, PoolMember
+from nbaccel.launch.owner_thread import on_owner_thread
 from nbaccel.launch.pool_worker import serve
+from nbaccel.launch.reaper import GroupReaper, group_reaper
 from nbaccel.launch.rendezvous import LoopbackStore
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.starter import SpawnFiles, start_forked, start_spawned
 from nbaccel.launch.warmup import finish_warmup, start_warmup
 
 __all__ = ["PoolProcesses", "exit_failure", "start_pool"]
+
+_STOP_GRACE = 5.0  # an idle worker exits on SIGTERM in milliseconds; a busy one may be in native code
 
 
 def exit_failure(member: PoolMember, error: dict | None = None) -> WorkerFailure:
@@ -55,11 +63,12 @@ class PoolProcesses:
     """A started pool: its members, the channels to them, its store and its private folder."""
 
     def __init__(self, members: list[PoolMember], channels: PoolChannels, store: LoopbackStore | None,
-                 folder: Path) -> None:
+                 folder: Path, reaper: GroupReaper) -> None:
         self.members = members
         self.channels = channels
         self.store = store
         self.folder = folder
+        self.reaper = reaper
         self.closed = False
 
     def kill(self, members: list[PoolMember] | None = None) -> None:
@@ -80,31 +89,44 @@ class PoolProcesses:
     def shutdown(self) -> None:
         """End every worker and what it started, free the port and the folder; safe to call again.
 
-        Idle workers hold nothing that needs a clean exit (their results are sent, their output
-        flushed line by line), so they are killed at once rather than asked to leave.
+        Each worker is first sent ``SIGTERM``, on which it ends every process it started, daemons
+        that left its process group included (:mod:`nbaccel.launch.descendants`); whoever has not
+        exited within :data:`_STOP_GRACE` seconds is killed with its group.
         """
         if self.closed:
             return
         self.closed = True
         try:
+            for member in self.members:
+                member.handle.send(signal.SIGTERM)
+            deadline = time.monotonic() + _STOP_GRACE
+            while not all(m.handle.poll() for m in self.members) and time.monotonic() < deadline:
+                time.sleep(0.005)
             self.kill()
         finally:
+            for member in self.members:  # killed and reaped: their groups are gone
+                self.reaper.forget(member.handle.pid)
             self.channels.close()
             if self.store is not None:
                 self.store.close()
             shutil.rmtree(self.folder, ignore_errors=True)
+            self.reaper.forget_folder(str(self.folder))
 
 
 def _start_processes(request: LaunchRequest, path: Path, listener: socket.socket,
-                     store: LoopbackStore | None, files: SpawnFiles | None) -> list[WorkerHandle]:
+                     store: LoopbackStore | None, files: SpawnFiles | None, reaper: GroupReaper) -> list[WorkerHandle]:
     envs = local_environments(request, store)
     if files is not None:
-        return start_spawned(serve, (str(path),), {}, envs, files)
-    if request.warm_imports is not False:
-        start_warmup()  # warm workers build models: pay torch._dynamo's import once, here, not in each
-    finish_warmup()
-    inherited = [listener.fileno()] + ([store.listen_fd] if store is not None else [])
-    return start_forked(serve, (str(path),), {}, envs, inherited_fds=inherited)
+        handles = on_owner_thread(start_spawned, serve, (str(path),), {}, envs, files)
+    else:
+        if request.warm_imports is not False:
+            start_warmup()  # warm workers build models: pay torch._dynamo's import once, here, not in each
+        finish_warmup()
+        inherited = [listener.fileno(), reaper.fd] + ([store.listen_fd] if store is not None else [])
+        handles = on_owner_thread(start_forked, serve, (str(path),), {}, envs, inherited)
+    for handle in handles:  # if this process is killed, the reaper stops what they started
+        reaper.watch(handle.pid)
+    return handles
 
 
 def start_pool(request: LaunchRequest, start_timeout: float = 300.0) -> PoolProcesses:
@@ -117,7 +139,9 @@ def start_pool(request: LaunchRequest, start_timeout: float = 300.0) -> PoolProc
     """
     n = request.num_processes
     deadline = time.monotonic() + start_timeout  # starting the processes counts too
+    reaper = group_reaper()  # before the store's thread exists
     folder = Path(tempfile.mkdtemp(prefix="nbaccel-pool-"))  # mode 0700: only this user reaches the socket
+    reaper.watch_folder(str(folder))
     path = folder / "pool.sock"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(path))
@@ -126,9 +150,9 @@ def start_pool(request: LaunchRequest, start_timeout: float = 300.0) -> PoolProc
     processes: PoolProcesses | None = None
     files = SpawnFiles() if request.plan.start_method == "spawn" else None
     try:
-        handles = _start_processes(request, path, listener, store, files)
+        handles = _start_processes(request, path, listener, store, files, reaper)
         members = [PoolMember(rank=h.rank, handle=h) for h in handles]
-        processes = PoolProcesses(members, PoolChannels(members), store, folder)
+        processes = PoolProcesses(members, PoolChannels(members), store, folder, reaper)
         if store is not None:
             store.serve()  # only now: no store thread runs while the workers are forked
         _accept(processes, listener, deadline, start_timeout)
@@ -141,6 +165,7 @@ def start_pool(request: LaunchRequest, start_timeout: float = 300.0) -> PoolProc
             if store is not None:
                 store.close()
             shutil.rmtree(folder, ignore_errors=True)
+            reaper.forget_folder(str(folder))
         raise
     finally:
         listener.close()

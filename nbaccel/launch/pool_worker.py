@@ -5,7 +5,8 @@ spawned by :mod:`nbaccel.launch.starter`) whose function is :func:`serve`: it co
 pool's private Unix socket, joins the process group once (``ProcessState``), says ``ready``, and
 then waits. Each task (a cloudpickled ``(function, args, kwargs)``) runs through the same worker
 body as every launch (:func:`~nbaccel.launch.worker.run_body`: ``started``, then ``result`` or
-``error``), with the socket as its control channel. What a task leaves behind stays: the process
+``error``), with the socket as its control channel. A task says whether its caller wants this
+rank's return value; when not, the value is never pickled (only that the rank finished is sent). What a task leaves behind stays: the process
 group, the ``Accelerator``'s shared state, imported modules, and :func:`worker_namespace`.
 
 Signals: the worker leads its own process group (as every started worker does), so a terminal's
@@ -167,10 +168,11 @@ def serve(socket_path: str) -> None:
             sock.close()
             return
         global _armed, _pending
-        function, args, kwargs = _load_task(message[1])
+        payload, send_result = message[1]
+        function, args, kwargs = _load_task(payload)
         signal.signal(signal.SIGINT, _on_sigint)  # an earlier task may have installed its own handler
         _armed = True
         try:
-            run_body(fd, rank, identity, _cancellable_call(function), args, kwargs)
+            run_body(fd, rank, identity, _cancellable_call(function), args, kwargs, send_result=send_result)
         finally:
             _armed = _pending = False

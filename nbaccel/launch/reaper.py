@@ -5,7 +5,8 @@ Workers die with their launcher (``PR_SET_PDEATHSIG``), but what *they* started 
 nothing signals them when the launching kernel is SIGKILLed. Every local worker leads its own
 process group, which holds everything it starts; the launcher tells this reaper which groups are
 live (``watch`` / ``forget``) over a pipe. When the pipe closes (the launcher exited or died) the
-reaper SIGKILLs every group still watched, then exits.
+reaper SIGKILLs every group still watched, removes every folder still watched (a warm pool's
+socket folder), then exits.
 
 One reaper per launching process, started at its first launch as a small separate interpreter
 (``python -S``, a few milliseconds to start, not waited for: forking the kernel twice cost 40-190 ms
@@ -27,11 +28,12 @@ MARKER = "nbaccel-group-reaper"
 _lock = threading.Lock()
 _reaper: GroupReaper | None = None
 
-# The reaper's program: read "+pgid" / "-pgid" lines until EOF, then SIGKILL the groups still live.
+# The reaper's program: read "+pgid" / "-pgid" (a process group) and ">path" / "<path" (a private
+# folder) lines until EOF, then SIGKILL the groups and remove the folders still registered.
 _PROGRAM = f"""# {MARKER}
-import os, signal, sys
+import os, shutil, signal, sys
 signal.signal(signal.SIGINT, signal.SIG_IGN)
-fd, groups, pending = int(sys.argv[1]), set(), b""
+fd, groups, folders, pending = int(sys.argv[1]), set(), set(), b""
 while True:
     chunk = os.read(fd, 4096)
     if not chunk:
@@ -39,12 +41,18 @@ while True:
     pending += chunk
     *lines, pending = pending.split(b"\\n")
     for line in lines:
-        (groups.add if line[:1] == b"+" else groups.discard)(int(line[1:]))
+        op, arg = line[:1], line[1:]
+        if op in (b"+", b"-"):
+            (groups.add if op == b"+" else groups.discard)(int(arg))
+        elif op in (b">", b"<"):
+            (folders.add if op == b">" else folders.discard)(os.fsdecode(arg))
 for pgid in groups:
     try:
         os.killpg(pgid, signal.SIGKILL)
     except OSError:
         pass
+for folder in folders:
+    shutil.rmtree(folder, ignore_errors=True)
 """
 
 
@@ -75,11 +83,31 @@ class GroupReaper:
         """Group ``pgid`` is over (its launch ended normally): never signal it."""
         self._send(b"-%d\n" % pgid)
 
+    def watch_folder(self, path: str) -> None:
+        """Remove the folder ``path`` (a pool's socket folder) if this process dies before :meth:`forget_folder`.
+
+        Raises:
+            ValueError: ``path`` holds a newline (the reaper reads one entry per line).
+        """
+        self._send(b">" + _one_line(path) + b"\n")
+
+    def forget_folder(self, path: str) -> None:
+        """The folder ``path`` was removed by its owner: leave it alone."""
+        self._send(b"<" + _one_line(path) + b"\n")
+
     def _send(self, line: bytes) -> None:
         try:
             os.write(self.fd, line)  # a few bytes: atomic on a pipe
         except OSError:  # the reaper is gone (someone killed it): nothing else to do
             pass
+
+
+def _one_line(path: str) -> bytes:
+    raw = os.fsencode(path)
+    if b"\n" in raw:
+        raise ValueError(f"the reaper cannot watch a folder whose path holds a newline (got {path!r}). "
+                         "Fix: use a temporary folder without one (set TMPDIR).")
+    return raw
 
 
 def group_reaper() -> GroupReaper:

@@ -8,7 +8,9 @@ and an XLA replica thread (:mod:`nbaccel.launch.xla`) differ only in what they s
 :func:`run_worker` is a fresh worker process: a forked worker calls it straight after ``fork``;
 a spawned one reaches it through :mod:`nbaccel.launch.trampoline`. The worker dies with its
 parent (``PR_SET_PDEATHSIG``), writes fd 1 and 2 into the supervisor's pipes, and leaves with
-``os._exit`` so no handler of the parent (a Jupyter kernel's, say) runs in it.
+``os._exit`` so no handler of the parent (a Jupyter kernel's, say) runs in it. Before it leaves
+(also when stopped with ``SIGTERM``) it ends every process it started, daemons included
+(:mod:`nbaccel.launch.descendants`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from nbaccel.errors import PayloadPicklingError
 from nbaccel.identity import WorkerIdentity, clear_identity, set_identity
 from nbaccel.launch.channel import close_channel, open_channel
 from nbaccel.launch.console_tqdm import use_console_tqdm
+from nbaccel.launch.descendants import become_subreaper, end_descendants, end_descendants_on_sigterm
 from nbaccel.launch.frames import write_frame
 from nbaccel.launch.kernel_cutoff import detach_from_kernel
 from nbaccel.launch.payload import dumps_by_reference_first, dumps_result
@@ -84,6 +87,7 @@ def die_with_parent(parent_pid: int) -> None:
 
 def _setup_process(spec: WorkerSpec) -> None:
     die_with_parent(spec.parent_pid)
+    become_subreaper()  # orphaned daemons it starts become its children, ended with it
     for fd in spec.close_fds:
         try:
             os.close(fd)
@@ -100,7 +104,7 @@ def _setup_process(spec: WorkerSpec) -> None:
     sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True,
                                                    write_through=True)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    end_descendants_on_sigterm()  # how the launch stops a rank: its daemons go with it
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
     apply_environment(spec.env)
     detach_from_kernel()  # a forked kernel's sockets are the kernel's alone
@@ -235,5 +239,6 @@ def run_worker(spec: WorkerSpec, function: Callable[..., Any], args: Sequence[An
         try:
             sys.stdout.flush()
             sys.stderr.flush()
+            end_descendants()
         finally:
             os._exit(code)
