@@ -123,3 +123,62 @@ def test_the_reaper_leaves_with_a_launcher_that_exits_normally():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "7", result.stderr[-2000:]
     assert _still_alive([p for p in _processes_running(MARKER) if p not in before]) == []
+
+
+def _start_a_daemon(folder: str, then: str = "return") -> int:
+    """Double fork + setsid, as a daemon does: the sleeper leaves the worker's process group and session."""
+    rank = int(os.environ["RANK"])
+    read_end, write_end = os.pipe()
+    if os.fork() == 0:  # the first child: a new session, then fork the daemon and leave
+        os.setsid()
+        if os.fork() == 0:
+            os.close(read_end)
+            os.write(write_end, str(os.getpid()).encode())
+            os.close(write_end)
+            os.execvp("sleep", ["sleep", "300"])
+        os._exit(0)
+    os.close(write_end)
+    daemon = int(os.read(read_end, 64))
+    os.close(read_end)
+    Path(folder, f"daemon-{rank}").write_text(str(daemon))
+    if then == "raise" and rank == 1:
+        raise RuntimeError("rank 1 fails with its daemon running")
+    if then == "hang" and rank == 1:
+        time.sleep(300)
+    return daemon
+
+
+def _daemons(folder: Path) -> list[int]:
+    return [int(p.read_text()) for p in folder.glob("daemon-*")]
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_daemon_a_worker_started_ends_with_a_successful_launch(tmp_path, start_method):
+    notebook_launcher(_start_a_daemon, args=(str(tmp_path),), num_processes=2, start_method=start_method)
+    daemons = _daemons(tmp_path)
+    assert len(daemons) == 2 and _still_alive(daemons) == []
+
+
+def test_a_daemon_ends_with_a_failing_launch_and_with_the_ranks_it_stopped(tmp_path):
+    with pytest.raises(RuntimeError, match="rank 1 fails with its daemon"):
+        notebook_launcher(_start_a_daemon, args=(str(tmp_path), "raise"), num_processes=2)
+    daemons = _daemons(tmp_path)
+    assert len(daemons) == 2 and _still_alive(daemons) == []
+
+
+def test_a_daemon_ends_with_a_rank_stopped_at_the_timeout(tmp_path):
+    from nbaccel import LaunchTimeoutError
+
+    with pytest.raises(LaunchTimeoutError):
+        notebook_launcher(_start_a_daemon, args=(str(tmp_path), "hang"), num_processes=2, timeout=30)
+    daemons = _daemons(tmp_path)
+    assert len(daemons) == 2 and _still_alive(daemons) == []
+
+
+def test_daemons_started_in_pool_runs_end_when_the_pool_closes(tmp_path):
+    from nbaccel import WorkerPool
+
+    with WorkerPool(num_processes=2, use_cpu=True) as pool:
+        daemons = list(pool.run(_start_a_daemon, str(tmp_path), return_all=True).values())
+        assert all(alive(p) for p in daemons)  # a pool's workers keep what they started between runs
+    assert _still_alive(daemons) == []
