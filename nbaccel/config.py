@@ -25,6 +25,7 @@ import yaml
 
 from nbaccel.distributed_type import LAUNCHABLE_TYPES, DistributedType, as_distributed_type
 from nbaccel.environment import MixedPrecision, config_file_path
+from nbaccel.config_text import parse_config_text, read_config_file
 from nbaccel.errors import ConfigError
 
 __all__ = ["LaunchBackend", "LaunchConfig", "PlacementStrategy", "StartMethod", "load_config", "save_config"]
@@ -326,7 +327,8 @@ def load_config(path: str | os.PathLike[str] | None = None, *, missing_ok: bool 
         missing_ok: return the defaults when the file does not exist.
 
     Raises:
-        ConfigError: the file is missing (and ``missing_ok`` is false), unreadable, or invalid.
+        ConfigError: the file is missing (and ``missing_ok`` is false), unreadable, not a regular file,
+            invalid, or past a limit of :mod:`nbaccel.config_text` (size, YAML aliases, nesting).
 
     Example:
         >>> cfg = load_config()  # defaults if no file was written yet
@@ -338,20 +340,8 @@ def load_config(path: str | os.PathLike[str] | None = None, *, missing_ok: bool 
         raise ConfigError(f"config file {str(file)!r} does not exist. Fix: write one with "
                           "`nbaccel config`, or pass an existing path.", key="config_file",
                           value=str(file), valid="an existing file")
-    try:
-        text = file.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"config file {str(file)!r} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset "
-                          f"{exc.start}). Fix: save it as UTF-8, or rewrite it with `nbaccel config`",
-                          key="config_file", value=str(file), valid="a UTF-8 YAML or JSON file") from None
-    except OSError as exc:
-        raise ConfigError(f"cannot read the config file {str(file)!r}: {exc.strerror}. Fix: pass a readable file",
-                          key="config_file", value=str(file), valid="a readable file") from None
-    try:
-        data = json.loads(text) if file.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"config file {str(file)!r} is not valid {'JSON' if file.suffix == '.json' else 'YAML'}: "
-                          f"{exc}", key="config_file", value=str(file), valid="YAML or JSON") from None
+    text = read_config_file(file)
+    data = parse_config_text(text, source=str(file), as_json=file.suffix == ".json")
     return LaunchConfig.from_mapping(data or {}, source=str(file))
 
 

@@ -76,6 +76,18 @@ class NbaccelError(Exception):
         return (_rebuild_error, (type(self), self.args, dict(self.__dict__)))
 
 
+_MAX_MESSAGE_CHARS = 2000
+"""The longest message a :class:`ConfigError` carries: a value quoted in it (a huge string from a
+config file, say) is cut in the middle, keeping the start and the closing "Fix: ..."."""
+
+
+def _bounded(msg: str) -> str:
+    if len(msg) <= _MAX_MESSAGE_CHARS:
+        return msg
+    cut = len(msg) - _MAX_MESSAGE_CHARS + 60
+    return f"{msg[:1200]} [... {cut:,} characters left out ...] {msg[1200 + cut:]}"
+
+
 class ConfigError(NbaccelError, ValueError):
     """A configuration value is invalid.
 
@@ -87,7 +99,7 @@ class ConfigError(NbaccelError, ValueError):
 
     def __init__(self, msg: str, *, key: str | None = None, value: object = None,
                  valid: object = None) -> None:
-        super().__init__(msg)
+        super().__init__(_bounded(msg))
         self.key = key
         self.value = value
         self.valid = valid

@@ -21,6 +21,7 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 
 from nbaccel.config import LaunchConfig, save_config
+from nbaccel.config_text import parse_config_text
 from nbaccel.errors import ConfigError
 from nbaccel.hardware import cpu_count, cuda_device_count, tpu_detected
 from nbaccel.magics.session import changed_fields
@@ -78,7 +79,7 @@ class FieldSpec:
             if self.kind == "float":
                 return float(text)
             if self.kind == "mapping":
-                value = yaml.safe_load(text) if text else {}
+                value = parse_config_text(text, source=self.name, as_json=False) if text else {}
                 if not isinstance(value, Mapping):
                     raise ValueError("not a mapping")
                 return dict(value)
