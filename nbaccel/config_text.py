@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from nbaccel.errors import ConfigError
+from nbaccel.file_kinds import kind_of_mode
 
 __all__ = ["MAX_CONFIG_BYTES", "MAX_DEPTH", "MAX_EXPANDED_NODES", "parse_config_text", "read_config_file"]
 
@@ -150,9 +150,9 @@ def read_config_file(file: Path) -> str:
         raise ConfigError(f"cannot read the config file {name!r}: {exc.strerror}. Fix: pass a readable file",
                           key="config_file", value=name, valid="a readable file") from None
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise ConfigError(f"config file {name!r} is not a regular file (it is a {_kind(mode)}). Fix: pass the "
+        kind = kind_of_mode(os.fstat(fd).st_mode)
+        if kind is not None:
+            raise ConfigError(f"config file {name!r} is not a regular file (it is a {kind}). Fix: pass the "
                               "path of an ordinary YAML or JSON file", key="config_file", value=name,
                               valid="a regular file")
         os.set_blocking(fd, True)
@@ -170,10 +170,3 @@ def read_config_file(file: Path) -> str:
                           f"{exc.start}). Fix: save it as UTF-8, or rewrite it with `nbaccel config`",
                           key="config_file", value=name, valid="a UTF-8 YAML or JSON file") from None
 
-
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"),
-                       (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket")):
-        if test(mode):
-            return name
-    return "special file"

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from nbaccel.errors import CheckpointError, UnsafeCheckpointError
+from nbaccel.file_kinds import refuse_special
 
 __all__ = ["OPT_IN", "SAFE_GLOBALS", "load", "load_state_file"]
 
@@ -62,7 +63,8 @@ def load_state_file(path: Path, load_kwargs: Mapping[str, Any] | None = None) ->
 
     Raises:
         UnsafeCheckpointError: the file needs full unpickling (nothing of it ran).
-        CheckpointError: the file is truncated, corrupt or not a torch file.
+        CheckpointError: the file is truncated, corrupt, not a torch file, or not a regular file
+            (a FIFO, device or directory: refused before any read).
 
     Example:
         >>> import tempfile
@@ -70,6 +72,7 @@ def load_state_file(path: Path, load_kwargs: Mapping[str, Any] | None = None) ->
         >>> load_state_file(path)
         {'last_epoch': 3}
     """
+    refuse_special(path)  # a FIFO would block torch.load in C code that Ctrl-C cannot reach
     kwargs = {"map_location": "cpu", "weights_only": True} | dict(load_kwargs or {})
     try:
         if kwargs["weights_only"]:

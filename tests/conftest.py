@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
@@ -11,6 +12,18 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # --doctest-modules imports every module under tests/; this one makes torch look CUDA-built for the
 # whole process, so it is only ever imported by the subprocesses that simulate a CUDA parent.
 collect_ignore = ["fake_cuda_runtime.py"]
+
+
+def pytest_configure(config):
+    """Interrupts work however the suite was started.
+
+    A shell starts a background job (``scripts/test.sh &``) with SIGINT ignored, and an ignored
+    disposition is inherited through fork and exec: the tests that interrupt a launch would then
+    interrupt nothing. Python's own handler is installed here, so this process, the workers it
+    forks and the interpreters it starts all get SIGINT as a terminal would deliver it.
+    """
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)

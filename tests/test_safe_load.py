@@ -71,7 +71,22 @@ def test_an_optimizer_file_without_optimizer_state_is_refused(tmp_path):
     assert info.value.path == str(tmp_path / "ckpt" / "optimizer.bin")
 
 
-def test_a_config_path_that_cannot_be_read_is_a_config_error(tmp_path):
-    with pytest.raises(nbaccel.ConfigError, match="cannot read the config file") as info:
-        load_config(tmp_path)  # a folder
+def test_a_config_path_that_is_a_folder_is_a_config_error(tmp_path):
+    with pytest.raises(nbaccel.ConfigError, match=r"is not a regular file \(it is a directory\)") as info:
+        load_config(tmp_path)
+    assert info.value.key == "config_file"
+
+
+def test_a_config_file_that_cannot_be_opened_is_a_config_error(tmp_path, monkeypatch):
+    import os
+
+    path = tmp_path / "c.yaml"
+    path.write_text("num_processes: 2\n")
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")  # what a non-root user gets for a 000 file
+
+    monkeypatch.setattr(os, "open", refuse)
+    with pytest.raises(nbaccel.ConfigError, match="cannot read the config file .*: Permission denied") as info:
+        load_config(path)
     assert info.value.key == "config_file"

@@ -8,7 +8,10 @@ then views of the file's own pages (``resident.FileMaps``), copies made on a few
 a view would not do (``cpu_copies.copy_to_cpu``), or read through staging buffers
 (:func:`read_into`) when they go to a GPU; an offloaded weight, read and dropped on every
 forward pass, maps its own pages (:func:`map_tensor`) and unmaps them when dropped. A
-truncated or corrupt file is found from the header before any weight is loaded. ``.bin``/``.pt`` pickles are loaded with ``weights_only=True`` only
+truncated or corrupt file is found from the header before any weight is loaded; so are headers
+nested deeper than a writer makes them, and tensors whose bytes overlap or leave the data section.
+Only regular files are read: a FIFO, a device or a directory named like a checkpoint file is refused
+by name before any read (a FIFO would block every load, and Ctrl-C with it). ``.bin``/``.pt`` pickles are loaded with ``weights_only=True`` only
 (memory-mapped when saved in torch's zip format): a pickle that would run code is refused, and
 its code never runs.
 """
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from nbaccel.errors import CheckpointError, UnsafeCheckpointError
+from nbaccel.file_kinds import refuse_special
 
 __all__ = [
     "SafetensorsFile",
@@ -46,6 +50,20 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 _MAX_HEADER = 100 * 2**20  # the safetensors format caps its header at 100 MB
+
+
+_MAX_HEADER_DEPTH = 4  # {name: {"shape": [..]}}: three levels; __metadata__ is {str: str}
+
+
+def _depth(value: object) -> int:
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth <= _MAX_HEADER_DEPTH:  # deeper is refused anyway: stop walking
+                stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 @dataclass(frozen=True)
@@ -221,6 +239,7 @@ class SafetensorsFile:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = str(path)
+        refuse_special(self.path)
         try:
             size = os.path.getsize(self.path)
             with open(self.path, "rb") as f:
@@ -237,12 +256,27 @@ class SafetensorsFile:
             header = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise self._corrupt(f"its header is not valid JSON ({exc})") from None
+        except RecursionError:  # json's parser recurses once per level of nesting
+            raise self._corrupt(f"its header is nested deeper than {_MAX_HEADER_DEPTH} levels") from None
         if not isinstance(header, dict):
             raise self._corrupt("its header is not a JSON object")
+        if _depth(header) > _MAX_HEADER_DEPTH:
+            raise self._corrupt(f"its header is nested deeper than {_MAX_HEADER_DEPTH} levels")
         self.metadata = header.pop("__metadata__", None) or {}
         data_start, data_size = 8 + length, size - 8 - length
+        self._data_start = data_start
         self.tensors = {name: self._entry(name, e, data_start, data_size)
                         for name, e in header.items()}
+        self._refuse_overlaps()
+
+    def _refuse_overlaps(self) -> None:
+        """Two tensors sharing bytes would alias each other once mapped; a writer never makes that."""
+        spans = sorted((info.offset - self._data_start, info.offset - self._data_start + info.nbytes, name)
+                       for name, info in self.tensors.items() if info.nbytes)
+        for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+            if begin < end:
+                raise self._corrupt(f"tensors {first!r} and {second!r} overlap (data bytes {begin}..{end} are "
+                                    "claimed by both)", key=second)
 
     def _corrupt(self, why: str, key: str | None = None) -> CheckpointError:
         return CheckpointError(
@@ -257,6 +291,9 @@ class SafetensorsFile:
         except (KeyError, TypeError, ValueError):
             raise self._corrupt(f"the header entry of {name!r} is malformed ({entry!r})",
                                 key=name) from None
+        if begin < 0 or end < begin:
+            raise self._corrupt(f"tensor {name!r} has data offsets {begin}..{end}, outside the data section "
+                                f"(0..{size})", key=name)
         if end > size:
             raise self._corrupt(f"tensor {name!r} ends at data byte {end} but the file holds "
                                 f"only {size} data bytes: the file is truncated", key=name)
@@ -283,6 +320,7 @@ def load_pickle_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     path = str(path)
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint file {path} does not exist.", path=path)
+    refuse_special(path)
     try:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)

@@ -20,6 +20,7 @@ from nbaccel.big_modeling.checkpoint_files import (
     read_tensor,
 )
 from nbaccel.errors import CheckpointError
+from nbaccel.file_kinds import refuse_special
 
 __all__ = ["Checkpoint", "open_checkpoint"]
 
@@ -86,6 +87,7 @@ class Checkpoint:
 
 
 def _index_files(index: Path) -> tuple[list[str], dict[str, str]]:
+    refuse_special(index)
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
         if not isinstance(weight_map, dict):

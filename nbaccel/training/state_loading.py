@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from nbaccel.errors import CheckpointError, CheckpointMismatchError
+from nbaccel.file_kinds import refuse_special
 from nbaccel.safe_load import load_state_file
 from nbaccel.state import ProcessState
 from nbaccel.training.checkpointing import (
@@ -54,6 +55,7 @@ def _need(path: Path) -> Path:
 
 def _read_weights(path: Path, load_kwargs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """A model's weights file, as a flat ``{name: tensor}`` dict; a damaged file is a CheckpointError naming it."""
+    refuse_special(path)  # a FIFO named model.safetensors would block the load for good
     if path.suffix == ".safetensors":
         from safetensors import SafetensorError
         from safetensors.torch import load_file

@@ -80,7 +80,7 @@ def test_a_fifo_or_directory_is_refused_by_name_without_blocking(tmp_path, kind)
     path = tmp_path / "default_config.yaml"
     os.mkfifo(path) if kind == "fifo" else path.mkdir()
     error = _refusal(path)
-    assert f"is not a regular file (it is a {'FIFO' if kind == 'fifo' else 'directory'})" in str(error)
+    assert f"is not a regular file (it is a {'FIFO (named pipe)' if kind == 'fifo' else 'directory'})" in str(error)
 
 
 def test_nbaccel_env_reports_the_billion_laughs_in_one_line(tmp_path):
