@@ -5,23 +5,64 @@ written to the caller's ``sys.stdout`` / ``sys.stderr`` with a ``[rankN]: `` lab
 being redrawn with ``\\r`` (a progress bar) is shown live and redrawn in place. What a worker
 displays (rich output) is queued by :meth:`OutputRelay.queue_display` and published where its mark
 falls in the rank's stdout: after the text printed before it, before the text printed after.
+
+What always holds, whatever a rank writes: the work and memory are linear in the bytes read.
+A line being redrawn keeps only its last state (100 MB of tqdm redraws cost what the last one
+does); a line longer than :data:`~nbaccel.launch.output_log.MAX_LINE_CHARS` is cut in the cell
+and written whole to the rank's log file, which the cut line names (:mod:`nbaccel.launch.output_log`);
+a bar's state is capped the same way (it is redrawn, so it is not logged); no unfinished line is
+held longer than that. Writes to the caller's streams are batched and
+flushed at most :data:`FLUSH_INTERVAL` apart (a Jupyter kernel sends one message per flush: a
+flush per line made 6,000 lines take 81 s to render), and always when a rank ends, a display is
+published, or :meth:`OutputRelay.flush` is called. Redrawn lines (progress bars, which tqdm
+writes to stderr) are shown on stdout, so a finished bar does not read as an error.
 """
 
 from __future__ import annotations
 
 import codecs
 import sys
+import time
 from collections import deque
 from collections.abc import Callable, Collection, Container, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal, TextIO
 
 from nbaccel.launch.frames import DISPLAY_MARK
+from nbaccel.launch.output_log import MAX_LINE_CHARS, RankLogs
 
-__all__ = ["DisplayKind", "OutputRelay"]
+__all__ = ["FLUSH_INTERVAL", "DisplayKind", "OutputRelay"]
 
 Stream = Literal["stdout", "stderr"]
 DisplayKind = Literal["display", "clear_output"]
 _MARK = DISPLAY_MARK.decode("ascii")
+FLUSH_INTERVAL = 0.05
+"""Seconds between flushes of the caller's streams while lines keep coming (at most 20 a second)."""
+
+
+@dataclass
+class _Cut:
+    """A line past :data:`MAX_LINE_CHARS` still being written: its head for the cell, its length so far."""
+
+    head: str
+    length: int
+
+
+@dataclass
+class _LineState:
+    """One rank's stream: its decoder, its unfinished line (bounded), and a cut line in progress."""
+
+    decoder: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
+    pending: str = ""
+    cut: _Cut | None = None
+
+
+def _last_state(text: str) -> str:
+    """What a line redrawn with ``\\r`` shows now: its last non-empty segment."""
+    for segment in reversed(text.split("\r")):
+        if segment:
+            return segment
+    return ""
 
 
 class OutputRelay:
@@ -58,12 +99,55 @@ class OutputRelay:
         self._on_line = on_line
         self._on_progress = on_progress
         self._labels = dict(labels or {})
-        self._decoders: dict[tuple[int, Stream], codecs.IncrementalDecoder] = {}
-        self._pending: dict[tuple[int, Stream], str] = {}
+        self._states: dict[tuple[int, Stream], _LineState] = {}
         self._open: tuple[int, Stream] | None = None  # a redrawn line without its newline yet
+        self._outbox: list[tuple[Stream, str]] = []
+        self._flushed_at = 0.0
+        self._unflushed = False
+        self.logs = RankLogs()
         self.last_line: dict[int, str] = {}
         self.captured: dict[int, list[str]] = {}
         self.capturing: set[int] = set()
+
+    # ------------------------------------------------------------------ writing out
+    def _put(self, stream: Stream, text: str) -> None:
+        self._outbox.append((stream, text))
+
+    def _write_outbox(self) -> None:
+        run: list[str] = []
+        current: Stream | None = None
+        for stream, text in self._outbox:
+            if stream != current and run:
+                self._target(current).write("".join(run))  # type: ignore[arg-type]
+                run = []
+            current = stream
+            run.append(text)
+        if run:
+            self._target(current).write("".join(run))  # type: ignore[arg-type]
+        self._outbox.clear()
+
+    def _send(self) -> None:
+        """Write what is waiting; flush the streams unless they were flushed under FLUSH_INTERVAL ago."""
+        if self._outbox:
+            self._write_outbox()
+            self._unflushed = True
+        self.tick()
+
+    def tick(self) -> None:
+        """Flush what was written since the last flush, if that was at least :data:`FLUSH_INTERVAL` ago.
+
+        The launch's loop calls it between reads, so a line is never held longer than that.
+        """
+        if self._unflushed and time.monotonic() - self._flushed_at >= FLUSH_INTERVAL:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write and flush everything now (the end of a run, a display, a rank's exit)."""
+        self._write_outbox()
+        for target in (sys.stdout, sys.stderr):
+            target.flush()
+        self._unflushed = False
+        self._flushed_at = time.monotonic()
 
     @staticmethod
     def _target(stream: Stream) -> TextIO:
@@ -74,58 +158,87 @@ class OutputRelay:
 
     def _close_open_line(self, key: tuple[int, Stream] | None = None) -> None:
         if self._open is not None and self._open != key:
-            self._target(self._open[1]).write("\n")
+            self._put("stdout", "\n")  # redraws are shown on stdout
             self._open = None
+
+    # ------------------------------------------------------------------ reading in
+    def _state(self, rank: int, stream: Stream) -> _LineState:
+        state = self._states.get((rank, stream))
+        if state is None:
+            state = self._states[(rank, stream)] = _LineState()
+        return state
 
     def feed(self, rank: int, stream: Stream, data: bytes) -> None:
         """Add bytes read from ``rank``'s ``stream``; write out what completes a line."""
-        key = (rank, stream)
-        decoder = self._decoders.get(key)
-        if decoder is None:
-            decoder = self._decoders[key] = codecs.getincrementaldecoder("utf-8")("replace")
-        text = self._pending.get(key, "") + decoder.decode(data)
+        state = self._state(rank, stream)
+        text = state.decoder.decode(data)
         while _MARK in text:  # a display: the text before it is out first, even a partial line
             before, text = text.split(_MARK, 1)
             self._lines(rank, stream, before)
-            rest = self._pending.pop(key, "")
-            if "\r" in rest:
-                text = rest + text  # a bar being redrawn goes on after the display
-            elif rest:
-                self._emit(rank, stream, rest)
+            if state.cut is not None:
+                self._end_cut(rank, stream, state)
+            elif state.pending and "\r" not in state.pending:  # a bar being redrawn goes on after it
+                self._emit(rank, stream, state.pending)
+                state.pending = ""
             self._publish_display(rank)
         self._lines(rank, stream, text)
+        self._send()
 
     def _lines(self, rank: int, stream: Stream, text: str) -> None:
-        key = (rank, stream)
+        state = self._state(rank, stream)
+        if state.cut is not None:  # the rest of a cut line goes to the log as it comes
+            end = text.find("\n")
+            self.logs.append(rank, text if end < 0 else text[:end])
+            state.cut.length += len(text) if end < 0 else end
+            if end < 0:
+                return
+            self._end_cut(rank, stream, state)
+            text = text[end + 1:]
+        text, state.pending = state.pending + text, ""  # the pending part is bounded: this stays linear
         *lines, rest = text.split("\n")
         for line in lines:
             self._emit(rank, stream, line)
-        self._pending[key] = rest
-        if "\r" in rest:
-            self._redraw(rank, stream, rest)
+        if "\r" in rest:  # keep only what the bar shows now, and whether a redraw is due
+            current = _last_state(rest)[:MAX_LINE_CHARS]
+            state.pending = "\r" + current + ("\r" if rest.endswith("\r") else "")
+            self._redraw(rank, stream, current)
+        elif len(rest) > MAX_LINE_CHARS:
+            state.cut = _Cut(head=rest[:MAX_LINE_CHARS], length=len(rest))
+            self.logs.append(rank, rest)
+        else:
+            state.pending = rest
+
+    def _end_cut(self, rank: int, stream: Stream, state: _LineState) -> None:
+        cut, state.cut = state.cut, None
+        path = self.logs.append(rank, "\n")
+        self._deliver(rank, stream, _shortened(cut.head, cut.length, path), bar=False)  # type: ignore[union-attr]
 
     def _visible(self, rank: int) -> bool:
         return self._show is None or rank in self._show or rank in self._labels
 
-    def _redraw(self, rank: int, stream: Stream, partial: str) -> None:
-        current = partial.rstrip("\r").rsplit("\r", 1)[-1]
+    def _redraw(self, rank: int, stream: Stream, current: str) -> None:
         if self._on_progress is not None and current and rank not in self._labels:
             self._on_progress(rank, stream, current)
         if not self._visible(rank) or not current or not self._show_redraws:
             return
         key = (rank, stream)
         self._close_open_line(key)
-        target = self._target(stream)
-        target.write("\r" + self._label(rank) + current)
-        target.flush()
+        self._put("stdout", "\r" + self._label(rank) + current)
         self._open = key
 
     def _emit(self, rank: int, stream: Stream, line: str) -> None:
-        key = (rank, stream)
-        if "\r" in line:
-            line = line.rstrip("\r").rsplit("\r", 1)[-1]
+        bar = "\r" in line
+        if bar:
+            line = _last_state(line)
             if self._on_progress is not None and line and rank not in self._labels:
                 self._on_progress(rank, stream, line)  # the bar's last state, now ended by its newline
+        if len(line) > MAX_LINE_CHARS:
+            path = self.logs.append(rank, line + "\n")
+            line = _shortened(line[:MAX_LINE_CHARS], len(line), path)
+        self._deliver(rank, stream, line, bar)
+
+    def _deliver(self, rank: int, stream: Stream, line: str, bar: bool) -> None:
+        key = (rank, stream)
         self.last_line[rank] = line
         if rank in self.capturing:
             self.captured.setdefault(rank, []).append(line)
@@ -133,24 +246,29 @@ class OutputRelay:
             self._on_line(rank, stream, line)
         if not self._visible(rank):
             return
-        target = self._target(stream)
-        if self._open == key:
-            target.write("\r" + self._label(rank) + line + "\n")
+        if self._open == key and bar:
+            self._put("stdout", "\r" + self._label(rank) + line + "\n")
             self._open = None
         else:
             self._close_open_line()
-            target.write(self._label(rank) + line + "\n")
-        target.flush()
+            self._put("stdout" if bar else stream, self._label(rank) + line + "\n")
 
     def flush_rank(self, rank: int) -> None:
         """Write out what ``rank`` left without a final newline (call once it has exited)."""
         for stream in ("stdout", "stderr"):
-            key = (rank, stream)
-            decoder = self._decoders.get(key)
-            rest = self._pending.pop(key, "") + (decoder.decode(b"", final=True) if decoder else "")
-            if rest:
-                self._emit(rank, stream, rest)  # type: ignore[arg-type]
+            state = self._states.get((rank, stream))  # type: ignore[arg-type]
+            if state is None:
+                continue
+            rest = state.decoder.decode(b"", final=True)
+            if state.cut is not None:
+                self._lines(rank, stream, rest)  # type: ignore[arg-type]
+                if state.cut is not None:
+                    self._end_cut(rank, stream, state)  # type: ignore[arg-type]
+            elif state.pending + rest:
+                self._emit(rank, stream, state.pending + rest)  # type: ignore[arg-type]
+            del self._states[(rank, stream)]  # type: ignore[index]
         self._close_open_line()
+        self.flush()
 
     def queue_display(self, rank: int, kind: DisplayKind, body: dict[str, Any]) -> None:
         """Hold what ``rank`` displayed until its mark in the rank's stdout (see :mod:`nbaccel.launch.frames`)."""
@@ -164,6 +282,9 @@ class OutputRelay:
         if self._on_display is None or rank not in self._display_ranks:
             return
         self._close_open_line()
-        for target in (sys.stdout, sys.stderr):
-            target.flush()
+        self.flush()
         self._on_display(rank, kind, body, len(self._display_ranks) > 1)
+
+
+def _shortened(head: str, length: int, path: str) -> str:
+    return f"{head} [... line cut at {len(head):,} of {length:,} characters; the whole line is in {path}]"

@@ -109,6 +109,7 @@ class PoolChannels:
         for member in self.members:  # where pidfds are missing, and to reap the exited
             if not member.handle.exited and member.handle.pidfd is None and member.handle.poll():
                 events.append((member, "exit", None))
+        self.relay.tick()  # lines written less than a flush interval ago go out now
         return events
 
     def _read(self, member: PoolMember, kind: str, fd: int) -> list[PoolEvent]:

@@ -169,6 +169,7 @@ def run_task(channels: PoolChannels, members: Sequence[PoolMember], payload: byt
             "; the running task was cancelled in every rank and the pool is still up"
         raise KeyboardInterrupt(f"interrupted{note}") from None
     finally:
+        channels.relay.flush()  # every line of the task is out before its result or failure
         if observer is not None:
             observer.on_end(ok and not run.errors and not run.deaths)
     failures = run.failures()

@@ -114,6 +114,7 @@ class Supervisor:
         finally:
             self._kill_remaining()
             self._close()
+            self.relay.flush()  # every line is out before the result or the failure
         if failures:
             raise_failures(failures, len(self.workers), [r for r in self._stopped if self._is_rank(r)])
         # Ranks whose value was not asked for reported an empty result: only that they finished.
@@ -155,6 +156,7 @@ class Supervisor:
         for key, _ in self._selector.select(wait):
             handle, kind = key.data
             self._read(handle, kind, key.fd)
+        self.relay.tick()  # lines written less than a flush interval ago go out now
 
     def _read(self, handle: WorkerHandle, kind: str, fd: int) -> bool:
         if kind == "exit":

@@ -42,13 +42,14 @@ def test_the_relay_reports_every_redraw_and_the_final_state(capsys):
     relay.feed(1, "stderr", b"\r 10%|#")
     relay.feed(1, "stderr", b"\r 50%|#####\r100%|##########\n")
     assert seen == [(1, " 10%|#"), (1, "100%|##########")]  # the last state, once its line ends
-    assert "[rank1]: 100%|##########" in capsys.readouterr().err
+    assert "[rank1]: 100%|##########" in capsys.readouterr().out  # a bar ends as progress, not as stderr
 
 
 def test_with_the_panel_the_stream_gets_each_bars_final_line_only(capfd):
     panel = StatusPanel(2, interval=10.0)
     notebook_launcher(_with_a_bar, (20,), num_processes=2, use_cpu=True, observer=panel)
-    err = capfd.readouterr().err
-    assert err.count("\r") == 0 and err.count("20/20") == 2  # no redraws interleaved, one final line per rank
+    out, err = capfd.readouterr()
+    assert out.count("\r") == 0 and out.count("20/20") == 2  # no redraws interleaved, one final line per rank
+    assert "20/20" not in err  # the bars end as progress (stdout), not as stderr
     notebook_launcher(_with_a_bar, (20,), num_processes=2, use_cpu=True, observer=TextStatus(2))
-    assert capfd.readouterr().err.count("\r") > 2  # without the panel the bars redraw in the stream, as before
+    assert capfd.readouterr().out.count("\r") > 2  # without the panel the bars redraw in the stream, as before
