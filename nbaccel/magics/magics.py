@@ -235,7 +235,8 @@ class AccelMagics(Magics):
         from nbaccel.widgets.status_panel import status_observer
 
         return status_observer(n, prefer="widget" if mode != "text" else "text",
-                               title=f"%%accel_launch: {n} process{'es' if n != 1 else ''}")
+                               title=f"%%accel_launch: {n} process{'es' if n != 1 else ''}",
+                               stream_ranks=request.output_ranks)  # the panel repeats none of the cell's lines
 
     def _launch(self, request: LaunchRequest, launch: Callable[[LaunchRequest], Any] | None = None) -> Any:
         if launch is None:

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -208,6 +208,10 @@ class StatusPanel(LaunchStatus):
         num_processes: the ranks expected.
         title: the panel's heading.
         interval: seconds between redraws by the ticker (events in between are batched).
+        stream_ranks: the ranks whose lines the cell's own stream shows (``None``: every rank, as
+            a launch without ``output_ranks`` does). Their lines are not repeated in the panel:
+            it has a collapsible output section only for the other ranks, and only once a rank
+            printed something, so each line appears once in the cell and a silent launch has none.
 
     Raises:
         MissingDependencyError: ipywidgets is not installed.
@@ -220,7 +224,7 @@ class StatusPanel(LaunchStatus):
     shows_progress = True  # each rank's bar is drawn here, so the cell's stream gets only final lines
 
     def __init__(self, num_processes: int, title: str = "nbaccel launch", *, interval: float = 0.25,
-                 chart_interval: float = 0.5) -> None:
+                 chart_interval: float = 0.5, stream_ranks: Container[int] | None = frozenset()) -> None:
         super().__init__(num_processes, title)
         widgets = import_widgets("the launch status panel")
         self.interval = interval
@@ -231,6 +235,9 @@ class StatusPanel(LaunchStatus):
         self._done = threading.Event()
         self._handle: Any = None
         self._drawn_lines: dict[int, int] = {}
+        self._stream_ranks = stream_ranks
+        self._sections: dict[int, Any] = {}  # rank -> its output section (shown once it has lines)
+        self._shown_sections: list[int] = []
         self._heading = widgets.HTML()
         self._table = widgets.HTML()
         self._outputs = widgets.Accordion(children=[], selected_index=None)
@@ -242,14 +249,19 @@ class StatusPanel(LaunchStatus):
         self.draw()
 
     def _build_outputs(self) -> None:
-        children = []
+        self._sections = {}
         for record in self.records.values():
             child = self._widgets.HTML()
             child.add_class(f"nbaccel-output-rank{record.rank}")
-            children.append(child)
-        self._outputs.children = children
+            self._sections[record.rank] = child
         self._drawn_lines = {}
-        set_titles(self._outputs, [f"rank {r} output" for r in self.records])
+        self._shown_sections = []
+        self._outputs.children = []
+
+    def _sectioned(self, record: RankRecord) -> bool:
+        """Whether ``record``'s rank gets a section: it printed, and the cell's stream does not show it."""
+        streamed = self._stream_ranks is None or record.rank in self._stream_ranks
+        return record.line_count > 0 and not streamed
 
     # ------------------------------------------------------------------ observer
     def on_launch(self, ranks: Sequence[int], start_method: str) -> None:
@@ -322,12 +334,17 @@ class StatusPanel(LaunchStatus):
             # Every rank's section is kept current, not only the open one: opening a section is a
             # message the kernel reads only after the cell ends, so it must already hold the text.
             # Only ranks with new lines are sent.
-            for record, child in zip(list(self.records.values()), self._outputs.children):
+            records = [r for r in list(self.records.values()) if self._sectioned(r)]
+            for record in records:
+                child = self._sections[record.rank]
                 if final or self._drawn_lines.get(record.rank) != record.line_count:
                     self._drawn_lines[record.rank] = record.line_count
                     child.value = self._output_html(record, None if final else _SHOWN_LINES)
+            if [r.rank for r in records] != self._shown_sections:
+                self._shown_sections = [r.rank for r in records]
+                self._outputs.children = [self._sections[r.rank] for r in records]
             set_titles(self._outputs, [f"rank {r.rank} output ({r.line_count} line{'s' if r.line_count != 1 else ''})"
-                                       for r in list(self.records.values())])
+                                       for r in records])
 
     def _table_html(self) -> str:
         now = time.monotonic()
@@ -376,8 +393,11 @@ class StatusPanel(LaunchStatus):
 
 
 def status_observer(num_processes: int, *, prefer: Literal["widget", "text"] = "widget",
-                    title: str = "nbaccel launch") -> LaunchStatus:
+                    title: str = "nbaccel launch", stream_ranks: Container[int] | None = None) -> LaunchStatus:
     """The status observer for a launch: a widget panel in notebooks, else a text summary.
+
+    ``stream_ranks``: the ranks whose lines the cell's stream shows (``None``: all); the panel
+    repeats none of them (see :class:`StatusPanel`).
 
     Example:
         >>> observer = status_observer(2, prefer="text")
@@ -385,5 +405,5 @@ def status_observer(num_processes: int, *, prefer: Literal["widget", "text"] = "
         'TextStatus'
     """
     if prefer == "widget" and widgets_available() and (in_notebook() or in_colab()):
-        return StatusPanel(num_processes, title)
+        return StatusPanel(num_processes, title, stream_ranks=stream_ranks)
     return TextStatus(num_processes, title)

@@ -56,7 +56,7 @@ def test_every_ranks_output_is_in_the_frontend_before_anyone_opens_it():
     panel = StatusPanel(2, interval=10.0)
     LaunchStatus.on_launch(panel, [0, 1], "fork")
     sent = {0: [], 1: []}
-    for rank, child in enumerate(panel._outputs.children):
+    for rank, child in panel._sections.items():
         child.observe(lambda change, rank=rank: sent[rank].append(change["new"]), names="value")
     for i in range(3):
         panel.on_output(0, "stdout", f"rank 0 step {i}")
@@ -69,6 +69,32 @@ def test_every_ranks_output_is_in_the_frontend_before_anyone_opens_it():
     panel.draw()
     assert len(sent[0]) == 1 and len(sent[1]) == 2  # only ranks with new lines are sent again
     panel.on_end(True)
+
+
+def _silent() -> int:
+    return 0
+
+
+def test_a_silent_launch_has_no_output_sections():
+    panel = StatusPanel(2, interval=10.0)
+    notebook_launcher(_silent, num_processes=2, observer=panel)
+    assert panel._outputs.children in ((), []) and "output (0 lines)" not in panel.text()
+
+
+def test_lines_the_cell_stream_shows_are_not_repeated_in_the_panel(capsys):
+    everyone = StatusPanel(2, interval=10.0, stream_ranks=None)  # what %%accel_launch -n 2 passes
+    LaunchStatus.on_launch(everyone, [0, 1], "fork")
+    for rank in (0, 1):
+        everyone.on_output(rank, "stdout", f"rank {rank} step 0")
+    everyone.on_end(True)
+    assert everyone._outputs.children in ((), [])  # every line is in the cell already, once
+    only_rank_0 = StatusPanel(2, interval=10.0, stream_ranks={0})  # %%accel_launch --ranks 0
+    LaunchStatus.on_launch(only_rank_0, [0, 1], "fork")
+    for rank in (0, 1):
+        only_rank_0.on_output(rank, "stdout", f"rank {rank} step 0")
+    only_rank_0.on_end(True)
+    assert [c.value for c in only_rank_0._outputs.children] == [only_rank_0._sections[1].value]
+    assert "rank 1 step 0" in only_rank_0._sections[1].value
 
 
 def test_text_status_prints_the_summary_when_the_launch_ends(capsys):
