@@ -83,6 +83,7 @@ _EXPORTS: dict[str, str] = {
     "synchronize_rng_states": "nbaccel.training.random",
     # big-model inference
     "AlignDevicesHook": "nbaccel.big_modeling.hooks",
+    "CheckpointDiskFullError": "nbaccel.errors",
     "CheckpointError": "nbaccel.errors",
     "CheckpointMismatchError": "nbaccel.errors",
     "CpuOffload": "nbaccel.big_modeling.hooks",

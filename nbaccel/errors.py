@@ -29,8 +29,10 @@
     CheckpointError (also ValueError)      a checkpoint file cannot be read (missing, truncated,
     │                                      corrupt, unknown format)
     ├── UnsafeCheckpointError              a pickle checkpoint would run code; refused unread
-    └── CheckpointMismatchError            checkpoint and model disagree (missing or unexpected
-                                           keys, shape mismatches)
+    ├── CheckpointMismatchError            checkpoint and model disagree (missing or unexpected
+    │                                      keys, shape mismatches)
+    └── CheckpointDiskFullError            ``save_state`` ran out of disk space; its partial copy
+                                           was removed, the previous checkpoint is intact
 
 Exceptions raised *inside* a worker are re-raised in the caller as their own type *and* as a
 ``WorkerFailedError``; every rank's failure, root cause first, travels on them as ``failures``
@@ -40,6 +42,7 @@ Exceptions raised *inside* a worker are re-raised in the caller as their own typ
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointDiskFullError",
     "CheckpointError",
     "CheckpointMismatchError",
     "ConfigError",
@@ -265,6 +268,23 @@ class CheckpointMismatchError(CheckpointError):
         self.missing_keys = tuple(missing_keys)
         self.unexpected_keys = tuple(unexpected_keys)
         self.mismatched_shapes = dict(mismatched_shapes or {})
+
+
+class CheckpointDiskFullError(CheckpointError):
+    """``save_state`` could not finish: the disk is full. Its partial copy was removed; the previous
+    checkpoint (if any) is intact, so saving again once space is freed works.
+
+    Attributes:
+        path: the checkpoint folder being written.
+        bytes_needed: about how many bytes the checkpoint takes (the previous one's size, or at
+            least what was written before the disk filled).
+        bytes_free: the bytes free on its filesystem once the partial copy was removed.
+    """
+
+    def __init__(self, msg: str, *, path: str, bytes_needed: int, bytes_free: int) -> None:
+        super().__init__(msg, path=path)
+        self.bytes_needed = bytes_needed
+        self.bytes_free = bytes_free
 
 
 DistributedOperationException = DistributedOperationError

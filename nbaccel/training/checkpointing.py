@@ -11,11 +11,12 @@ objects) is :mod:`nbaccel.training.training_state`'s job.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import torch
 
 from nbaccel.errors import CheckpointError, CheckpointMismatchError
 from nbaccel.file_size import convert_file_size_to_int
+from nbaccel.training.disk_full import disk_full_error
 
 __all__ = ["MARKER", "check_fits", "load_into", "numbered_name", "read_weights", "remove_checkpoint",
            "resolve_checkpoint", "save_model_shards", "save_state_folder", "write_weights"]
@@ -249,6 +251,10 @@ def save_state_folder(folder: Path, write: Callable[[Path], None], *, barrier: C
         barrier: waits for every process.
         is_writer: this process prepares and swaps the folder (main process, or local main per node).
         summary: what the checkpoint holds, stored in its marker file.
+
+    Raises:
+        CheckpointDiskFullError: the disk filled while writing; the partial copy was removed and
+            the previous checkpoint is intact (see :mod:`nbaccel.training.disk_full`).
     """
     tmp, old = _siblings(folder)
     if is_writer:
@@ -257,13 +263,15 @@ def save_state_folder(folder: Path, write: Callable[[Path], None], *, barrier: C
         remove_checkpoint(tmp)
         tmp.mkdir()
     barrier()
-    write(tmp)
+    with _full_disk_reported(tmp, folder):
+        write(tmp)
     barrier()
     if is_writer:
-        part = tmp / f".{MARKER}.part"
-        part.write_text(json.dumps(dict(summary), indent=2, sort_keys=True) + "\n")
-        os.replace(part, tmp / MARKER)  # a half-written marker never makes the folder look complete
-        _fsync_dir(tmp)
+        with _full_disk_reported(tmp, folder):
+            part = tmp / f".{MARKER}.part"
+            part.write_text(json.dumps(dict(summary), indent=2, sort_keys=True) + "\n")
+            os.replace(part, tmp / MARKER)  # a half-written marker never makes the folder look complete
+            _fsync_dir(tmp)
         remove_checkpoint(old)
         if folder.exists():
             os.rename(folder, old)
@@ -272,6 +280,18 @@ def save_state_folder(folder: Path, write: Callable[[Path], None], *, barrier: C
         remove_checkpoint(old)
     barrier()
     return folder
+
+
+@contextlib.contextmanager
+def _full_disk_reported(tmp: Path, folder: Path) -> Iterator[None]:
+    """A write that filled the disk becomes a CheckpointDiskFullError, its partial copy removed."""
+    try:
+        yield
+    except Exception as exc:
+        full = disk_full_error(exc, tmp, folder, remove_checkpoint)
+        if full is None:
+            raise
+        raise full from exc
 
 
 def _fsync_dir(path: Path) -> None:
