@@ -27,6 +27,31 @@ def pytest_configure(config):
 
 
 @pytest.fixture(autouse=True)
+def _no_leftovers_between_tests():
+    """A test sees only the child processes it started; what it leaves running is killed after it.
+
+    A test that fails part-way can leave workers behind; counted by the next test's "nothing is
+    left running" check, they used to fail tests that had done nothing wrong.
+    """
+    from tests.launch import procs
+
+    procs.BEFORE_THIS_TEST = set(procs.all_children())
+    yield
+    left = [pid for pid in procs.all_children() if pid not in procs.BEFORE_THIS_TEST]
+    procs.BEFORE_THIS_TEST = set()
+    for pid in left:
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:  # a Popen or a pool reaped it already
+            pass
+
+
+@pytest.fixture(autouse=True)
 def _private_config(tmp_path, monkeypatch):
     monkeypatch.setenv("NBACCEL_CONFIG_FILE", str(tmp_path / "nbaccel_config.yaml"))
     yield

@@ -7,8 +7,20 @@ import signal
 from pathlib import Path
 
 
+BEFORE_THIS_TEST: set[int] = set()
+"""This process's children when the running test started (tests/conftest.py sets it): a leftover of
+an earlier test, or a module-scoped pool's worker, is not the running test's business."""
+
+
 def children(pid: int | None = None) -> list[int]:
-    """Live (non-zombie) direct children of ``pid`` (default: this process)."""
+    """Live (non-zombie) direct children of ``pid`` (default: this process, less those from before this test)."""
+    if pid is None:
+        return [c for c in all_children() if c not in BEFORE_THIS_TEST]
+    return all_children(pid)
+
+
+def all_children(pid: int | None = None) -> list[int]:
+    """Live (non-zombie) direct children of ``pid`` (default: this process), the group reaper left out."""
     pid = os.getpid() if pid is None else pid
     out = []
     for task in Path(f"/proc/{pid}/task").iterdir():

@@ -83,5 +83,6 @@ def test_tqdm_auto_in_workers_is_one_text_bar_per_rank_in_the_panel(kernel):
         assert error(cell) is None, cell.outputs
         panel = [d for d in displays(cell) if WIDGET_VIEW in d][-1]["text/plain"]
         assert "progress: rank 0: 100%" in panel and "progress: rank 1: 100%" in panel, panel
-        assert "30/30" in stream_text(cell, "stderr")  # and the text bar in the cell's output
+        assert "30/30" in stream_text(cell, "stdout")  # and the text bar in the cell's output (progress, not stderr)
+        assert "30/30" not in stream_text(cell, "stderr")
         assert "tqdm.notebook" not in str([d.get("text/plain") for d in displays(cell)])
