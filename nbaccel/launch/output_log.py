@@ -29,7 +29,7 @@ class RankLogs:
         >>> path = logs.append(0, "x" * 5)
         >>> Path(path).read_text()
         'xxxxx'
-        >>> logs.close()
+        >>> logs.close(); import shutil; shutil.rmtree(Path(path).parent)
     """
 
     def __init__(self) -> None:
@@ -54,6 +54,7 @@ class RankLogs:
         """Append ``text`` to ``rank``'s log; returns the file's path."""
         handle = self._file(rank)
         handle.write(text)
+        handle.flush()  # readable while the launch runs: the cell already names the file
         return handle.name
 
     def close(self) -> None:
