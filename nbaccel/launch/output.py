@@ -14,7 +14,8 @@ a bar's state is capped the same way (it is redrawn, so it is not logged); no un
 held longer than that. Writes to the caller's streams are batched and
 flushed at most :data:`FLUSH_INTERVAL` apart (a Jupyter kernel sends one message per flush: a
 flush per line made 6,000 lines take 81 s to render), and always when a rank ends, a display is
-published, or :meth:`OutputRelay.flush` is called. Redrawn lines (progress bars, which tqdm
+published, or :meth:`OutputRelay.flush` is called; a bar being redrawn is written at most once
+per interval too. Redrawn lines (progress bars, which tqdm
 writes to stderr) are shown on stdout, so a finished bar does not read as an error.
 """
 
@@ -36,8 +37,12 @@ __all__ = ["FLUSH_INTERVAL", "DisplayKind", "OutputRelay"]
 Stream = Literal["stdout", "stderr"]
 DisplayKind = Literal["display", "clear_output"]
 _MARK = DISPLAY_MARK.decode("ascii")
-FLUSH_INTERVAL = 0.05
-"""Seconds between flushes of the caller's streams while lines keep coming (at most 20 a second)."""
+FLUSH_INTERVAL = 0.2
+"""Seconds between flushes of the caller's streams while lines keep coming (at most 5 a second).
+
+A Jupyter kernel sends one message per flush, plus one when its own timer (0.2 s after a write
+that follows a flush) fires: about 10 messages a second at most, whatever the ranks write
+(measured: 2 ranks redrawing 50 MB of bars sent 41 a second with a 0.1 s interval)."""
 
 
 @dataclass
@@ -102,6 +107,7 @@ class OutputRelay:
         self._states: dict[tuple[int, Stream], _LineState] = {}
         self._open: tuple[int, Stream] | None = None  # a redrawn line without its newline yet
         self._outbox: list[tuple[Stream, str]] = []
+        self._redrawn_at: dict[tuple[int, Stream], float] = {}
         self._flushed_at = 0.0
         self._unflushed = False
         self.logs = RankLogs()
@@ -222,6 +228,10 @@ class OutputRelay:
         if not self._visible(rank) or not current or not self._show_redraws:
             return
         key = (rank, stream)
+        now = time.monotonic()
+        if self._open == key and now - self._redrawn_at.get(key, 0.0) < FLUSH_INTERVAL:
+            return  # shown at most once a flush: the state is kept, and its final line always comes
+        self._redrawn_at[key] = now
         self._close_open_line(key)
         self._put("stdout", "\r" + self._label(rank) + current)
         self._open = key
