@@ -59,12 +59,12 @@ class LocalLauncher:
                     handles = start_spawned(function, args, kwargs, envs, files, payload=payload, result_ranks=wanted)
                 else:
                     handles = start_forked(function, args, kwargs, envs, result_ranks=wanted,
-                                           inherited_fds=[reaper.fd] + ([store.listen_fd] if store else []))
+                                           inherited_fds=[reaper.fd] + (store.listen_fds if store else []))
                 for handle in handles:  # if this process is killed, the reaper stops what they started
                     reaper.watch(handle.pid)
                 if store is not None:
                     try:
-                        store.serve()  # only now: no store thread runs while the workers are forked
+                        store.serve([h.pid for h in handles])  # only now: no store thread runs while forking
                     except BaseException:
                         discard_workers(handles)
                         for handle in handles:

@@ -122,7 +122,7 @@ def _start_processes(request: LaunchRequest, path: Path, listener: socket.socket
         if request.warm_imports is not False:
             start_warmup()  # warm workers build models: pay torch._dynamo's import once, here, not in each
         finish_warmup()
-        inherited = [listener.fileno(), reaper.fd] + ([store.listen_fd] if store is not None else [])
+        inherited = [listener.fileno(), reaper.fd] + (store.listen_fds if store is not None else [])
         handles = on_owner_thread(start_forked, serve, (str(path),), {}, envs, inherited)
     for handle in handles:  # if this process is killed, the reaper stops what they started
         reaper.watch(handle.pid)
@@ -154,7 +154,7 @@ def start_pool(request: LaunchRequest, start_timeout: float = 300.0) -> PoolProc
         members = [PoolMember(rank=h.rank, handle=h) for h in handles]
         processes = PoolProcesses(members, PoolChannels(members), store, folder, reaper)
         if store is not None:
-            store.serve()  # only now: no store thread runs while the workers are forked
+            store.serve([h.pid for h in handles])  # only now: no store thread runs while forking
         _accept(processes, listener, deadline, start_timeout)
         _wait_ready(processes, deadline, start_timeout)
         return processes

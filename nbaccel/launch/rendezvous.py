@@ -1,27 +1,30 @@
-"""The rendezvous store of a single-machine launch: hosted by the launcher, on loopback only.
+"""The rendezvous store of a single-machine launch: hosted by the launcher, on loopback only, for its own ranks.
 
-The launcher binds a socket to ``127.0.0.1`` itself (port 0 picks a free one, so back-to-back
-launches never collide) and hands it to a ``TCPStore`` it owns; every worker joins as a client
-through torch's agent-store protocol. The port is released when the launch ends.
+The launcher binds the store's sockets on ``127.0.0.1`` itself (port 0 picks a free one, so
+back-to-back launches never collide) and hands the real one to a ``TCPStore`` it owns; every
+worker joins as a client through torch's agent-store protocol, through the front that
+:mod:`nbaccel.launch.store_guard` puts before it: a connection that does not come from one of
+the launch's own worker processes is closed on connect. The ports are released when the launch ends.
 """
 
 from __future__ import annotations
 
 import errno
-import os
 import socket
+from collections.abc import Collection
 from datetime import timedelta
 
 from nbaccel.errors import LaunchError
+from nbaccel.launch.store_guard import StoreGuard
 
 __all__ = ["LoopbackStore", "is_port_in_use"]
 
 
 class LoopbackStore:
-    """A ``TCPStore`` listening on ``host`` only, owned by this process.
+    """A ``TCPStore`` listening on ``host`` only, owned by this process, reached only by the launch's ranks.
 
     Args:
-        port: the port to listen on; ``0`` picks a free one.
+        port: the port the workers connect to (``MASTER_PORT``); ``0`` picks a free one.
         host: the address to listen on (loopback for single-machine launches).
         timeout: how long workers may take to reach the store.
 
@@ -35,42 +38,51 @@ class LoopbackStore:
         # the interpreter (seen as a kernel that dies after the stop button). Forked workers
         # also inherit the imported module instead of each importing it again.
         import torch.distributed  # noqa: F401
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind((host, port))
+            self.guard = StoreGuard(host, port)
         except OSError as exc:
-            sock.close()
             if exc.errno == errno.EADDRINUSE:
                 raise LaunchError(f"port {port} on {host} is already in use. Fix: pass another "
                                   "use_port, or leave it unset so nbaccel picks a free port.") from None
             raise
-        sock.listen(512)
         self.host = host
-        self.port: int = sock.getsockname()[1]
-        self.listen_fd = sock.detach()  # the store owns and closes it
+        self.port: int = self.guard.port
         self._timeout = timeout
         self._store: object | None = None
 
-    def serve(self) -> None:
-        """Start answering on the bound socket; workers that connected before wait in its backlog.
+    @property
+    def listen_fds(self) -> list[int]:
+        """The launcher's descriptors a forked worker must close."""
+        return self.guard.fds
+
+    def serve(self, ranks: Collection[int] = ()) -> None:
+        """Start answering; workers that connected before wait in the front's backlog.
+
+        Args:
+            ranks: the pids of the launch's workers, the only processes whose connections pass.
 
         Called after the workers are forked: the store's server thread would otherwise be running
         while the launcher forks, and a child forked while that thread holds a lock (malloc's, or
         libuv's) waits on it forever, which hangs every rank in ``init_process_group``.
+
+        Raises:
+            LaunchError: another process reached the store before it was locked (see store_guard).
         """
         import torch.distributed as dist  # already imported by __init__
 
         if self._store is None:
-            self._store = dist.TCPStore(
-                self.host, self.port, world_size=None, is_master=True, master_listen_fd=self.listen_fd,
-                use_libuv=True, wait_for_workers=False, timeout=timedelta(seconds=self._timeout))
+            self._store = self.guard.start(lambda fd: dist.TCPStore(
+                self.host, self.guard.real_port, world_size=None, is_master=True, master_listen_fd=fd,
+                use_libuv=True, wait_for_workers=False, timeout=timedelta(seconds=self._timeout)), ranks)
+
+    @property
+    def rejected(self) -> list[tuple[int, str]]:
+        """Connections the front closed: ``(peer port, why)``."""
+        return self.guard.rejected
 
     def close(self) -> None:
-        """Stop the store and free the port."""
-        if self._store is None and self.listen_fd >= 0:
-            os.close(self.listen_fd)  # never served (starting the workers failed): the fd is still ours
-        self.listen_fd = -1
+        """Stop the store and free the ports."""
+        self.guard.close()
         self._store = None
 
 
