@@ -155,3 +155,11 @@ def test_a_sigkilled_owner_leaves_no_worker_no_worker_child_and_no_folder(tmp_pa
     everything = pids["WORKERS"] + pids["SLEEPERS"]
     assert wait_for(lambda: not any(alive(p) for p in everything), 30), [p for p in everything if alive(p)]
     assert wait_for(lambda: not any(temp.iterdir()), 30), list(temp.iterdir())
+
+
+def test_the_reaper_refuses_a_folder_path_it_could_not_read_back():
+    from nbaccel.launch.reaper import group_reaper
+
+    with pytest.raises(ValueError, match="holds a newline") as info:
+        group_reaper().watch_folder("/tmp/two\nlines")
+    assert "Fix:" in str(info.value)
