@@ -61,26 +61,36 @@ def _attach_filter(sock: socket.socket, ports: Collection[int]) -> None:
 
 # 127.0.0.1 as /proc/net/tcp writes it, and as /proc/net/tcp6 writes it for an IPv6 socket talking
 # IPv4 (torch's TCPStore client opens its sockets that way: ::ffff:127.0.0.1).
-_LOOPBACK_HEX = ("0100007F", "0000000000000000FFFF00000100007F")
+_LOOPBACK_HEX = (b"0000000000000000FFFF00000100007F", b"0100007F")
 
 
-def _tcp_table() -> list[tuple[int, int, int, int, int]] | None:
-    """``(local port, remote port, uid, inode, state)`` of every loopback TCP socket, or ``None``."""
-    rows = []
-    found = False
-    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+def _sockets(local_port: int, remote_port: int | None = None) -> list[tuple[int, int, int, int]] | None:
+    """``(remote port, uid, inode, state)`` of the loopback TCP sockets bound to ``local_port``
+    (and connected to ``remote_port``), or ``None`` without ``/proc/net/tcp``.
+
+    The tables are searched for the address text rather than parsed line by line: they hold every
+    socket of the machine's network namespace, and the check runs once per connecting rank.
+    """
+    found, tables = [], 0
+    for name in ("/proc/net/tcp6", "/proc/net/tcp"):
         try:
-            lines = Path(name).read_text().splitlines()[1:]
+            data = Path(name).read_bytes()
         except OSError:
             continue
-        found = True
-        for line in lines:
-            fields = line.split()
-            local, remote = fields[1].split(":"), fields[2].split(":")
-            if local[0] in _LOOPBACK_HEX and remote[0] in _LOOPBACK_HEX:
-                rows.append((int(local[1], 16), int(remote[1], 16), int(fields[7]), int(fields[9]),
-                             int(fields[3], 16)))
-    return rows if found else None
+        tables += 1
+        for loop in _LOOPBACK_HEX:
+            needle = b"%s:%04X %s:" % (loop, local_port, loop)
+            if remote_port is not None:
+                needle += b"%04X " % remote_port
+            at = data.find(needle)
+            while at >= 0:
+                fields = data[at:data.find(b"\n", at)].split()  # local, remote, st, queues, timer, retr, uid, to, inode
+                found.append((int(fields[1].rsplit(b":", 1)[1], 16), int(fields[6]), int(fields[8]),
+                              int(fields[2], 16)))
+                at = data.find(needle, at + 1)
+        if remote_port is not None and found:  # one connection: found in the first table, done
+            break
+    return found if tables else None
 
 
 def _socket_inodes(pid: int) -> set[int]:
@@ -153,13 +163,17 @@ class StoreGuard:
         return store
 
     def _refuse_strangers(self) -> None:
-        table = _tcp_table()
-        if table is None:
+        served = _sockets(self.real_port)
+        if served is None:
             return
         own = _socket_inodes(os.getpid())
-        clients = {remote for local, remote, _, _, state in table if local == self.real_port and state == 1}
-        strangers = [port for port in clients if not any(
-            local == port and remote == self.real_port and inode in own for local, remote, _, inode, _ in table)]
+        strangers = []
+        for client_port, _, _, state in served:
+            if state != 1:  # not ESTABLISHED: the listener itself, or a closing socket
+                continue
+            client = _sockets(client_port, self.real_port) or []
+            if not any(inode in own for _, _, inode, _ in client):
+                strangers.append(client_port)
         if strangers:
             raise LaunchError(f"a process other than this launcher connected to the rendezvous store (from "
                               f"port {strangers[0]}) in the moment before it was locked; the launch was stopped. "
@@ -168,15 +182,15 @@ class StoreGuard:
 
     def _check(self, peer_port: int) -> str:
         """Why the connection from ``peer_port`` is refused, or ``""``."""
-        table = _tcp_table()
-        if table is None:
+        rows = _sockets(peer_port, self.port)
+        if rows is None:
             return ""
-        row = next((r for r in table if r[0] == peer_port and r[1] == self.port), None)
-        if row is None:
+        if not rows:
             return "its socket is not in /proc/net/tcp"
-        if row[2] != os.getuid():
-            return f"it belongs to uid {row[2]}"
-        if self._allowed_pids and not any(row[3] in _socket_inodes(pid) for pid in self._allowed_pids):
+        _, uid, inode, _ = rows[0]
+        if uid != os.getuid():
+            return f"it belongs to uid {uid}"
+        if self._allowed_pids and not any(inode in _socket_inodes(pid) for pid in self._allowed_pids):
             return "it is not one of the launch's workers"
         return ""
 
@@ -197,6 +211,8 @@ class StoreGuard:
             self._relay_ports.add(port)
             _attach_filter(self.real, self._relay_ports)
         upstream.connect((self.host, self.real_port))
+        for end in (conn, upstream):  # the store's requests are small: Nagle's delay would add 40 ms to each
+            end.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for a, b in ((conn, upstream), (upstream, conn)):
             self._pairs[a] = b
             selector.register(a, selectors.EVENT_READ)
