@@ -161,3 +161,24 @@ def test_asking_never_loads_or_initializes_the_driver(driver):
               "s = cuda_driver_state()\nmaps = open('/proc/self/maps').read()\n"
               "print(json.dumps([s.library, s.initialized, 'libcuda' in maps, answers]))")
     assert _run(driver, script) == [None, False, False, [None, 2]]
+
+
+_PANEL_AND_MAGIC = r"""
+import json, sys
+from IPython.core.interactiveshell import InteractiveShell
+import nbaccel.magics
+from nbaccel.widgets.config_panel import _hardware
+
+out = {"torch_before": "torch" in sys.modules, "panel": _hardware().split(" · ")[0]}
+shell = InteractiveShell.instance()
+nbaccel.magics.load_ipython_extension(shell)
+result = shell.run_cell("%%accel_launch -n 3 --status none\nprint('ran')")
+out["magic"] = [type(result.error_in_exec).__name__, str(result.error_in_exec).split(". Fix")[0]]
+print(json.dumps(out))
+"""
+
+
+def test_the_config_panel_and_the_magic_see_the_gpus_of_a_kernel_without_torch(driver):
+    out = _run(driver, _PANEL_AND_MAGIC)
+    assert out["torch_before"] is False and out["panel"] == "2 CUDA GPUs"
+    assert out["magic"] == ["UsageError", "%%accel_launch: num_processes=3 but only 2 GPU(s) are usable"]
