@@ -27,7 +27,8 @@ def test_one_worker_per_gpu_by_default(gpus):
     plan = plan_launch(LaunchConfig(mixed_precision="bf16"))
     assert (plan.num_processes, plan.device_kind, plan.visible_gpus, plan.threads) == (4, "cuda", None, 1)
     assert plan.settings.distributed_type == "MULTI_GPU" and plan.settings.use_cpu is False
-    assert plan.settings.mixed_precision == "bf16" and plan.note is None
+    assert plan.settings.mixed_precision == "bf16"
+    assert plan.note == "nbaccel: using 4 processes, one per visible GPU. Pass num_processes= to choose."
 
 
 def test_gpu_ids_pick_the_visible_devices(gpus):
