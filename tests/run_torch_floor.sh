@@ -31,5 +31,5 @@ fi
 
 export OMP_NUM_THREADS=1 NBACCEL_TORCH_FLOOR=$FLOOR
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider -o addopts="" \
-  tests/test_torch_floor.py tests/training/test_fsdp.py tests/training/test_fsdp_memory.py \
+  tests/test_torch_floor.py tests/training/test_fsdp.py tests/training/test_fsdp_materialize.py \
   tests/training/test_fsdp_checkpoints.py tests/training/test_cuda_collectives.py "$@"

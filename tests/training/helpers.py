@@ -176,3 +176,25 @@ def launch(function: Callable[..., Any], num_processes: int, *args: Any, **kwarg
     """Run ``function(*args)`` on ``num_processes`` CPU workers; returns ``{rank: result}``."""
     return nbaccel.notebook_launcher(function, args, num_processes=num_processes, use_cpu=True, return_all=True,
                                      timeout=120, **kwargs)
+
+
+class ScaledStack(BlockStack):
+    """A BlockStack whose output is multiplied by a buffer kept out of the state dict (``persistent=False``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.tensor([0.5]), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale
+
+
+class Unresettable(nn.Module):
+    """A model with a bare parameter: nothing can initialize it from the meta device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
