@@ -5,11 +5,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset, Sampler, TensorDataset
 
 import nbaccel
+
+
+# torch 2.6 (the floor) runs FSDP2 on GPUs only: on CPU its all-gather calls Stream.record_event, which
+# torch.cpu.Stream lacks there. Tests that train an FSDP2 model on CPU skip under such a torch.
+cpu_fsdp2 = pytest.mark.skipif(not hasattr(torch.cpu.Stream, "record_event"),
+                               reason=f"FSDP2 cannot run on CPU under torch {torch.__version__} (no Stream.record_event)")
 
 
 class TinyMLP(nn.Module):

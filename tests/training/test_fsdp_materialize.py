@@ -9,12 +9,15 @@ from torch.utils.data import DataLoader
 import nbaccel
 from tests.training.helpers import (
     BlockStack,
+    cpu_fsdp2,
     ScaledStack,
     Unresettable,
     launch,
     regression_data,
     train_steps,
 )
+
+pytestmark = cpu_fsdp2
 
 
 def _build(kind: type[torch.nn.Module], on_meta: bool, seed: int = 0) -> torch.nn.Module:
