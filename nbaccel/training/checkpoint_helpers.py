@@ -69,8 +69,9 @@ class CheckpointHelpers:
             raise ConfigError(f"`save_directory` must be a folder, but {str(folder)!r} is a file; pass a folder path",
                               key="save_directory", value=str(folder), valid="a folder path")
         convert_file_size_to_int(max_shard_size, key="max_shard_size")
-        state_dict = self.get_state_dict(model)
-        if self._is_writer():
+        context = self._checkpoint_context()
+        state_dict = training_state.model_state_dict(model, ranks=context.writer_ranks())  # every node's writer
+        if context.is_writer:
             checkpointing.save_model_shards(state_dict, folder, max_shard_size, safe_serialization)
         self.wait_for_everyone()
 

@@ -149,44 +149,72 @@ def _options(full: bool = True) -> Any:
     return StateDictOptions(full_state_dict=full, cpu_offload=full)
 
 
-def full_model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The gathered model state dict (on CPU, rank 0; other ranks get an empty dict). Call on every rank."""
+def _gathered(state: dict[str, Any], ranks: tuple[int, ...]) -> dict[str, Any]:
+    """A sharded state dict gathered tensor by tensor onto CPU, kept only on ``ranks`` (others get an empty dict).
+
+    What ``full_state_dict=True, cpu_offload=True`` does for rank 0 alone, for several ranks (each
+    node's writer under ``save_on_each_node``): one full tensor at a time on the accelerator.
+    """
+    import torch.distributed as dist
+    from torch.distributed._state_dict_utils import _gather_state_dict
+
+    gathered = _gather_state_dict(state, cpu_offload=True, ranks_only=ranks, type_check=False)
+    return gathered if dist.get_rank() in ranks else {}
+
+
+def full_model_state_dict(model: torch.nn.Module, ranks: tuple[int, ...] = (0,)) -> dict[str, torch.Tensor]:
+    """The gathered model state dict, on CPU on ``ranks`` (others get an empty dict). Call on every rank."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return get_model_state_dict(model, options=_options())
+    if tuple(ranks) == (0,):
+        return get_model_state_dict(model, options=_options())
+    return _gathered(get_model_state_dict(model, options=_options(full=False)), tuple(ranks))
+
+
+def _from_rank0() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
 
 def load_full_model_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
-    """Load a full state dict (present on every rank) into a sharded model."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-    )
+    """Load a full state dict that only rank 0 read (the others pass ``{}``) into a sharded model. Call on every rank.
 
-    set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True))
+    Rank 0 broadcasts tensor by tensor and each rank keeps its shard, so the host holds one copy
+    of the weights, not one per rank.
+    """
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    set_model_state_dict(model, state_dict, options=_from_rank0())
 
 
-def full_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The gathered optimizer state dict, keyed by parameter names (rank 0). Call on every rank."""
+def full_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                              ranks: tuple[int, ...] = (0,)) -> dict[str, Any]:
+    """The gathered optimizer state dict, keyed by parameter names, on ``ranks``. Call on every rank."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    return get_optimizer_state_dict(model, optimizer, options=_options())
+    if tuple(ranks) == (0,):
+        return get_optimizer_state_dict(model, optimizer, options=_options())
+    return _gathered(get_optimizer_state_dict(model, optimizer, options=_options(full=False)), tuple(ranks))
 
 
 def load_full_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                                    state_dict: dict[str, Any]) -> None:
-    """Load a gathered optimizer state dict (present on every rank) into a sharded model's optimizer."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_optimizer_state_dict,
-    )
+    """Load a gathered optimizer state dict that only rank 0 read (others pass ``{}``). Call on every rank."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    if not state_dict.get("state"):
+    # Whether there is any state, and the hyperparameters, are rank 0's to tell (a few bytes).
+    told = [{"stateless": not state_dict.get("state"),
+             "groups": [{k: v for k, v in g.items() if k != "params"} for g in state_dict.get("param_groups", [])]}
+            if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(told, src=0)
+    if told[0]["stateless"]:
         # A stateless optimizer (plain SGD): torch cannot place an empty state; only hyperparameters remain.
-        for group, saved in zip(optimizer.param_groups, state_dict.get("param_groups", [])):
-            group.update({k: v for k, v in saved.items() if k != "params"})
+        for group, saved in zip(optimizer.param_groups, told[0]["groups"]):
+            group.update(saved)
         return
-    set_optimizer_state_dict(model, optimizer, state_dict, options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(model, optimizer, state_dict, options=_from_rank0())
 
 
 def sharded_save(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, folder: Any) -> None:
