@@ -121,9 +121,3 @@ def test_the_pinned_load_worker_finds_a_checkpoint_loaded_as_load_state_dict_loa
     assert found["stored"] == ([], True) and found["float16"] == ([], True)
     assert found["stored tied"] and found["float16 tied"] and found["chunked exact"]
     assert found["pinned bytes"] is None  # only a CUDA device allocates pinned staging buffers
-
-
-def test_the_fsdp_shard_first_worker_runs_on_a_cpu_process(script):
-    got = script.launch(script.workers.fsdp_shard_first, n=1)[0]
-    assert got["devices"] == ["cpu"] and got["dtypes"] == ["torch.float32"]
-    assert got["meta_left"] == 0 and got["round_trip"]
