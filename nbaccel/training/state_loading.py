@@ -216,6 +216,7 @@ def load_accelerator_state(prepared: PreparedObjects, context: CheckpointContext
             object, or a file is truncated or corrupt (the error names the file).
         UnsafeCheckpointError: a file would run code when loaded (``load_kwargs`` did not opt in).
         CheckpointMismatchError: a model's keys or shapes, or an optimizer's parameter groups, do not match.
+        CheckpointError: (FSDP) another rank refused the checkpoint; its message is included.
     """
     from nbaccel.training.fsdp import is_fsdp_model
 

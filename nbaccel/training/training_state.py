@@ -214,7 +214,7 @@ def _write_state(prepared: PreparedObjects, context: CheckpointContext, tmp: Pat
     from nbaccel.training.fsdp import is_fsdp_model
 
     writer = context.is_writer
-    writers = context.writer_ranks()
+    writers = context.writer_ranks() if any(is_fsdp_model(m) for m in prepared.models) else (0,)
     _write_models(prepared, context, tmp, safe_serialization, writers)
     for i, optimizer in enumerate(prepared.optimizers):
         if (context.sharded_fsdp and i < len(prepared.models) and is_fsdp_model(prepared.models[i])
