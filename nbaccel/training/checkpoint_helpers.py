@@ -72,8 +72,8 @@ class CheckpointHelpers:
         from nbaccel.training.fsdp import is_fsdp_model
 
         context = self._checkpoint_context()
-        # FSDP gathers onto every node's writer (a collective); other models are whole on every rank already,
-        # so save_model stays callable from the main process alone, as in Accelerate.
+        # FSDP gathers onto every node's writer (one more collective to learn who they are); other models
+        # are whole on every rank already.
         writers = context.writer_ranks() if is_fsdp_model(model) else (0,)
         state_dict = training_state.model_state_dict(model, ranks=writers)
         if context.is_writer:

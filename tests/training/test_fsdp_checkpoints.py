@@ -123,3 +123,4 @@ def test_save_on_each_node_gives_each_nodes_writer_the_full_state(tmp_path):
     for key in keys:
         assert torch.equal(saved[0][key], saved[1][key]) and torch.equal(states[0][key], states[1][key])
         assert torch.equal(optims[0]["state"][key]["exp_avg"], optims[1]["state"][key]["exp_avg"])
+
