@@ -183,13 +183,18 @@ class ProcessState:
 
     # ------------------------------------------------------------------ process group
     def init_process_group(self) -> None:
-        """Join the process group from the environment (``env://``); a no-op if joined already."""
+        """Join the process group from the environment (``env://``); only make this rank's GPU current if joined already.
+
+        Whoever made an existing group (user code, a pool, a script's own ``init_process_group``),
+        this rank's current CUDA device is set from its local rank: otherwise every rank's stays
+        ``cuda:0``, and object collectives and NCCL's own buffers all land on GPU 0.
+        """
         import torch.distributed as dist
 
-        if dist.is_initialized():
-            return
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        if dist.is_initialized():
+            return
         kwargs: dict[str, Any] = {"backend": self.backend, "rank": self.process_index,
                                   "world_size": self.num_processes}
         if self._timeout is not None:

@@ -17,6 +17,10 @@ status=0
 if [ "${NBACCEL_SKIP_RAY:-0}" != "1" ]; then
   bash scripts/test_ray.sh || status=$?
 fi
+# The oldest torch pyproject.toml allows (its own venv, built once).
+if [ -f tests/run_torch_floor.sh ] && [ "${NBACCEL_SKIP_FLOOR:-0}" != "1" ]; then
+  bash tests/run_torch_floor.sh || status=$?
+fi
 if [ -f tests/run_xla.sh ] && [ "${NBACCEL_SKIP_XLA:-0}" != "1" ]; then
   bash tests/run_xla.sh || status=$?
 fi

@@ -62,9 +62,13 @@ class LoopbackStore:
         import torch.distributed as dist  # already imported by __init__
 
         if self._store is None:
-            self._store = dist.TCPStore(
-                self.host, self.port, world_size=None, is_master=True, master_listen_fd=self.listen_fd,
-                use_libuv=True, wait_for_workers=False, timeout=timedelta(seconds=self._timeout))
+            kwargs = {"world_size": None, "is_master": True, "master_listen_fd": self.listen_fd,
+                      "wait_for_workers": False, "timeout": timedelta(seconds=self._timeout)}
+            try:
+                self._store = dist.TCPStore(self.host, self.port, use_libuv=True, **kwargs)
+            except NotImplementedError:
+                # torch < 2.7: the libuv server cannot take a bound socket; the legacy one can (same protocol).
+                self._store = dist.TCPStore(self.host, self.port, use_libuv=False, **kwargs)
 
     def close(self) -> None:
         """Stop the store and free the port."""
