@@ -144,7 +144,7 @@ def plan_launch(config: LaunchConfig) -> LaunchPlan:
     kind, gpus = _device_kind(config)
     visible, usable, physical = _gpu_ids(config, gpus) if kind == "cuda" else (None, 0, None)
     if config.mixed_precision == "fp8":  # refused here, not by each worker's Accelerator() after N started
-        from nbaccel.training.fp8 import check_fp8_launch
+        from nbaccel.fp8_support import check_fp8_launch
 
         check_fp8_launch(kind, physical)
     notes: list[str] = []
