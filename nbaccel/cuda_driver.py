@@ -53,12 +53,15 @@ class CudaDriverState:
 def _mapped_libcuda(maps_path: str = "/proc/self/maps") -> str | None:
     try:
         with open(maps_path) as maps:
-            for line in maps:
-                path = line.rstrip("\n").split(None, 5)[-1] if line.count(" ") >= 5 else ""
-                if _LIBCUDA.search(path):
-                    return path
+            text = maps.read()
     except OSError:  # no procfs (not Linux): fork is not used there anyway
         return None
+    if "libcuda.so" not in text:  # the usual answer, without splitting thousands of lines
+        return None
+    for line in text.splitlines():
+        path = line.split(None, 5)[-1] if line.count(" ") >= 5 else ""
+        if _LIBCUDA.search(path):
+            return path
     return None
 
 
