@@ -191,17 +191,31 @@ def _warn_on_other_process_count(process: ProcessState, source: Path) -> None:
 def _agree(failure: Exception | None, input_dir: str | Path | None = None) -> None:
     """Every rank learns whether any rank refused the checkpoint, so none is left waiting in a broadcast.
 
+    A rank that read nothing itself raises the refusing rank's own error (same type and fields:
+    a shape mismatch seen by rank 0 is a ``CheckpointMismatchError`` on every rank).
+
     Raises:
-        CheckpointError: another rank refused it (this rank's own refusal is re-raised by the caller).
+        CheckpointError: another rank refused it (its error, or, where that cannot be pickled, a
+            ``CheckpointError`` carrying its message); this rank's own refusal is re-raised by the caller.
     """
+    import pickle
+
     import torch.distributed as dist
 
+    sent: Exception | str | None = failure
+    if failure is not None:
+        try:
+            pickle.dumps(failure)
+        except Exception:  # noqa: BLE001 - send its text instead
+            sent = f"{type(failure).__name__}: {failure}"
     said: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(said, None if failure is None else f"{type(failure).__name__}: {failure}")
-    refused = [(rank, message) for rank, message in enumerate(said) if message is not None]
+    dist.all_gather_object(said, sent)
+    refused = [(rank, told) for rank, told in enumerate(said) if told is not None]
     if failure is None and refused:
-        rank, message = refused[0]
-        raise CheckpointError(f"rank {rank} refused the checkpoint, so nothing was loaded on any rank: {message}",
+        rank, told = refused[0]
+        if isinstance(told, Exception):
+            raise told
+        raise CheckpointError(f"rank {rank} refused the checkpoint, so nothing was loaded on any rank: {told}",
                               path=str(input_dir))
 
 

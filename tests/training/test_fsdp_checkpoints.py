@@ -89,8 +89,7 @@ def _resume_damaged(folder: str) -> str:
 def test_a_checkpoint_rank_0_refuses_is_refused_on_every_rank(tmp_path):
     results = launch(_resume_damaged, 2, str(tmp_path / "ckpt"))
     assert "model.safetensors" in results[0] and "truncated or corrupt" in results[0]
-    assert results[1].startswith("rank 0 refused the checkpoint, so nothing was loaded on any rank: CheckpointError: ")
-    assert "truncated or corrupt" in results[1]
+    assert results[1] == results[0]  # rank 1 read nothing: it raises rank 0's own error
 
 
 def _two_nodes(root: str) -> dict:
