@@ -66,7 +66,9 @@ def compute_module_sizes(model: nn.Module, dtype: torch.dtype | str | None = Non
                          buffers_only: bool = False) -> dict[str, int]:
     """Bytes of every module (and tensor), by name; ``""`` is the whole model.
 
-    A tied parameter counts once, under the first name it has.
+    A tied parameter counts once, under the first name it has. With ``dtype``, a floating-point
+    tensor counts as the smaller of its own dtype and ``dtype``; integer and bool tensors keep
+    theirs; a ``special_dtypes`` entry applies to any tensor (as Accelerate sizes them).
 
     Args:
         model: the model (its tensors may be on the meta device).
@@ -83,16 +85,29 @@ def compute_module_sizes(model: nn.Module, dtype: torch.dtype | str | None = Non
     """
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.removeprefix("torch."))
-    special = dict(special_dtypes or {})
+    special = {k: getattr(torch, v.removeprefix("torch.")) if isinstance(v, str) else v
+               for k, v in (special_dtypes or {}).items()}
     sizes: dict[str, int] = defaultdict(int)
     tensors = list(model.named_buffers()) if buffers_only else \
         [*model.named_parameters(), *model.named_buffers()]
     for name, tensor in tensors:
-        size = tensor_size(tensor, special.get(name, dtype))
+        size = _load_size(tensor, special.get(name), dtype)
         parts = name.split(".")
         for i in range(len(parts) + 1):
             sizes[".".join(parts[:i])] += size
     return sizes
+
+
+def _load_size(tensor: torch.Tensor, special: torch.dtype | None,
+               dtype: torch.dtype | None) -> int:
+    """Bytes once loaded, as Accelerate counts them: a special dtype always applies; ``dtype``
+    never widens a tensor and leaves integer and bool tensors alone (loading does not cast them)."""
+    if special is not None:
+        return int(tensor.numel() * dtype_byte_size(special))
+    own = dtype_byte_size(tensor.dtype)
+    if dtype is None or not (tensor.is_floating_point() or tensor.is_complex()):
+        return int(tensor.numel() * own)
+    return int(tensor.numel() * min(own, dtype_byte_size(dtype)))
 
 
 def find_tied_parameters(model: nn.Module) -> list[list[str]]:
