@@ -67,7 +67,10 @@ class DataLoaderShard(DataLoader):
         self.reseeded_sampler = reseeded_sampler
         self.end_of_dataloader = False
         self.remainder = -1
-        self._epoch_owner: DataLoaderShard = self
+        # the loader whose epoch count this one shares (a skip_first_batches copy shares its
+        # source's); None for itself, since a reference to self would be a cycle that keeps the
+        # loader alive after `del loader` until the cyclic garbage collector runs
+        self._shared_epoch_owner: DataLoaderShard | None = None
         self._iteration = 0
         self._in_progress = False
         self._start_generator_state: torch.Tensor | None = None
@@ -75,6 +78,14 @@ class DataLoaderShard(DataLoader):
         self._replay_rng_state: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ epochs and state
+    @property
+    def _epoch_owner(self) -> DataLoaderShard:
+        return self if self._shared_epoch_owner is None else self._shared_epoch_owner
+
+    @_epoch_owner.setter
+    def _epoch_owner(self, owner: DataLoaderShard) -> None:
+        self._shared_epoch_owner = None if owner is self else owner
+
     @property
     def iteration(self) -> int:
         """The epoch number; a loader from :func:`skip_first_batches` shares its source's (the same count)."""
