@@ -236,8 +236,11 @@ class UnsafeCheckpointError(CheckpointError):
     """A pickle checkpoint holds objects that would run code when loaded; it was not loaded."""
 
 
-class CheckpointMismatchError(CheckpointError):
+class CheckpointMismatchError(CheckpointError, RuntimeError):
     """The checkpoint and the model disagree; the model was left unchanged.
+
+    A ``ValueError`` (Accelerate raises one for a shape mismatch) and a ``RuntimeError``
+    (Accelerate's strict load raises torch's ``RuntimeError`` for unexpected keys).
 
     Attributes:
         missing_keys: model tensors the checkpoint does not hold.
