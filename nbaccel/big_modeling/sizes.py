@@ -9,6 +9,7 @@ checked in a process that will fork later.
 
 from __future__ import annotations
 
+import enum
 import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -20,6 +21,7 @@ from nbaccel.errors import ConfigError
 from nbaccel.file_size import convert_file_size_to_int
 
 __all__ = [
+    "CustomDtype",
     "MaxMemory",
     "compute_module_sizes",
     "convert_file_size_to_int",
@@ -37,13 +39,31 @@ MaxMemory = Mapping[int | str, int | str]
 _NAMED_DEVICES = ("mps", "cpu", "disk")
 
 
-def dtype_byte_size(dtype: torch.dtype) -> float:
+class CustomDtype(enum.Enum):
+    """Storage formats torch has no dtype for, sized by :func:`dtype_byte_size` (quantized weights).
+
+    Example:
+        >>> dtype_byte_size(CustomDtype.INT4)
+        0.5
+    """
+
+    FP8 = "fp8"
+    INT4 = "int4"
+    INT2 = "int2"
+
+
+_CUSTOM_BYTES = {CustomDtype.FP8: 1, CustomDtype.INT4: 1 / 2, CustomDtype.INT2: 1 / 4}
+
+
+def dtype_byte_size(dtype: torch.dtype | CustomDtype) -> float:
     """Bytes per element of ``dtype`` (``torch.bool`` counts 1/8, as in Accelerate).
 
     Example:
         >>> dtype_byte_size(torch.float16)
         2
     """
+    if isinstance(dtype, CustomDtype):
+        return _CUSTOM_BYTES[dtype]
     if dtype == torch.bool:
         return 1 / 8
     return torch.empty((), dtype=dtype).element_size()

@@ -30,13 +30,14 @@ from nbaccel.nested_data import (
 from nbaccel.ops import broadcast_object_list
 from nbaccel.training.data_sharding import IterableDatasetShard
 from nbaccel.training.gradient_state import GradientState
+from nbaccel.training.loader_state import DataLoaderStateMixin
 
 __all__ = ["DataLoaderDispatcher", "DataLoaderShard", "draw_seed"]
 
 _END = object()
 
 
-class DataLoaderShard(DataLoader):
+class DataLoaderShard(DataLoader, DataLoaderStateMixin):
     """A ``DataLoader`` that yields this process's batches on ``device`` and flags the last one.
 
     Attributes:
@@ -158,16 +159,10 @@ class DataLoaderShard(DataLoader):
             torch.set_rng_state(draws.get_state())
 
     # ------------------------------------------------------------------ iteration
-    def _begin(self) -> None:
-        self.end_of_dataloader = False
-        self.remainder = -1
-        if self.total_batch_size and not self.source_drop_last:
-            try:
-                length = getattr(self.dataset, "total_dataset_length", None) or len(self.dataset)  # type: ignore[arg-type]
-                self.remainder = length % self.total_batch_size
-            except TypeError:  # an iterable dataset without a length
-                pass
-        self.gradient_state._add_dataloader(self)
+    def begin(self) -> None:
+        """Start a pass (:class:`DataLoaderStateMixin`), the remainder counted unless the source drops its last batch."""
+        self._drop_last = self.source_drop_last
+        super().begin()
 
     def _finish(self) -> None:
         if self.remainder == -1 and isinstance(self.dataset, IterableDatasetShard) and self.total_batch_size:
@@ -186,7 +181,7 @@ class DataLoaderShard(DataLoader):
         owner._start_generator_state = self.sync_generator.get_state() if self.sync_generator is not None else None
         self._seed_pass()
         owner._in_progress = True
-        self._begin()
+        self.begin()
 
     def _end_pass(self) -> None:
         owner = self._epoch_owner
