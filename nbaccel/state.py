@@ -26,7 +26,7 @@ from nbaccel.hardware import cuda_device_count, tpu_detected
 from nbaccel.identity import WorkerIdentity, current_identity
 
 __all__ = ["AcceleratorState", "GradientState", "PartialState", "ProcessState", "ThreadLocalSharedDict",
-           "is_initialized", "reset_process_state", "wait_for_everyone"]
+           "is_initialized", "reset_process_state", "shared_state", "wait_for_everyone"]
 
 # Accelerate's ``accelerate.state`` holds these too. They build on this module, so they are loaded
 # on first use (an import here would be a cycle).
@@ -258,6 +258,16 @@ class ProcessState:
         return (f"ProcessState(distributed_type={self.distributed_type!r}, process_index={self.process_index}, "
                 f"num_processes={self.num_processes}, device={self.device}, backend={self.backend!r}, "
                 f"mixed_precision={self.mixed_precision!r})")
+
+
+def shared_state() -> dict[str, Any]:
+    """The dict every state object of this process (or XLA replica thread) shares as its ``__dict__``.
+
+    Example:
+        >>> shared_state() is ProcessState().__dict__
+        True
+    """
+    return _state_dict(current_identity())
 
 
 def reset_process_state() -> None:

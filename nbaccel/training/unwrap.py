@@ -22,7 +22,6 @@ def unwrap_model(model: torch.nn.Module, keep_fp32_wrapper: bool = True,
     compiled: torch.nn.Module | None = None
     while True:
         if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)) or is_deepspeed_engine(model):
-            compiled = None  # a compile wrapper around DDP cannot be kept without the DDP inside it
             model = model.module
         elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):
             compiled = model if compiled is None else compiled
@@ -31,7 +30,21 @@ def unwrap_model(model: torch.nn.Module, keep_fp32_wrapper: bool = True,
             break
     if not keep_fp32_wrapper:
         unwrap_forward(model)
-    return compiled if keep_torch_compile and compiled is not None else model
+    if not keep_torch_compile or compiled is None:
+        return model
+    return compiled if compiled._orig_mod is model else _compiled_again(compiled, model)
+
+
+def _compiled_again(compiled: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` under a compile wrapper like ``compiled`` (same dynamo settings), as Accelerate keeps it.
+
+    Accelerate points ``compiled._orig_mod`` at the unwrapped model in place, which takes the DDP
+    out of the prepared model too; a new wrapper leaves the prepared model as it was.
+    """
+    try:
+        return type(compiled)(model, compiled.dynamo_ctx)  # torch's OptimizedModule(mod, dynamo_ctx)
+    except (AttributeError, TypeError):  # a compile wrapper of another kind: the model alone
+        return model
 
 
 def _unwrap_tree(module: torch.nn.Module) -> torch.nn.Module:
