@@ -10,6 +10,7 @@ checks a map given by hand against the model.
 from __future__ import annotations
 
 import difflib
+import logging
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Literal, get_args
@@ -26,6 +27,7 @@ from nbaccel.big_modeling.sizes import (
 )
 from nbaccel.big_modeling.tensors import Device
 from nbaccel.errors import DeviceMapError
+from nbaccel.introspection import check_tied_parameters_in_config
 
 __all__ = [
     "DeviceMapStrategy",
@@ -38,6 +40,7 @@ __all__ = [
 DeviceMapStrategy = Literal["auto", "balanced", "balanced_low_0", "sequential"]
 MapDevice = int | str  # normalized: GPU index, "cpu", "disk", "mps" or "meta"
 _NAMED = ("cpu", "disk", "mps", "meta")
+_log = logging.getLogger(__name__)
 
 
 def infer_auto_device_map(model: nn.Module, max_memory: MaxMemory | None = None,
@@ -83,9 +86,13 @@ def infer_auto_device_map(model: nn.Module, max_memory: MaxMemory | None = None,
         dtype = getattr(torch, dtype.removeprefix("torch."))
     if isinstance(no_split_module_classes, str):
         no_split_module_classes = [no_split_module_classes]
+    tied = find_tied_parameters(model)
+    if not tied and check_tied_parameters_in_config(model):  # as Accelerate: a map for untied weights
+        _log.warning("the model's config ties weights, but its weights are not tied, so they may be "
+                     "placed apart. Fix: call model.tie_weights() before infer_auto_device_map.")
     device_map = place(model, planning_budget(max_memory), list(no_split_module_classes or ()),
-                       dtype, dict(special_dtypes or {}), find_tied_parameters(model),
-                       fallback_allocation, offload_buffers, verbose)
+                       dtype, dict(special_dtypes or {}), tied, fallback_allocation, offload_buffers,
+                       verbose)
     return _clean(model, device_map) if clean_result else device_map
 
 

@@ -112,3 +112,19 @@ def test_zoo_maps_cover_the_model_and_tied_weights_share_a_device(two_fake_gpus,
     for group in accelerate_utils.find_tied_parameters(model):
         devices = {nbaccel.big_modeling.device_map.device_for(n, device_map) for n in group}
         assert len(devices) == 1, group
+
+
+def test_a_config_that_ties_weights_left_untied_is_reported(two_fake_gpus, caplog):
+    model = build("gpt2", True)
+    untied = type(model)(model.config)
+    untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())
+    caplog.set_level("WARNING")
+    logged = []
+    for infer in (accelerate_utils.infer_auto_device_map, infer_auto_device_map):
+        caplog.clear()
+        infer(untied, {"cpu": 10**9})
+        logged.append(any("tie" in r.getMessage() for r in caplog.records))
+        caplog.clear()
+        infer(model, {"cpu": 10**9})
+        logged.append(any("tie" in r.getMessage() for r in caplog.records))
+    assert logged == [True, False, True, False]

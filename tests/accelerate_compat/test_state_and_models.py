@@ -125,3 +125,27 @@ def test_small_helpers_answer_the_same():
     theirs, ours = (small_helpers(lib) for lib in LIBRARIES)
     assert ours == theirs
     assert ours["tp"] == [4, 2, None] and ours["bytes"] == [1, 0.5, 0.25]
+
+
+def warned_on_creation(library: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+                       release: str) -> bool:
+    import platform
+    import warnings
+
+    real = platform.uname()
+    monkeypatch.setattr(platform, "uname", lambda: real._replace(release=release))
+    lib, state = module(library, ""), module(library, "state")
+    state.AcceleratorState._reset_state(reset_partial_state=True)
+    caplog.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lib.Accelerator(cpu=True)
+    state.AcceleratorState._reset_state(reset_partial_state=True)
+    messages = [str(w.message) for w in caught] + [r.getMessage() for r in caplog.records]
+    return any("below the recommended minimum of 5.5.0" in m for m in messages)
+
+
+@pytest.mark.parametrize("release,warns", [("4.19.0-generic", True), ("6.8.0-generic", False)])
+def test_an_old_kernel_is_warned_about_when_an_accelerator_is_made(monkeypatch, caplog, release, warns):
+    caplog.set_level("WARNING")
+    assert [warned_on_creation(lib, monkeypatch, caplog, release) for lib in LIBRARIES] == [warns, warns]
