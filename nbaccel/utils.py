@@ -205,6 +205,8 @@ from nbaccel.training.saving import (
 )
 from nbaccel.training.unwrap import (
     extract_model_from_parallel,
+    has_compiled_regions,
+    is_compiled_module,
 )
 
 __all__ = [
@@ -277,6 +279,7 @@ __all__ = [
     "get_pretty_name",
     "get_state_dict_offloaded_model",
     "get_torch_accelerator_backend",
+    "has_compiled_regions",
     "has_offloaded_params",
     "honor_type",
     "id_tensor_storage",
@@ -284,6 +287,7 @@ __all__ = [
     "infer_auto_device_map",
     "initialize_tensors",
     "is_bf16_available",
+    "is_compiled_module",
     "is_cuda_available",
     "is_datasets_available",
     "is_deepspeed_available",

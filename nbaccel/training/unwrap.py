@@ -7,7 +7,29 @@ import torch
 from nbaccel.training.deepspeed_engine import is_deepspeed_engine
 from nbaccel.training.precision import unwrap_forward
 
-__all__ = ["extract_model_from_parallel", "unwrap_model"]
+__all__ = ["extract_model_from_parallel", "has_compiled_regions", "is_compiled_module", "unwrap_model"]
+
+
+def is_compiled_module(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is ``torch.compile``'s wrapper (an ``OptimizedModule``).
+
+    Example:
+        >>> is_compiled_module(torch.nn.Linear(1, 1))
+        False
+    """
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return isinstance(module, OptimizedModule)
+
+
+def has_compiled_regions(module: torch.nn.Module) -> bool:
+    """Whether ``module`` has submodules (or is one) compiled with ``torch.compile``, as regional compilation leaves them.
+
+    Example:
+        >>> has_compiled_regions(torch.nn.Sequential(torch.nn.Linear(1, 1)))
+        False
+    """
+    return bool(module._modules) and any(is_compiled_module(m) for m in module.modules())
 
 
 def unwrap_model(model: torch.nn.Module, keep_fp32_wrapper: bool = True,

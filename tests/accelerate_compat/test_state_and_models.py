@@ -118,13 +118,18 @@ def small_helpers(library: str) -> dict:
             "tqdm": sum(u.tqdm(range(4), disable=True)),
             "shard is stateful": issubclass(module(library, "data_loader").DataLoaderShard,
                                             module(library, "data_loader").DataLoaderStateMixin),
-            "do_nothing": module(library, "state").do_nothing(1, a=2)}
+            "do_nothing": module(library, "state").do_nothing(1, a=2),
+            "compiled": [u.is_compiled_module(torch.compile(nn.Linear(1, 1), backend="eager")),
+                         u.is_compiled_module(nn.Linear(1, 1)),
+                         u.has_compiled_regions(nn.Sequential(torch.compile(nn.Linear(1, 1), backend="eager"))),
+                         u.has_compiled_regions(nn.Sequential(nn.Linear(1, 1)))]}
 
 
 def test_small_helpers_answer_the_same():
     theirs, ours = (small_helpers(lib) for lib in LIBRARIES)
     assert ours == theirs
     assert ours["tp"] == [4, 2, None] and ours["bytes"] == [1, 0.5, 0.25]
+    assert ours["compiled"] == [True, False, True, False]
 
 
 def warned_on_creation(library: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,

@@ -34,7 +34,8 @@ _LAUNCH = "Accelerate's CLI / SageMaker / TPU-pod launch internals: nbaccel laun
 _STATEFUL = ("torchdata's StatefulDataLoader integration (the adapter wraps either loader): nbaccel's loaders subclass "
              "torch's DataLoader directly")
 _TRACKERS = "trackers nbaccel does not integrate (it has TensorBoard, MLflow, W&B and trackio)"
-_COMPILE = "torch.compile regions, dynamo plugin and profiler kwargs: not supported by nbaccel's Accelerator yet"
+_COMPILE = ("the Accelerator's torch.compile and profiler integration (dynamo_backend, regional compilation, profile()): "
+            "nbaccel's Accelerator has none; compile the model before prepare")
 
 NOT_HERE: dict[str, str] = {
     **dict.fromkeys("is_hpu_available is_habana_gaudi1 is_mlu_available is_musa_available is_neuron_available "
@@ -64,8 +65,7 @@ NOT_HERE: dict[str, str] = {
                     "check_cuda_p2p_ib_support get_gpu_info".split(), _LAUNCH),
     **dict.fromkeys("is_aim_available is_clearml_available is_comet_ml_available is_dvclive_available "
                     "is_swanlab_available".split(), _TRACKERS),
-    **dict.fromkeys("ProfileKwargs DynamoBackend TorchDynamoPlugin compile_regions has_compiled_regions "
-                    "is_compiled_module".split(), _COMPILE),
+    **dict.fromkeys("ProfileKwargs DynamoBackend TorchDynamoPlugin compile_regions".split(), _COMPILE),
     "DataLoaderAdapter": _STATEFUL,
 }
 """Accelerate names nbaccel does not have, with the reason; the README lists the same."""
