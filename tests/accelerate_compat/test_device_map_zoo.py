@@ -15,7 +15,7 @@ import torch
 
 import nbaccel.hardware
 from nbaccel.big_modeling import compute_module_sizes, infer_auto_device_map
-from nbaccel.big_modeling.device_map import check_device_map
+from nbaccel.big_modeling.device_map import check_device_map, device_for
 
 accelerate_utils = pytest.importorskip("accelerate.utils")
 transformers = pytest.importorskip("transformers")
@@ -110,7 +110,7 @@ def test_zoo_maps_cover_the_model_and_tied_weights_share_a_device(two_fake_gpus,
     assert len(set(device_map.values())) > 1  # the model is really spread
     assert check_device_map(model, device_map) == device_map
     for group in accelerate_utils.find_tied_parameters(model):
-        devices = {nbaccel.big_modeling.device_map.device_for(n, device_map) for n in group}
+        devices = {device_for(n, device_map) for n in group}
         assert len(devices) == 1, group
 
 
