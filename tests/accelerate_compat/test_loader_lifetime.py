@@ -85,3 +85,22 @@ def test_a_dropped_loader_is_freed_by_reference_counting(mid_pass):
     ours, theirs = dropped("nbaccel", mid_pass), dropped("accelerate", mid_pass)
     assert ours == theirs == {"kept_by_registry": True, "after_registry": False,
                               "after_accelerator": False}
+
+
+def registered_then_dropped(library: str) -> dict:
+    """A loader registered with the gradient state (as a pass does when it starts) and then dropped."""
+    _, accelerator = fresh_accelerator(library)
+    loader = accelerator.prepare(DataLoader(list(range(10)), batch_size=2))
+    accelerator._dataloaders.clear()
+    accelerator.gradient_state._add_dataloader(loader)
+    active = accelerator.gradient_state.active_dataloader is loader
+    reference = weakref.ref(loader)
+    del loader
+    gc.collect()
+    return {"active while alive": active, "freed": reference() is None,
+            "active after": accelerator.gradient_state.active_dataloader}
+
+
+def test_the_gradient_state_holds_loaders_weakly():
+    ours, theirs = registered_then_dropped("nbaccel"), registered_then_dropped("accelerate")
+    assert ours == theirs == {"active while alive": True, "freed": True, "active after": None}
