@@ -15,6 +15,7 @@ copied into the offload folder when offloaded.
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -39,6 +40,8 @@ from nbaccel.big_modeling.tensors import Device, set_module_tensor_to_device
 from nbaccel.errors import CheckpointMismatchError, ConfigError
 
 __all__ = ["load_checkpoint_and_dispatch", "load_checkpoint_in_model"]
+
+_log = logging.getLogger(__name__)
 
 
 def _sources(model: nn.Module, ckpt: Checkpoint, strict: bool) -> dict[str, str]:
@@ -72,10 +75,11 @@ def _sources(model: nn.Module, ckpt: Checkpoint, strict: bool) -> dict[str, str]
             "saved from this model's class and configuration.", path=ckpt.path,
             missing_keys=tuple(missing), unexpected_keys=tuple(unexpected),
             mismatched_shapes=shapes)
-    if unexpected:
-        warnings.warn(f"the checkpoint {ckpt.path} holds {len(unexpected)} tensor(s) the model "
-                      f"does not have, first {unexpected[:5]}; they were ignored (pass "
-                      "strict=True to make this an error).", stacklevel=3)
+    if unexpected:  # logged, not warned, as Accelerate does: a warning filter set to "error"
+        # must not turn a checkpoint with extra tensors (a head, a buffer) into a failure
+        _log.warning("the checkpoint %s holds %d tensor(s) the model does not have, first %s; "
+                     "they were ignored (pass strict=True to make this an error).", ckpt.path,
+                     len(unexpected), unexpected[:5])
     unloaded = [n for n in tensors if n not in sources]
     if unloaded:
         warnings.warn(f"the checkpoint {ckpt.path} has no values for {len(unloaded)} tensor(s), "
