@@ -168,11 +168,13 @@ def import_used_exports(used: Iterable[str]) -> None:
     Example:
         >>> import_used_exports(["notebook_launcher", "not_an_export"])
     """
-    import nbaccel
+    import importlib
 
-    for name in sorted(set(used) & set(nbaccel.__all__)):
+    from nbaccel.exports import EXPORTS
+
+    for module in sorted({EXPORTS[name] for name in set(used) & set(EXPORTS)} - set(sys.modules)):
         try:
-            getattr(nbaccel, name)
+            importlib.import_module(module)
         except Exception:  # noqa: BLE001 - e.g. a missing optional dependency: the worker reports it
             continue
 
