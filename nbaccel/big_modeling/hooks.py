@@ -201,6 +201,11 @@ class AlignDevicesHook(ModelHook):
         prefetch: a callable run after this module's weights are loaded, to start fetching
             the next offloaded module's weights while this one computes.
 
+    Attributes:
+        streamed: set by :func:`~.streamed_offload.stream_offloaded`: gives the offloaded weights
+            already on the execution device (copied ahead of time), or ``None`` when they must be
+            loaded the plain way.
+
     Example:
         >>> lin = torch.nn.Linear(2, 2)
         >>> x = torch.ones(1, 2); ref = lin(x)
@@ -223,6 +228,8 @@ class AlignDevicesHook(ModelHook):
         self.place_submodules = place_submodules
         self.skip_keys = skip_keys
         self.prefetch = prefetch
+        self.streamed: Any = None
+        self._streaming: list[bool] = []  # per (possibly nested) call: weights came from a slot
         self.input_device: torch.device | None = None
         self.original_devices: dict[str, torch.device] = {}
 
@@ -263,9 +270,11 @@ class AlignDevicesHook(ModelHook):
         if self.io_same_device:
             self.input_device = find_device([args, kwargs])
         if self.offload:
+            values = self.streamed.acquire() if self.streamed is not None else None
+            self._streaming.append(values is not None)
             for name in self._names(module):
                 set_module_tensor_to_device(module, name, self.execution_device,
-                                            value=self.weights_map[name])
+                                            value=(self.weights_map if values is None else values)[name])
             if self.prefetch is not None:
                 self.prefetch()
         if self.execution_device is None:
@@ -277,6 +286,8 @@ class AlignDevicesHook(ModelHook):
         if self.offload:
             for name in self._names(module):
                 set_module_tensor_to_device(module, name, "meta")
+            if self._streaming and self._streaming.pop():
+                self.streamed.release()
         if self.io_same_device and self.input_device is not None:
             output = send_to_device(output, self.input_device, skip_keys=self.skip_keys)
         return output
