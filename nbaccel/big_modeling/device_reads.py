@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from nbaccel.big_modeling.checkpoint_files import TensorInfo
-from nbaccel.big_modeling.cpu_copies import _Descriptors, copy_threads
+from nbaccel.big_modeling.cpu_copies import FileDescriptors, copy_threads
 
 __all__ = ["BUFFER_BYTES", "Read", "plan_reads", "read_to_devices"]
 
@@ -93,7 +93,7 @@ class _Reader:
                 stream = self.streams[device] = torch.cuda.Stream(device)
                 stream.wait_stream(waits_for[device])  # the results were allocated there
 
-    def run(self, take: Callable[[], Read | None], files: _Descriptors,
+    def run(self, take: Callable[[], Read | None], files: FileDescriptors,
             outs: Sequence[torch.Tensor], on_piece: Callable[[int, int], None] | None) -> None:
         turn = 0
         try:
@@ -161,7 +161,7 @@ def read_to_devices(infos: Sequence[TensorInfo], devices: Sequence[torch.device 
     reads = plan_reads(infos, buffer_bytes)
     if not reads:
         return outs
-    files = _Descriptors(infos)
+    files = FileDescriptors(infos)
     try:
         _run_readers(reads, files, outs, {o.device for o in outs}, readers, on_piece)
     finally:
@@ -169,7 +169,7 @@ def read_to_devices(infos: Sequence[TensorInfo], devices: Sequence[torch.device 
     return outs
 
 
-def _run_readers(reads: list[Read], files: _Descriptors, outs: Sequence[torch.Tensor],
+def _run_readers(reads: list[Read], files: FileDescriptors, outs: Sequence[torch.Tensor],
                  devices: set[torch.device], readers: int | None,
                  on_piece: Callable[[int, int], None] | None) -> None:
     """Run the readers over the shared queue; the first error stops the others and is raised."""
