@@ -87,10 +87,14 @@ class SlotRing:
             if slot is None:
                 return None
             self._load(slot, group)
+        try:
+            self.engine.use(slot)
+        except BaseException:
+            self.holds[slot] = None  # the copy failed (a file cut short): copy again next time
+            raise
         self.busy[slot] += 1
         self._clock += 1
         self.last_use[slot] = self._clock
-        self.engine.use(slot)
         self._prefetch(group)
         return slot
 

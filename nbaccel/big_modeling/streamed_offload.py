@@ -96,6 +96,9 @@ class SlotEngine:
                                    pin_memory=self.cuda) if staged else None
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         if self.stream is not None:
+            # The allocator may hand out memory that work queued on the current stream still
+            # uses (safe on that stream only): the copy stream starts after that work.
+            self.stream.wait_stream(torch.cuda.current_stream(device))
             self.buffers.record_stream(self.stream)  # freed only after the copy stream's work
         self.views = [[self._views(s, g) for g in groups] for s in range(slots)]
         self.ready: list[Any] = [None] * slots  # event: the last copy into the slot is done

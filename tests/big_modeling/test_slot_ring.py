@@ -162,3 +162,21 @@ def test_pin_tensors_copies_values_dtype_and_shape() -> None:
     assert out[2] is None  # nothing to pin
     assert pin_tensors([torch.ones(1000)], cap=100, pin=False) == [None]
     assert pinned_cap(0.5) <= pinned_cap(1.0)
+
+
+def test_a_failed_copy_is_not_used_later() -> None:
+    class Failing(FakeEngine):
+        fail = True
+
+        def use(self, slot: int) -> None:
+            if self.fail:
+                raise OSError("read failed")
+            super().use(slot)
+
+    engine = Failing(2)
+    ring = SlotRing(3, 2, engine)
+    with pytest.raises(OSError):
+        ring.acquire(0)
+    assert ring.holds == [None, None] and ring.busy == [0, 0]
+    engine.fail = False
+    assert engine.content[ring.acquire(0)] == 0

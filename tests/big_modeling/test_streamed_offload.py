@@ -52,6 +52,17 @@ def test_cpu_offloaded_model_streams_bit_identically(slots: int) -> None:
     assert all(h.streamed.offload is hooks[0].streamed.offload for h in hooks)
 
 
+def test_streams_under_inference_mode_too() -> None:
+    ids = sample_ids()
+    with torch.no_grad():
+        expected = make_model()(ids)
+    model = cpu_offload(make_model(), "cpu")
+    _streamed(model)
+    with torch.inference_mode():
+        for _ in range(2):
+            assert torch.equal(model(ids), expected)
+
+
 def test_pinned_copies_replace_the_loaders_tensors_once() -> None:
     model = cpu_offload(make_model(), "cpu")
     hooks = _streamed(model)
@@ -128,6 +139,8 @@ def test_a_file_cut_short_after_dispatch_is_raised_in_the_forward(tmp_path: os.P
         f.truncate(size // 2)
     with torch.no_grad(), pytest.raises(CheckpointError, match="truncated"):
         model(sample_ids())
+    with torch.no_grad(), pytest.raises(CheckpointError, match="truncated"):
+        model(sample_ids())  # the failed slot is copied again, and fails again, rather than used
 
 
 def test_hooks_without_a_loader_are_left_plain() -> None:
