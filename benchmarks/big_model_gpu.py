@@ -102,12 +102,14 @@ def _offloaded_bytes(model: nn.Module) -> int:
 
 def worker(lib: str, case: str, index: str, layers: int, width: int, out: str) -> dict:
     """One measurement, in its own process."""
+    import safetensors.torch
+
+    if lib != "torch":
+        init_empty_weights, load_and_dispatch = _loaders(lib)  # imports are not timed
     x = torch.randn(4, width, generator=torch.Generator().manual_seed(1)).to("cuda:0", torch.bfloat16)
-    torch.cuda.synchronize()
+    torch.cuda.synchronize()  # CUDA is initialized before the clock starts, for every library
     start = time.perf_counter()
     if lib == "torch":
-        import safetensors.torch
-
         state = {}
         for path in sorted(Path(index).parent.glob("*.safetensors")):
             state.update(safetensors.torch.load_file(str(path), device="cuda:0"))
@@ -117,7 +119,6 @@ def worker(lib: str, case: str, index: str, layers: int, width: int, out: str) -
             model = _model(layers, width).to(torch.bfloat16)
         model.load_state_dict(state, assign=True)  # the GPU tensors themselves, no copy
     else:
-        init_empty_weights, load_and_dispatch = _loaders(lib)
         with init_empty_weights():
             model = _model(layers, width).to(torch.bfloat16)
         budget = {"load": None, "auto_cpu": {0: "1GiB", "cpu": "200GiB"},
@@ -168,10 +169,30 @@ def report(results: dict, bus: float, total: int) -> None:
         print(f"  {what}: {'; '.join(cells)}; limit {limit:.4f} ({crossing / 2**30:.2f} GiB over "
               f"the bus)\n      ratios: {'; '.join(ratios)}; nbaccel/limit {nb / limit:.2f}")
         if case != "load":
+            loads = [f"{lib} {_med([r['load_s'] for r in runs[lib]]):.3f}" for lib in LIBS[:2]
+                     if runs[lib]]
+            print(f"      load (s, pinning included): {'; '.join(loads)}")
             acc = [r["offloaded"] for r in runs["accelerate"]]
             if acc:
                 print(f"      offloaded: nbaccel {crossing / 2**30:.2f} GiB, Accelerate "
                       f"{_med(acc) / 2**30:.2f} GiB (nbaccel keeps room for 3 slots on the GPU)")
+
+
+def goals(results: dict, bus: float, total: int) -> None:
+    """Issue 25's goals, met or not, from the medians."""
+    def med(case: str, lib: str, key: str) -> float:
+        return _med([r[key] for r in results[(case, lib)]])
+
+    checks = [("load onto one GPU <= 0.35x load_file(device='cuda')",
+               med("load", "nbaccel", "load_s") / med("load", "torch", "load_s"), 0.35)]
+    for case in ("auto_cpu", "auto_disk"):
+        nb = med(case, "nbaccel", "forward_s")
+        checks += [(f"{case} forward <= 0.25x Accelerate", nb / med(case, "accelerate", "forward_s"), 0.25),
+                   (f"{case} forward <= 1.5x the bus-bound limit",
+                    nb / (med(case, "nbaccel", "offloaded") / bus), 1.5)]
+    print("\n=== goals (issue 25) ===")
+    for label, value, limit in checks:
+        print(f"  {label}: {value:.2f} {'met' if value <= limit else 'NOT met'}")
 
 
 def run(rounds: int = 3, layers: int = 32, width: int = 8192) -> None:
@@ -204,6 +225,7 @@ def run(rounds: int = 3, layers: int = 32, width: int = 8192) -> None:
             print(f"outputs of {case}, nbaccel and Accelerate, identical: "
                   f"{all(torch.equal(outs[0], o) for o in outs)}")
         report(results, bus, total)
+        goals(results, bus, total)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
