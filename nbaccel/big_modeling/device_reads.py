@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,7 +133,8 @@ class _Reader:
 
 def read_to_devices(infos: Sequence[TensorInfo], devices: Sequence[torch.device | str],
                     buffer_bytes: int = BUFFER_BYTES, readers: int | None = None,
-                    on_piece: Callable[[int, int], None] | None = None) -> list[torch.Tensor]:
+                    on_piece: Callable[[int, int], None] | None = None,
+                    on_wait: Callable[[], None] | None = None) -> list[torch.Tensor]:
     """Read tensors from their files into new tensors, each on its own device, on reader threads.
 
     Args:
@@ -142,6 +143,7 @@ def read_to_devices(infos: Sequence[TensorInfo], devices: Sequence[torch.device 
         buffer_bytes: each pinned buffer's size (at most the largest read).
         readers: reader threads (default :func:`~.cpu_copies.copy_threads`).
         on_piece: called ``(tensor index, bytes)`` from a reader as bytes are issued (progress).
+        on_wait: called about every 0.1 s in the calling thread while the readers run.
 
     Returns:
         The tensors, in the order of ``infos``; every copy has finished.
@@ -165,7 +167,7 @@ def read_to_devices(infos: Sequence[TensorInfo], devices: Sequence[torch.device 
         return outs
     files = FileDescriptors(infos)
     try:
-        _run_readers(reads, files, outs, {o.device for o in outs}, readers, on_piece)
+        _run_readers(reads, files, outs, {o.device for o in outs}, readers, on_piece, on_wait)
     finally:
         files.close()
     return outs
@@ -173,7 +175,8 @@ def read_to_devices(infos: Sequence[TensorInfo], devices: Sequence[torch.device 
 
 def _run_readers(reads: list[Read], files: FileDescriptors, outs: Sequence[torch.Tensor],
                  devices: set[torch.device], readers: int | None,
-                 on_piece: Callable[[int, int], None] | None) -> None:
+                 on_piece: Callable[[int, int], None] | None,
+                 on_wait: Callable[[], None] | None) -> None:
     """Run the readers over the shared queue; the first error stops the others and is raised."""
     size = max(r.nbytes for r in reads)
     count = max(1, min(readers or copy_threads(), len(reads)))
@@ -193,5 +196,8 @@ def _run_readers(reads: list[Read], files: FileDescriptors, outs: Sequence[torch
 
     with ThreadPoolExecutor(count, thread_name_prefix="nbaccel-gpu-read") as pool:
         futures = [pool.submit(work) for _ in range(count)]
+        while wait(futures, timeout=0.1).not_done:
+            if on_wait is not None:
+                on_wait()
     for future in futures:
         future.result()

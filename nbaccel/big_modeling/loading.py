@@ -173,6 +173,7 @@ def _load_into(model: nn.Module, ckpt: Checkpoint, sources: Mapping[str, str],
             loaded[(key, home)] = model.get_parameter(name) if name not in buffers \
                 else model.get_buffer(name)
         progress.done(key)
+        progress.tick()
     if offload_folder is not None and (copies or index_needs_folder):
         save_offload_index(index, offload_folder)
     return index

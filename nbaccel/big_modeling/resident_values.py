@@ -46,7 +46,7 @@ def staged_to_gpus(ckpt: Checkpoint, sources: Mapping[str, str], homes: Mapping[
             progress.done(keys[k])
 
     tensors = read_to_devices(infos, [torch.device("cuda", gpu) for _, gpu in wanted],
-                              on_piece=issued)
+                              on_piece=issued, on_wait=progress.tick)
     return dict(zip(wanted, tensors))
 
 

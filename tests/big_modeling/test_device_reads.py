@@ -71,3 +71,16 @@ def test_a_file_cut_short_is_found_before_any_read_and_named(tmp_path) -> None:
 def test_nothing_to_read_gives_empty_tensors() -> None:
     out = read_to_devices([_info("nowhere", 0, 0)], ["cpu"])
     assert out[0].shape == (0,)
+
+
+def test_the_caller_is_called_back_in_its_own_thread_while_readers_run(tmp_path) -> None:
+    import threading
+    import time
+
+    path = tmp_path / "w.safetensors"
+    safetensors.torch.save_file({"w": torch.ones(64)}, path)
+    info = SafetensorsFile(path).tensors["w"]
+    seen = []
+    read_to_devices([info], ["cpu"], on_piece=lambda k, n: time.sleep(0.5),
+                    on_wait=lambda: seen.append(threading.current_thread()))
+    assert seen and set(seen) == {threading.current_thread()}

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from nbaccel.big_modeling import load_checkpoint_and_dispatch, load_checkpoint_in_model
+from nbaccel.big_modeling import load_progress
 from nbaccel.big_modeling.load_progress import ShardProgress
 from nbaccel.errors import CheckpointMismatchError
 from tests.big_modeling.helpers import empty_model, make_model, save_checkpoint
@@ -13,14 +14,20 @@ from tests.big_modeling.helpers import empty_model, make_model, save_checkpoint
 pytest.importorskip("tqdm")
 
 
-def test_a_sharded_load_shows_one_step_per_shard_on_stderr(tmp_path, capsys) -> None:
+@pytest.fixture
+def no_delay(monkeypatch):
+    """Show the bar at once (a test's loads are far shorter than DELAY_S)."""
+    monkeypatch.setattr(load_progress, "DELAY_S", 0.0)
+
+
+def test_a_sharded_load_shows_one_step_per_shard_on_stderr(tmp_path, capsys, no_delay) -> None:
     ckpt = save_checkpoint(make_model(), tmp_path, shards=3)
     load_checkpoint_in_model(empty_model(), ckpt)
     err = capsys.readouterr().err
     assert "Loading checkpoint shards" in err and "3/3" in err
 
 
-def test_show_progress_false_and_single_files_show_nothing(tmp_path, capsys) -> None:
+def test_show_progress_false_and_single_files_show_nothing(tmp_path, capsys, no_delay) -> None:
     sharded = save_checkpoint(make_model(), tmp_path / "sharded", shards=3)
     load_checkpoint_and_dispatch(empty_model(), sharded, {"": "cpu"}, show_progress=False)
     single = save_checkpoint(make_model(), tmp_path / "single")
@@ -28,7 +35,13 @@ def test_show_progress_false_and_single_files_show_nothing(tmp_path, capsys) -> 
     assert "Loading checkpoint shards" not in capsys.readouterr().err
 
 
-def test_the_bar_counts_offloaded_and_tied_keys_once(tmp_path, capsys) -> None:
+def test_a_load_shorter_than_the_delay_shows_no_bar(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(load_progress, "DELAY_S", 3600.0)
+    load_checkpoint_in_model(empty_model(), save_checkpoint(make_model(), tmp_path, shards=3))
+    assert "Loading checkpoint shards" not in capsys.readouterr().err
+
+
+def test_the_bar_counts_offloaded_and_tied_keys_once(tmp_path, capsys, no_delay) -> None:
     ckpt = save_checkpoint(make_model(), tmp_path, shards=2)
     model = load_checkpoint_and_dispatch(empty_model(), ckpt, {"": "cpu", "blocks": "disk"})
     assert model.blocks[0].up.weight.device.type == "meta"
@@ -36,7 +49,7 @@ def test_the_bar_counts_offloaded_and_tied_keys_once(tmp_path, capsys) -> None:
     assert "2/2" in err and "3/2" not in err
 
 
-def test_a_failed_load_leaves_no_bar_open(tmp_path, monkeypatch) -> None:
+def test_a_failed_load_leaves_no_bar_open(tmp_path, monkeypatch, no_delay) -> None:
     closed = []
     monkeypatch.setattr(ShardProgress, "close", lambda self: closed.append(self.finished))
     ckpt = save_checkpoint(make_model(), tmp_path, shards=2)
@@ -52,9 +65,26 @@ def test_a_failed_load_leaves_no_bar_open(tmp_path, monkeypatch) -> None:
     assert closed == [0]
 
 
-def test_shard_progress_counts_files_whose_keys_are_all_done() -> None:
+def test_shard_progress_counts_files_whose_keys_are_all_done(no_delay) -> None:
     with ShardProgress({"a": "1", "b": "1", "c": "2"}, show=False) as bar:
         bar.done("a")
         assert bar.finished == 0
         bar.done_all(["b", "b", "unknown", "c"])
+        bar.tick()
         assert bar.finished == 2 and bar.bar is None
+    with ShardProgress({"a": "1", "b": "2"}) as bar:
+        bar.done("a")
+        bar.tick()
+        assert bar.bar.n == 1
+
+
+def test_reports_from_reader_threads_move_the_bar_in_the_callers_thread(no_delay) -> None:
+    import threading
+
+    with ShardProgress({"a": "1", "b": "2"}) as bar:
+        reader = threading.Thread(target=bar.done_all, args=(["a", "b"],))
+        reader.start()
+        reader.join()
+        assert bar.bar is None  # a reader only counts
+        bar.tick()
+        assert bar.bar.n == 2
