@@ -132,9 +132,14 @@ def _check_dispatch(folder: Path, full: _Stack, blocks: int) -> None:
                f"(max diff {(y.float() - expected.float()).abs().max().item():.3g})")
 
 
-def _check_streaming(folder: Path, full: _Stack, blocks: int, device: torch.device) -> None:
+def _check_streaming(folder: Path, blocks: int, device: torch.device) -> None:
+    import safetensors.torch
+
     from gpu_checks.streaming_checks import check_streaming
 
+    full = _Stack(blocks, 1024).eval()  # fresh from the files: _check_dispatch cast its model
+    full.load_state_dict({k: v for f in sorted(folder.glob("model-*.safetensors"))
+                          for k, v in safetensors.torch.load_file(str(f)).items()})
     x = torch.randn(4, 1024, generator=torch.Generator().manual_seed(1)).to(device)
     resident = 0 if device.type == "cuda" else "cpu"
     maps = {"cpu": {"blocks": "cpu", "out": resident}, "disk": {"blocks": "disk", "out": resident}}
@@ -157,13 +162,13 @@ def check_gpu_loading(mib: int = 512, cpu: bool = False) -> None:
         folder = Path(tmp)
         full, blocks = _write(folder, mib)
         if cpu:
-            _check_streaming(folder, full, blocks, torch.device("cpu"))
+            _check_streaming(folder, blocks, torch.device("cpu"))
             return
         _check_staging(folder)
         _timed_loads(folder)
         (folder / "odd.safetensors").unlink()
         _check_dispatch(folder, full, blocks)
-        _check_streaming(folder, full, blocks, torch.device("cuda", 0))
+        _check_streaming(folder, blocks, torch.device("cuda", 0))
 
 
 def main() -> None:
