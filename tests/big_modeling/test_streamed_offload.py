@@ -63,6 +63,30 @@ def test_streams_under_inference_mode_too() -> None:
             assert torch.equal(model(ids), expected)
 
 
+def test_a_forward_that_raises_gives_its_slot_back() -> None:
+    ids = sample_ids()
+    with torch.no_grad():
+        expected = make_model()(ids)
+    model = cpu_offload(make_model(), "cpu")
+    hooks = _streamed(model)
+    ring = hooks[0].streamed.offload.ring
+    for _ in range(ring.slots + 1):  # more failures than slots: none may stay busy
+        with torch.no_grad(), pytest.raises(RuntimeError):
+            model(ids.float())  # the embedding wants integer ids
+    assert ring.busy == [0] * ring.slots and all(h._streaming == [] for h in hooks)
+    assert model.embed.weight.device.type == "meta"
+    with torch.no_grad():
+        assert torch.equal(model(ids), expected)
+    assert any(g is not None for g in ring.holds)  # still streaming
+
+
+def test_without_streaming_a_failed_forward_unloads_the_weights_too() -> None:
+    model = cpu_offload(make_model(), "cpu")
+    with torch.no_grad(), pytest.raises(RuntimeError):
+        model(sample_ids().float())
+    assert model.embed.weight.device.type == "meta"
+
+
 def test_pinned_copies_replace_the_loaders_tensors_once() -> None:
     model = cpu_offload(make_model(), "cpu")
     hooks = _streamed(model)
