@@ -29,6 +29,7 @@ carries it out. What always holds:
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -298,10 +299,33 @@ def stream_offloaded(hooks: Sequence[tuple[Any, Sequence[str]]], device: torch.d
     if not groups:
         return plain
     _pin(to_pin, pinned_cap() if cap is None else cap, device.type == "cuda")
-    offload = StreamedOffload(device, groups, slots)
+    offload = _fitting(device, groups, slots)
+    if offload is None:
+        return [*plain, *owners]
     for index, hook in enumerate(owners):
         hook.streamed = StreamedGroup(offload, index)
     return plain
+
+
+def _fitting(device: torch.device, groups: list[list[Member]], slots: int) -> StreamedOffload | None:
+    """The pipeline with as many of ``slots`` device buffers as fit (at least 2, so one group
+    computes while the next arrives, unless 1 was asked for); ``None`` when fewer fit. A map made
+    by ``infer_auto_device_map`` itself keeps room for one piece only, as Accelerate's does."""
+    for count in range(slots, min(2, slots) - 1, -1):
+        try:
+            offload = StreamedOffload(device, groups, count)
+        except torch.cuda.OutOfMemoryError:
+            continue
+        if count < slots:
+            warnings.warn(f"only {count} of {slots} offload slots fit on {device}: offloaded layers "
+                          "stream with less prefetch. To keep room for all of them, build the map "
+                          "with load_checkpoint_and_dispatch (it reserves them) or lower max_memory "
+                          f"for {device}.", stacklevel=4)
+        return offload
+    warnings.warn(f"no room for 2 offload slots on {device}: offloaded layers load their weights "
+                  "one by one, without streaming. Fix: lower max_memory for that GPU so the map "
+                  "leaves room for a few of its largest layers.", stacklevel=4)
+    return None
 
 
 def _pin(found: list[tuple[Member, tuple]], cap: int, pin: bool) -> None:

@@ -167,6 +167,37 @@ def test_a_file_cut_short_after_dispatch_is_raised_in_the_forward(tmp_path: os.P
         model(sample_ids())  # the failed slot is copied again, and fails again, rather than used
 
 
+def test_fewer_slots_when_the_device_is_short_of_memory(monkeypatch) -> None:
+    from nbaccel.big_modeling import streamed_offload
+
+    real = streamed_offload.SlotEngine.__init__
+    room = {"slots": 2}
+
+    def short(self, device, groups, slots, readers=4):  # noqa: ANN001, ANN202
+        if slots > room["slots"]:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        real(self, device, groups, slots, readers)
+
+    monkeypatch.setattr(streamed_offload.SlotEngine, "__init__", short)
+    ids = sample_ids()
+    with torch.no_grad():
+        expected = make_model()(ids)
+    model = cpu_offload(make_model(), "cpu")
+    with pytest.warns(UserWarning, match="only 2 of 3 offload slots fit"):
+        stream_offloaded(_offload_hooks(model), CPU, slots=3, cap=2**30)
+    hooks = _offload_hooks(model)
+    assert hooks[0][0].streamed.offload.ring.slots == 2
+    with torch.no_grad():
+        assert torch.equal(model(ids), expected)
+    room["slots"] = 1
+    model = cpu_offload(make_model(), "cpu")
+    with pytest.warns(UserWarning, match="no room for 2 offload slots"):
+        plain = stream_offloaded(_offload_hooks(model), CPU, slots=3, cap=2**30)
+    assert len(plain) == len(_offload_hooks(model)) and all(h.streamed is None for h in plain)
+    with torch.no_grad():
+        assert torch.equal(model(ids), expected)
+
+
 def test_hooks_without_a_loader_are_left_plain() -> None:
     hook = AlignDevicesHook("cpu", offload=True, weights_map={"w": torch.ones(1)})
     assert stream_offloaded([(hook, ["w"])], CPU) == [hook]
