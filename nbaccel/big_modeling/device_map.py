@@ -237,12 +237,16 @@ def resolve_device_map(model: nn.Module, device_map: DeviceMapStrategy | Mapping
                        max_memory: MaxMemory | None = None,
                        no_split_module_classes: Sequence[str] | None = None,
                        dtype: torch.dtype | str | None = None,
-                       offload_buffers: bool = False) -> dict[str, MapDevice]:
+                       offload_buffers: bool = False,
+                       reserved_slots: int = 1) -> dict[str, MapDevice]:
     """A checked device map, inferring one from a strategy name.
 
     ``"auto"`` and ``"balanced"`` spread the model evenly over the GPUs, ``"balanced_low_0"``
     keeps GPU 0 as free as possible, ``"sequential"`` fills each GPU in turn; each then
-    overflows to CPU and disk. On a CPU-only machine all four fill CPU, then disk.
+    overflows to CPU and disk. On a CPU-only machine all four fill CPU, then disk. With
+    ``reserved_slots`` above 1, an inferred map that offloads part of the model is placed again
+    with room for that many of the largest pieces on the first GPU (see
+    :func:`_reserve_slots`), where :func:`infer_auto_device_map`, as Accelerate's, keeps one.
 
     Raises:
         DeviceMapError: an unknown strategy, or a map that does not fit the model.
@@ -262,6 +266,28 @@ def resolve_device_map(model: nn.Module, device_map: DeviceMapStrategy | Mapping
         if device_map != "sequential":
             max_memory = get_balanced_memory(model, max_memory, no_split_module_classes, dtype,
                                              low_zero=device_map == "balanced_low_0")
-        device_map = infer_auto_device_map(model, max_memory, no_split_module_classes, dtype,
-                                           offload_buffers=offload_buffers)
+        inferred = infer_auto_device_map(model, max_memory, no_split_module_classes, dtype,
+                                         offload_buffers=offload_buffers)
+        device_map = _reserve_slots(model, inferred, max_memory, reserved_slots,
+                                    no_split_module_classes, dtype, offload_buffers)
     return check_device_map(model, device_map, on_this_machine=True)
+
+
+def _reserve_slots(model: nn.Module, device_map: dict[str, MapDevice], max_memory: MaxMemory | None,
+                   slots: int, no_split: Sequence[str] | None, dtype: torch.dtype | str | None,
+                   offload_buffers: bool) -> dict[str, MapDevice]:
+    """The map placed again with ``slots - 1`` more of the largest pieces kept free on the first
+    GPU, when ``device_map`` offloads something there: the streamed offload keeps ``slots``
+    offloaded layers on that GPU at once (:mod:`.streamed_offload`)."""
+    budget = planning_budget(max_memory)
+    gpus = [d for d in budget if isinstance(d, int) and budget[d] > 0]
+    if slots <= 1 or not gpus or not any(d in ("cpu", "disk") for d in device_map.values()):
+        return device_map
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."))
+    sizes = compute_module_sizes(model, dtype=dtype)
+    largest, _ = get_max_layer_size(list(model.named_children()), sizes, list(no_split or ()))
+    budget[gpus[0]] = max(0, budget[gpus[0]] - (slots - 1) * largest)
+    _log.info("placing again with %d bytes kept on GPU %d for %d offload slots",
+              slots * largest, gpus[0], slots)
+    return infer_auto_device_map(model, budget, no_split, dtype, offload_buffers=offload_buffers)

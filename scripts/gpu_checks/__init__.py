@@ -6,6 +6,8 @@
 - :mod:`gpu_checks.workers`: the training code the checks launch on the GPUs.
 - :mod:`gpu_checks.training_checks`: counting GPUs, collectives, data, precision, FSDP.
 - :mod:`gpu_checks.model_checks`: device maps, offload and loading checkpoints onto a GPU.
+- :mod:`gpu_checks.streaming_checks`: the streamed offload (run by ``scripts/check_gpu_loading.py``,
+  not by ``check_gpu.py``; it touches CUDA in this process).
 - :mod:`gpu_checks.lifecycle_checks`: choosing GPUs, failures, interrupts, magics, fp8, and
   launches after this process touched CUDA (last, on purpose).
 

@@ -135,3 +135,20 @@ def test_balanced_low_0_keeps_gpu_0_lighter(fake_gpus):
     assert gpu_0["auto"] == gpu_0["balanced"] == ["embed", *(f"blocks.{i}" for i in range(4))]
     assert all(maps[s] == _accelerate_map(model, s, budget) for s in STRATEGIES)
     assert set(maps["auto"].values()) == {0, 1}
+
+
+def test_reserved_slots_keep_room_for_streamed_layers_on_the_first_gpu(fake_gpus):
+    fake_gpus(10**9)
+    budget = {0: 3 * BLOCK, "cpu": CPU}
+    one = resolve_device_map(empty_model(), "sequential", budget, ["Block"])
+    three = resolve_device_map(empty_model(), "sequential", budget, ["Block"], reserved_slots=3)
+
+    def on_gpu(device_map: dict) -> list[str]:
+        return [k for k, d in device_map.items() if d == 0]
+
+    # with room for one block in flight the GPU holds more than with room for three
+    assert len(on_gpu(three)) < len(on_gpu(one))
+    assert "cpu" in three.values()
+    everything = {0: 10**8, "cpu": CPU}  # nothing offloaded: nothing kept back
+    assert resolve_device_map(empty_model(), "sequential", everything, ["Block"], reserved_slots=3) \
+        == resolve_device_map(empty_model(), "sequential", everything, ["Block"])
