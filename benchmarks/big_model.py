@@ -20,7 +20,11 @@ checked equal. Last, 4 workers launched with ``notebook_launcher`` each load the
 (a): their summed PSS (proportional set size: shared pages split between their users) against
 one model's size.
 
-Run: ``.venv/bin/python benchmarks/big_model.py [--rounds 5] [--blocks 32]``
+Then the GPU cases of ``benchmarks/big_model_gpu.py`` (load onto one GPU, offloaded forwards from
+CPU and disk, against Accelerate, raw torch and the bus-bound limit); without CUDA they print one
+line saying they were skipped.
+
+Run: ``.venv/bin/python benchmarks/big_model.py [--rounds 5] [--blocks 32] [--no-gpu]``
 (needs ``pip install accelerate`` in the venv; nbaccel itself never imports it).
 """
 
@@ -364,6 +368,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved runs per case")
     parser.add_argument("--no-cold", action="store_true", help="skip the cold-cache runs")
     parser.add_argument("--no-workers", action="store_true", help="skip the 4-worker PSS")
+    parser.add_argument("--no-gpu", action="store_true", help="skip the GPU cases (big_model_gpu.py)")
+    parser.add_argument("--gpu-rounds", type=int, default=3, help="interleaved runs per GPU case")
     parser.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -409,6 +415,10 @@ def main() -> None:
         print(f"\nload average at end (1, 5, 15 min): {os.getloadavg()}")
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    if not args.no_gpu:
+        from big_model_gpu import run  # next to this file: its own checkpoint, bf16, on one GPU
+
+        run(args.gpu_rounds)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ ratios.
 
 Then the first launches in a fresh process (each run in a new interpreter that has imported torch
 but launched nothing yet), 4 CPU workers, nbaccel against Accelerate's ``notebook_launcher`` in the
-same run: a trivial function's first launch (goal <= 1.0x Accelerate's), and a DDP training
+same run: a trivial function's first launch (goal <= 1.0x Accelerate's), a function that makes an
+``Accelerator`` and gathers one tensor (goal <= 1.0x), and a DDP training
 function's first and second launches (goals <= 0.5x and <= 0.25x). The machine's load average
 is printed with the figures: CPU time here is shared.
 
@@ -73,9 +74,26 @@ def ddp_train(steps: int = 5) -> float:
     return value
 
 
+def gather_nbaccel() -> int:
+    """Make an Accelerator and gather one tensor (an evaluation cell's first launch), with nbaccel."""
+    from nbaccel import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    return int(accelerator.gather(torch.ones(1, device=accelerator.device)).sum())
+
+
+def gather_accelerate() -> int:
+    """The same function, with Accelerate's Accelerator (``cpu=True``: else each CPU worker runs alone)."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    return int(accelerator.gather(torch.ones(1, device=accelerator.device)).sum())
+
+
 def _child(launcher: str, function_name: str, n: int) -> None:
     """In a fresh interpreter: time the first and the second launch of one function."""
-    function = {"trivial": trivial, "ddp": ddp_train}[function_name]
+    function = {"trivial": trivial, "ddp": ddp_train,
+                "gather": gather_nbaccel if launcher == "nbaccel" else gather_accelerate}[function_name]
     if launcher == "nbaccel":
         from nbaccel import notebook_launcher as nb_launch
 
@@ -96,7 +114,7 @@ def _child(launcher: str, function_name: str, n: int) -> None:
 
 def first_launches(n: int, repeat: int) -> None:
     """The fresh-process table: each measurement in a new interpreter, launchers interleaved."""
-    cases = [(launcher, fn) for fn in ("trivial", "ddp") for launcher in ("nbaccel", "accelerate")]
+    cases = [(launcher, fn) for fn in ("trivial", "gather", "ddp") for launcher in ("nbaccel", "accelerate")]
     got: dict[tuple[str, str], list[dict[str, float]]] = {case: [] for case in cases}
     for round_index in range(repeat):
         for launcher, fn in cases[round_index % 2:] + cases[:round_index % 2]:
@@ -109,7 +127,7 @@ def first_launches(n: int, repeat: int) -> None:
     print(f"\nfirst launches in a fresh process, {n} CPU workers (median [min..max] of {repeat}; the ratio's "
           f"spread is over rounds, each round's runs back to back; load average {load})")
     print(f"{'function':9} {'launch':7} {'nbaccel (s)':>22} {'accelerate (s)':>22} {'ratio':>18} {'goal':>7}")
-    goals = {("trivial", "first"): 1.0, ("ddp", "first"): 0.5, ("ddp", "second"): 0.25}
+    goals = {("trivial", "first"): 1.0, ("gather", "first"): 1.0, ("ddp", "first"): 0.5, ("ddp", "second"): 0.25}
     for (fn, which), goal in goals.items():
         ours = [r[which] for r in got[("nbaccel", fn)]]
         theirs = [r[which] for r in got[("accelerate", fn)]]

@@ -17,6 +17,7 @@ a probe child never runs Python cleanup or flushes the parent's buffers (it leav
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import signal
 import sys
@@ -27,8 +28,8 @@ from dataclasses import dataclass
 
 from nbaccel.errors import ConfigError
 
-__all__ = ["GpuSelection", "NvmlGpu", "cuda_device_count", "cuda_fork_poisoned", "nccl_p2p_workaround", "nvml_gpus",
-           "run_in_fork", "select_gpus"]
+__all__ = ["GpuSelection", "NvmlGpu", "cuda_device_count", "cuda_fork_poisoned", "gpu_driver_present",
+           "nccl_p2p_workaround", "nvml_gpus", "run_in_fork", "select_gpus", "torch_cuda_built"]
 
 _PROBE_TIMEOUT_S = 20.0
 _MAX_COUNT = 200  # exit statuses carry 0..255; 255 means the probe itself failed
@@ -80,6 +81,48 @@ def _cuda_built() -> bool:
     return torch is not None and bool(torch.cuda._is_compiled())
 
 
+@functools.lru_cache(maxsize=1)
+def gpu_driver_present() -> bool:
+    """Whether an NVIDIA (NVML loads) or AMD (``/dev/kfd``) GPU driver is on this machine.
+
+    Without one no torch build can see a GPU, so the count is 0 without importing torch (which
+    takes seconds). Loading NVML initializes no CUDA context and keeps fork safe. Cached: drivers
+    do not come and go while a process runs.
+
+    Example:
+        >>> gpu_driver_present()   # no GPU driver here
+        False
+    """
+    from ctypes import CDLL
+
+    try:
+        CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return os.path.exists("/dev/kfd")
+    return True
+
+
+def _torch_with_cuda():  # -> the torch module, or None: no GPU driver, no torch, or a CPU build
+    torch = sys.modules.get("torch")
+    if torch is None:
+        if not gpu_driver_present() or importlib.util.find_spec("torch") is None:
+            return None
+        # Importing torch starts no CUDA context and keeps fork safe; it makes the answer the same
+        # whether or not the kernel imported torch first (it used to be "0 GPUs" until it had).
+        import torch
+    return torch if torch.cuda._is_compiled() else None
+
+
+def torch_cuda_built() -> bool:
+    """Whether the installed torch can use CUDA (imported only where a GPU driver is present).
+
+    Example:
+        >>> torch_cuda_built()   # no GPU driver here, or a CPU build
+        False
+    """
+    return _torch_with_cuda() is not None
+
+
 def cuda_fork_poisoned() -> bool:
     """Whether a process forked from this one could not use CUDA ("Cannot re-initialize CUDA in forked subprocess").
 
@@ -120,14 +163,16 @@ def cuda_device_count() -> int:
     NVML counts first (as ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` does). Where it cannot (no NVML,
     MIG UUIDs), torch would fall back to ``cudaGetDeviceCount`` here and poison fork; the count
     is taken in a throwaway child instead, unless CUDA is initialized or poisoned here already.
+    torch is imported for the count where a GPU driver is present and it is not imported yet, so
+    the answer does not depend on what was imported before.
 
     Example:
         >>> cuda_device_count()   # on a CPU-only torch
         0
     """
-    if not _cuda_built():
+    torch = _torch_with_cuda()
+    if torch is None:
         return 0
-    import torch
 
     if torch.cuda.is_initialized():
         return torch.cuda.device_count()

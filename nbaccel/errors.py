@@ -11,7 +11,8 @@
     │   ├── PayloadPicklingError           the function or an argument cannot be shipped
     │   ├── WorkerFailedError              a worker raised, exited non-zero or was killed (the
     │   │                                  family of every failed launch; a worker's own exception
-    │   │                                  type is joined in when it re-raises here)
+    │   │                                  type is joined in when it re-raises here; also torch
+    │   │                                  elastic's ChildFailedError, as Accelerate raises)
     │   │   └── ProcessExitedError         ... without reporting an exception (os._exit, signal)
     │   ├── LaunchTimeoutError (also TimeoutError)
     │   │                                  the launch ran past ``timeout`` or hung
@@ -59,11 +60,12 @@ __all__ = [
     "UnsafeCheckpointError",
     "WorkerFailedError",
     "WorkerPoolError",
+    "child_failed_bases",
 ]
 
 
 def _rebuild_error(cls: type[BaseException], args: tuple, state: dict) -> BaseException:
-    exc = cls.__new__(cls)
+    exc = cls.__new__(cls, *args)
     BaseException.__init__(exc, *args)
     exc.__dict__.update(state)
     return exc
@@ -144,6 +146,13 @@ class WorkerFailedError(LaunchError):
     """
 
     failures: tuple = ()
+    name = "nbaccel launch"  # torch elastic's ChildFailedError.name: what failed
+
+    def __new__(cls, *args: object, **kwargs: object) -> WorkerFailedError:
+        # Accelerate's notebook_launcher raises torch elastic's ChildFailedError, so code written
+        # for it catches that; every instance is made one too (a subclass joined at first use,
+        # so importing nbaccel.errors never imports torch)
+        return super().__new__(_child_failed_type(cls), *args)
 
     def __init__(self, *args: object, failures: tuple = ()) -> None:
         # *args: the user's exception type may sit before this class in a re-raised error's MRO
@@ -161,6 +170,56 @@ class WorkerFailedError(LaunchError):
     def launch_failures(self) -> tuple:
         """The same as :attr:`failures` (the name nbaccel used first)."""
         return self.failures
+
+    def get_first_failure(self) -> tuple:
+        """ChildFailedError's ``(rank, failure)`` of the root cause, here a ``WorkerFailure``."""
+        root = self.root_cause
+        return (getattr(root, "rank", -1), root)
+
+    def format_msg(self, boarder_delim: str = "=", section_delim: str = "-") -> str:
+        """ChildFailedError's report: here the error's own message."""
+        return str(self)
+
+
+def child_failed_bases() -> tuple[type[BaseException], ...]:
+    """``(ChildFailedError,)`` from torch elastic, or ``()`` where it cannot be imported.
+
+    Example:
+        >>> [c.__name__ for c in child_failed_bases()]
+        ['ChildFailedError']
+    """
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    except ImportError:  # torch built without distributed support
+        return ()
+    return (ChildFailedError,)
+
+
+_CHILD_FAILED: dict[type, type] = {}
+
+
+def _child_failed_type(cls: type[WorkerFailedError]) -> type[WorkerFailedError]:
+    """``cls`` joined with torch elastic's ChildFailedError (cached; ``cls`` where it already is one)."""
+    bases = child_failed_bases()
+    if not bases or issubclass(cls, bases) or cls in _CHILD_FAILED.values():
+        return cls
+    if cls not in _CHILD_FAILED:
+        try:
+            _CHILD_FAILED[cls] = type(cls.__name__, (cls, *bases), {
+                "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                "__doc__": cls.__doc__, "__reduce__": _reduce_as(cls)})
+        except TypeError:  # a layout that cannot be joined: catchable as before
+            _CHILD_FAILED[cls] = cls
+    return _CHILD_FAILED[cls]
+
+
+def _reduce_as(cls: type[BaseException]):  # noqa: ANN202 - a __reduce__ for the joined type
+    def reduce(self: BaseException) -> tuple:
+        reduced = cls.__reduce__(self)
+        if reduced[0] is _rebuild_error:  # pickle under the importable class; rebuilt joined
+            return (_rebuild_error, (cls, *reduced[1][1:]))
+        return reduced
+    return reduce
 
 
 class ProcessExitedError(WorkerFailedError):
@@ -251,8 +310,11 @@ class UnsafeCheckpointError(CheckpointError):
     """A pickle checkpoint holds objects that would run code when loaded; it was not loaded."""
 
 
-class CheckpointMismatchError(CheckpointError):
+class CheckpointMismatchError(CheckpointError, RuntimeError):
     """The checkpoint and the model disagree; the model was left unchanged.
+
+    A ``ValueError`` (Accelerate raises one for a shape mismatch) and a ``RuntimeError``
+    (Accelerate's strict load raises torch's ``RuntimeError`` for unexpected keys).
 
     Attributes:
         missing_keys: model tensors the checkpoint does not hold.

@@ -71,7 +71,7 @@ def cuda_device_count() -> int:
 
 
 def cuda_initialized() -> bool:
-    """Whether CUDA has been initialized in this process (which makes fork unsafe)."""
+    """Whether torch has initialized CUDA in this process (other libraries: :mod:`nbaccel.cuda_driver`)."""
     torch = sys.modules.get("torch")
     if torch is None:
         return False
@@ -168,9 +168,15 @@ def tpu_device_files(root: str = "/") -> list[str]:
 def fork_unsafe_reason() -> str | None:
     """Why forking this process would break workers, or ``None`` when fork is safe.
 
-    Besides an initialized CUDA, it sees a parent that only *queried* CUDA (which leaves
-    ``torch.cuda.is_initialized()`` False but breaks CUDA in every forked child), through one
-    throwaway probe fork when torch has CUDA.
+    Asked of torch (an initialized CUDA; a parent that only *queried* CUDA, which leaves
+    ``torch.cuda.is_initialized()`` False but breaks CUDA in every forked child, seen through one
+    throwaway probe fork), of the CUDA driver itself (``cuInit`` run by any library: CuPy, JAX,
+    Numba, TensorFlow, ...; see :mod:`nbaccel.cuda_driver`), and of the XLA runtime. The answer
+    does not depend on which modules are imported.
+
+    Example:
+        >>> fork_unsafe_reason() is None   # a fresh CPU-only process
+        True
     """
     if os.environ.get(ASSUME_UNSAFE_FORK, "") == "1":
         return f"{ASSUME_UNSAFE_FORK}=1 is set"
@@ -183,9 +189,27 @@ def fork_unsafe_reason() -> str | None:
     if cuda_fork_poisoned():
         return ("CUDA was queried in this process (torch.cuda.is_available() or a device count without NVML, "
                 "perhaps by a library), so forked workers could not use it")
+    driver = _cuda_initialized_by_another_library()
+    if driver is not None:
+        return driver
     if xla_runtime_initialized():
         return "the XLA runtime is already initialized in this process"
     return None
+
+
+def _cuda_initialized_by_another_library() -> str | None:
+    from nbaccel.cuda_driver import cuda_driver_state, likely_cuda_users
+
+    if not cuda_driver_state().initialized:
+        return None
+    users = likely_cuda_users(exclude=("torch",))  # torch was asked above and did not do it
+    if len(users) == 1:
+        who = users[0]
+    elif users:
+        who = f"a library (imported here: {', '.join(users)})"
+    else:
+        who = "a library that loaded the CUDA driver"
+    return f"CUDA was initialized in this process by {who}, so forked workers could not use it"
 
 
 def available_cpu_memory() -> int:

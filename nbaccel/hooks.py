@@ -18,10 +18,12 @@ from nbaccel.big_modeling.hooks import (
 )
 from nbaccel.big_modeling.hook_attach import (
     attach_align_device_hook,
+    attach_align_device_hook_on_blocks,
     attach_execution_device_hook,
     remove_hook_from_submodules,
 )
 from nbaccel.big_modeling.layerwise_casting import LayerwiseCastingHook, attach_layerwise_casting_hooks
+from nbaccel.device_backend import normalize_device
 
 __all__ = [
     "AlignDevicesHook",
@@ -32,8 +34,10 @@ __all__ = [
     "UserCpuOffloadHook",
     "add_hook_to_module",
     "attach_align_device_hook",
+    "attach_align_device_hook_on_blocks",
     "attach_execution_device_hook",
     "attach_layerwise_casting_hooks",
+    "normalize_device",
     "remove_hook_from_module",
     "remove_hook_from_submodules",
 ]

@@ -104,19 +104,28 @@ def send_to_device(tensor: Any, device: torch.device | str | int, non_blocking: 
 
 
 def concatenate(data: list[Any], dim: int = 0) -> Any:
-    """Concatenate a list of same-structured nests of tensors leaf by leaf.
+    """Concatenate a list of same-structured nests of tensors leaf by leaf (containers keep their type).
+
+    A list of one item that is not a tensor comes back as that item, as in Accelerate.
 
     Raises:
         TypeError: the items are not tensors or nests of tensors.
+
+    Example:
+        >>> concatenate([(torch.ones(1),), (torch.zeros(2),)])
+        (tensor([1., 0., 0.]),)
     """
     first = data[0]
     if isinstance(first, (tuple, list)):
-        return type(first)(concatenate([d[i] for d in data], dim=dim) for i in range(len(first)))
+        return honor_type(first, (concatenate([d[i] for d in data], dim=dim) for i in range(len(first))))
     if isinstance(first, Mapping):
         return type(first)({k: concatenate([d[k] for d in data], dim=dim) for k in first})
-    if not torch.is_tensor(first):
-        raise TypeError(f"can only concatenate tensors or nests of them (got {type(first).__name__})")
-    return torch.cat(data, dim=dim)
+    if torch.is_tensor(first):
+        return torch.cat(data, dim=dim)
+    if isinstance(data, (tuple, list)) and len(data) == 1:
+        return first
+    raise TypeError(f"concatenate takes tensors or nests of them (got {type(first).__name__}). "
+                    "Fix: gather only the tensors, or use gather_object for other objects")
 
 
 def find_batch_size(data: Any) -> int | None:

@@ -28,6 +28,7 @@ from nbaccel.identity import current_identity
 from nbaccel.nested_data import recursively_apply
 
 __all__ = [
+    "CannotPadNestedTensorWarning",
     "broadcast",
     "broadcast_object_list",
     "gather",
@@ -186,18 +187,38 @@ def _xla_device_in_use() -> bool:
     return ProcessState().device.type == "xla"
 
 
+class CannotPadNestedTensorWarning(UserWarning):
+    """:func:`pad_across_processes` met a nested tensor, which it leaves as it is (no padded shape exists)."""
+
+
 def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
     """Pad each tensor along ``dim`` to the largest size any process has, so it can be gathered.
+
+    A tensor without dimension ``dim`` is returned as it is; a nested tensor too, with a
+    :class:`CannotPadNestedTensorWarning`. Any leaf that is not a tensor is a ``TypeError``, in
+    one process as in several (as in Accelerate).
+
+    Raises:
+        TypeError: ``tensor`` holds something other than tensors in lists, tuples and dicts.
+        DistributedOperationError: in debug mode, the processes' tensors differ in dimensions.
 
     Example:
         >>> pad_across_processes(torch.ones(2)).tolist()   # one process: unchanged
         [1.0, 1.0]
     """
+    alone = _world() == 1 and not _xla_multi(tensor)
+
     def _pad(t: torch.Tensor) -> torch.Tensor:
-        if dim >= t.ndim or dim < -t.ndim:
+        if getattr(t, "is_nested", False):
+            warnings.warn("pad_across_processes cannot pad a nested tensor (its rows differ in "
+                          "shape); it is left as it is. Fix: pad its rows before nesting them.",
+                          CannotPadNestedTensorWarning, stacklevel=4)
             return t
-        size = torch.tensor([t.shape[dim]], device=t.device)
-        biggest = int(gather(size).max().item())
+        if alone or dim >= t.ndim or dim < -t.ndim:
+            return t
+        # the whole shape travels, so debug mode's check in gather sees ranks that disagree on ndim
+        shapes = gather(torch.tensor(t.shape, device=t.device)[None])
+        biggest = int(shapes[:, dim].max().item())
         if biggest == t.shape[dim]:
             return t
         shape = list(t.shape)
@@ -208,9 +229,11 @@ def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_firs
         out[tuple(index)] = t
         return out
 
-    if _world() == 1 and not _xla_multi(tensor):
-        return tensor
-    return recursively_apply(_pad, tensor, error_on_other_type=True)
+    try:
+        return recursively_apply(_pad, tensor, error_on_other_type=True)
+    except DistributedOperationError as exc:  # raised by gather's check: name the caller's call
+        raise DistributedOperationError(
+            f"pad_across_processes: {exc}", operation="pad_across_processes", shapes=exc.shapes) from exc
 
 
 def reduce(tensor: Any, reduction: Reduction = "mean", scale: float = 1.0) -> Any:

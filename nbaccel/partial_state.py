@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
 
-from nbaccel.state import ProcessState
+from nbaccel.state import ProcessState, shared_state
 from nbaccel.training.process_helpers import ProcessHelpers
 
 __all__ = ["AcceleratorState", "PartialState"]
@@ -116,13 +117,44 @@ class AcceleratorState(PartialState):
         (<DistributedType.NO: 'NO'>, 'no')
     """
 
+    def __init__(self, cpu: bool = False, backend: str | None = None, timeout: timedelta | None = None,
+                 cpu_collectives: bool = False) -> None:
+        shared_state().pop(_FORGOTTEN, None)  # a new one sets the state up again
+        super().__init__(cpu, backend, timeout, cpu_collectives)
+
+    def __getattribute__(self, name: str) -> Any:
+        if not name.startswith("_"):
+            shared = object.__getattribute__(self, "__dict__")
+            if _FORGOTTEN in shared and (name in shared or isinstance(getattr(type(self), name, None), property)):
+                raise AttributeError(_forgotten(name))
+        return super().__getattribute__(name)
+
+    def __getattr__(self, name: str) -> Any:  # only reached when the shared state was cleared
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(_forgotten(name))
+
     @classmethod
     def _reset_state(cls, reset_partial_state: bool = False) -> None:
-        """Accelerate's ``AcceleratorState._reset_state``: with ``reset_partial_state``, forget the process state.
+        """Accelerate's ``AcceleratorState._reset_state``: forget the training state (and the process state).
 
-        nbaccel keeps one state per process (Accelerate keeps two: the process part and the training
-        part); the training settings live on each ``Accelerator``, so without ``reset_partial_state``
-        there is nothing shared to forget and the call changes nothing.
+        Until an ``Accelerator`` or ``AcceleratorState`` is made again, every ``AcceleratorState``
+        (a live ``Accelerator``'s too) raises Accelerate's ``AttributeError`` on its settings, so
+        its next ``prepare`` fails as in Accelerate; ``PartialState`` keeps working unless
+        ``reset_partial_state``, which forgets the process state as well.
         """
         if reset_partial_state:
             super()._reset_state()
+            return
+        shared = shared_state()
+        if shared.get("_initialized"):
+            shared[_FORGOTTEN] = True
+
+
+_FORGOTTEN = "_accelerator_state_forgotten"
+
+
+def _forgotten(name: str) -> str:
+    return (f"`AcceleratorState` object has no attribute `{name}`. This happens if "
+            "`AcceleratorState._reset_state()` was called and an `Accelerator` or `PartialState` was not "
+            "reinitialized.")

@@ -25,13 +25,15 @@ from nbaccel.errors import ConfigError
 from nbaccel.hardware import cuda_device_count, tpu_detected
 from nbaccel.identity import WorkerIdentity, current_identity
 
-__all__ = ["AcceleratorState", "GradientState", "PartialState", "ProcessState", "is_initialized", "reset_process_state",
-           "wait_for_everyone"]
+__all__ = ["AcceleratorState", "GradientState", "PartialState", "ProcessState", "ThreadLocalSharedDict",
+           "is_initialized", "reset_process_state", "shared_state", "wait_for_everyone"]
 
 # Accelerate's ``accelerate.state`` holds these too. They build on this module, so they are loaded
 # on first use (an import here would be a cycle).
 _LATER = {"PartialState": "nbaccel.partial_state", "AcceleratorState": "nbaccel.partial_state",
-          "GradientState": "nbaccel.training.gradient_state"}
+          "GradientState": "nbaccel.training.gradient_state", "do_nothing": "nbaccel.introspection",
+          "get_distributed_backend": "nbaccel.device_backend",
+          "get_torch_accelerator_backend": "nbaccel.device_backend"}
 
 
 def __getattr__(name: str) -> Any:
@@ -47,6 +49,31 @@ def __dir__() -> list[str]:
 
 
 CUDA_WITH_CPU_BACKEND = "cuda:nccl,cpu:gloo"
+
+
+class ThreadLocalSharedDict(threading.local):
+    """A class attribute whose dict is each thread's own (Accelerate's shared state under XLA threads).
+
+    Used as a descriptor: ``_shared_state = ThreadLocalSharedDict()`` gives every thread its own
+    ``_shared_state`` dict, as ``torch_xla`` replicas run as threads of one process.
+
+    Example:
+        >>> class Shared:
+        ...     state = ThreadLocalSharedDict()
+        >>> Shared.state["rank"] = 0
+        >>> t = threading.Thread(target=lambda: Shared.state.setdefault("rank", 1)); t.start(); t.join()
+        >>> Shared.state
+        {'rank': 0}
+    """
+
+    def __init__(self, thread_local: bool = False) -> None:
+        self._storage: dict = {}
+
+    def __get__(self, obj: object, objtype: type | None = None) -> dict:
+        return self._storage
+
+    def __set__(self, obj: object, value: dict) -> None:
+        self._storage = value
 
 
 def _fsdp_needs_cpu_collectives(settings: Any) -> bool:
@@ -183,13 +210,18 @@ class ProcessState:
 
     # ------------------------------------------------------------------ process group
     def init_process_group(self) -> None:
-        """Join the process group from the environment (``env://``); a no-op if joined already."""
+        """Join the process group from the environment (``env://``); only make this rank's GPU current if joined already.
+
+        Whoever made an existing group (user code, a pool, a script's own ``init_process_group``),
+        this rank's current CUDA device is set from its local rank: otherwise every rank's stays
+        ``cuda:0``, and object collectives and NCCL's own buffers all land on GPU 0.
+        """
         import torch.distributed as dist
 
-        if dist.is_initialized():
-            return
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        if dist.is_initialized():
+            return
         kwargs: dict[str, Any] = {"backend": self.backend, "rank": self.process_index,
                                   "world_size": self.num_processes}
         if self._timeout is not None:
@@ -231,6 +263,16 @@ class ProcessState:
         return (f"ProcessState(distributed_type={self.distributed_type!r}, process_index={self.process_index}, "
                 f"num_processes={self.num_processes}, device={self.device}, backend={self.backend!r}, "
                 f"mixed_precision={self.mixed_precision!r})")
+
+
+def shared_state() -> dict[str, Any]:
+    """The dict every state object of this process (or XLA replica thread) shares as its ``__dict__``.
+
+    Example:
+        >>> shared_state() is ProcessState().__dict__
+        True
+    """
+    return _state_dict(current_identity())
 
 
 def reset_process_state() -> None:

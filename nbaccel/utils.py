@@ -71,7 +71,9 @@ from nbaccel.big_modeling.offload import (
     offload_weight,
     save_offload_index,
 )
+from nbaccel.big_modeling.layerwise_casting import SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING
 from nbaccel.big_modeling.sizes import (
+    CustomDtype,
     compute_module_sizes,
     dtype_byte_size,
     find_tied_parameters,
@@ -86,6 +88,13 @@ from nbaccel.big_modeling.tensors import (
     find_device,
     named_module_tensors,
     set_module_tensor_to_device,
+)
+from nbaccel.device_backend import (
+    get_accelerator_free_memory,
+    get_current_device_type,
+    get_distributed_backend,
+    get_torch_accelerator_backend,
+    normalize_device,
 )
 from nbaccel.distributed_type import (
     DistributedType,
@@ -111,6 +120,13 @@ from nbaccel.hardware import (
 from nbaccel.launch.rendezvous import (
     is_port_in_use,
 )
+from nbaccel.introspection import (
+    are_libraries_initialized,
+    check_tied_parameters_in_config,
+    get_model_tp_size,
+    get_pretty_name,
+    model_has_dtensor,
+)
 from nbaccel.nested_data import (
     TensorInformation,
     concatenate,
@@ -132,6 +148,7 @@ from nbaccel.nested_data import (
     slice_tensors,
 )
 from nbaccel.ops import (
+    CannotPadNestedTensorWarning,
     broadcast,
     broadcast_object_list,
     gather,
@@ -139,6 +156,7 @@ from nbaccel.ops import (
     pad_across_processes,
     reduce,
 )
+from nbaccel.progress_bars import tqdm
 from nbaccel.safe_load import (
     load,
 )
@@ -187,10 +205,14 @@ from nbaccel.training.saving import (
 )
 from nbaccel.training.unwrap import (
     extract_model_from_parallel,
+    has_compiled_regions,
+    is_compiled_module,
 )
 
 __all__ = [
     "AutocastKwargs",
+    "CannotPadNestedTensorWarning",
+    "CustomDtype",
     "DDPCommunicationHookType",
     "DataLoaderConfiguration",
     "DeepSpeedPlugin",
@@ -208,13 +230,16 @@ __all__ = [
     "PrefixedDataset",
     "ProjectConfiguration",
     "RNGType",
+    "SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING",
     "TensorInformation",
     "align_module_device",
+    "are_libraries_initialized",
     "broadcast",
     "broadcast_object_list",
     "calculate_maximum_sizes",
     "check_device_map",
     "check_os_kernel",
+    "check_tied_parameters_in_config",
     "check_tied_parameters_on_same_device",
     "clean_device_map",
     "clean_state_dict_for_safetensors",
@@ -237,17 +262,24 @@ __all__ = [
     "find_tied_parameters",
     "gather",
     "gather_object",
+    "get_accelerator_free_memory",
     "get_balanced_memory",
+    "get_current_device_type",
     "get_data_structure",
+    "get_distributed_backend",
     "get_grad_scaler",
     "get_int_from_env",
     "get_max_layer_size",
     "get_max_memory",
     "get_mixed_precision_context_manager",
+    "get_model_tp_size",
     "get_module_children_bottom_up",
     "get_module_size_with_ties",
     "get_non_persistent_buffers",
+    "get_pretty_name",
     "get_state_dict_offloaded_model",
+    "get_torch_accelerator_backend",
+    "has_compiled_regions",
     "has_offloaded_params",
     "honor_type",
     "id_tensor_storage",
@@ -255,6 +287,7 @@ __all__ = [
     "infer_auto_device_map",
     "initialize_tensors",
     "is_bf16_available",
+    "is_compiled_module",
     "is_cuda_available",
     "is_datasets_available",
     "is_deepspeed_available",
@@ -293,7 +326,9 @@ __all__ = [
     "load_offloaded_weights",
     "load_state_dict",
     "merge_dicts",
+    "model_has_dtensor",
     "named_module_tensors",
+    "normalize_device",
     "offload_state_dict",
     "offload_weight",
     "pad_across_processes",
@@ -315,5 +350,6 @@ __all__ = [
     "str_to_bool",
     "synchronize_rng_state",
     "synchronize_rng_states",
+    "tqdm",
     "wait_for_everyone",
 ]

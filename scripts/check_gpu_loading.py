@@ -1,16 +1,20 @@
 """Check loading a checkpoint straight onto a GPU through pinned staging buffers (no GPU in CI).
 
 Run: ``python scripts/check_gpu_loading.py [--mib 512]``, or call :func:`check_gpu_loading`
-from ``scripts/check_gpu.py``. It prints ``ok`` lines or exits with ``FAILED``; about ten
-seconds on one GPU. It checks what the CPU suite cannot:
+from ``scripts/check_gpu.py``. It prints ``ok`` lines or exits with ``FAILED``; well under a
+minute on one GPU. ``--cpu`` runs the streaming checks' logic on CPU (no GPU needed). It checks
+what the CPU suite cannot:
 
 1. ``read_to_device`` onto ``cuda:0`` gives the file's exact bytes, for every chunking: tensors
-   smaller than, equal to and spanning several staging buffers, and empty ones.
-2. The staging buffers are pinned and the copies are asynchronous: a load through them is not
+   smaller than, equal to and spanning several reader buffers, and empty ones.
+2. The reader buffers are pinned and the copies are asynchronous: a load through them is not
    slower than a plain ``safetensors`` load followed by ``.to("cuda")`` (times printed).
 3. ``load_checkpoint_and_dispatch(model, folder, {"": 0})`` and a GPU/CPU split give outputs
    bit-identical to the model loaded with a plain ``load_state_dict`` and moved to the GPU;
    a ``dtype`` change happens on the GPU and matches a cast of the stored values.
+4. The streamed offload (``gpu_checks/streaming_checks.py``): pinned slabs, prefetch order,
+   wrap-around, no host synchronization, the pinned memory cap, GPU memory, bit-identical
+   outputs over CPU and disk offload.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_checks
 
 
 def _check(name: str, condition: bool, detail: object = "") -> None:
@@ -127,27 +132,51 @@ def _check_dispatch(folder: Path, full: _Stack, blocks: int) -> None:
                f"(max diff {(y.float() - expected.float()).abs().max().item():.3g})")
 
 
-def check_gpu_loading(mib: int = 512) -> None:
+def _check_streaming(folder: Path, blocks: int, device: torch.device) -> None:
+    import safetensors.torch
+
+    from gpu_checks.streaming_checks import check_streaming
+
+    full = _Stack(blocks, 1024).eval()  # fresh from the files: _check_dispatch cast its model
+    full.load_state_dict({k: v for f in sorted(folder.glob("model-*.safetensors"))
+                          for k, v in safetensors.torch.load_file(str(f)).items()})
+    x = torch.randn(4, 1024, generator=torch.Generator().manual_seed(1)).to(device)
+    resident = 0 if device.type == "cuda" else "cpu"
+    maps = {"cpu": {"blocks": "cpu", "out": resident}, "disk": {"blocks": "disk", "out": resident}}
+    check_streaming(lambda: _Stack(blocks, 1024), full, folder, maps, x, device)
+
+
+def check_gpu_loading(mib: int = 512, cpu: bool = False) -> None:
     """Run every check above on ``cuda:0``; raises ``SystemExit`` on the first failure.
+
+    Args:
+        mib: the checkpoint's size.
+        cpu: run only the streaming checks, on CPU (a dry run of their logic).
 
     Example:
         >>> check_gpu_loading(64)  # doctest: +SKIP
     """
-    if not torch.cuda.is_available():
+    if not cpu and not torch.cuda.is_available():
         raise SystemExit("FAILED: no CUDA device; run this on a machine with a GPU")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         full, blocks = _write(folder, mib)
+        if cpu:
+            _check_streaming(folder, blocks, torch.device("cpu"))
+            return
         _check_staging(folder)
         _timed_loads(folder)
         (folder / "odd.safetensors").unlink()
         _check_dispatch(folder, full, blocks)
+        _check_streaming(folder, blocks, torch.device("cuda", 0))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=512, help="checkpoint size for the timing")
-    check_gpu_loading(parser.parse_args().mib)
+    parser.add_argument("--cpu", action="store_true", help="streaming checks on CPU only")
+    args = parser.parse_args()
+    check_gpu_loading(args.mib, cpu=args.cpu)
 
 
 if __name__ == "__main__":

@@ -4,9 +4,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # The peer, for tests/training/test_accelerate_parity.py and tests/accelerate_compat/ (the same code
-# through Accelerate and nbaccel gives the same results), and `datasets` for the Dataset cases there;
-# nbaccel itself never imports either.
-.venv/bin/pip install -q --disable-pip-version-check accelerate datasets 2> >(grep -v "is ignored: it is neither" >&2)
+# through Accelerate and nbaccel gives the same results), `datasets` for the Dataset cases there, and
+# `transformers` for the device-map zoo (models built from configs, nothing downloaded);
+# nbaccel itself never imports any of them.
+.venv/bin/pip install -q --disable-pip-version-check accelerate datasets transformers 2> >(grep -v "is ignored: it is neither" >&2)
 if [ -f .ci/browser_setup.sh ]; then
   bash .ci/browser_setup.sh .venv
 fi
@@ -16,6 +17,10 @@ status=0
 # Ray listens on every interface: its tests (and notebook 07) run in a loopback-only network namespace.
 if [ "${NBACCEL_SKIP_RAY:-0}" != "1" ]; then
   bash scripts/test_ray.sh || status=$?
+fi
+# The oldest torch pyproject.toml allows (its own venv, built once).
+if [ -f tests/run_torch_floor.sh ] && [ "${NBACCEL_SKIP_FLOOR:-0}" != "1" ]; then
+  bash tests/run_torch_floor.sh || status=$?
 fi
 if [ -f tests/run_xla.sh ] && [ "${NBACCEL_SKIP_XLA:-0}" != "1" ]; then
   bash tests/run_xla.sh || status=$?

@@ -121,3 +121,29 @@ def test_the_pinned_load_worker_finds_a_checkpoint_loaded_as_load_state_dict_loa
     assert found["stored"] == ([], True) and found["float16"] == ([], True)
     assert found["stored tied"] and found["float16 tied"] and found["chunked exact"]
     assert found["pinned bytes"] is None  # only a CUDA device allocates pinned staging buffers
+
+
+def test_first_use_checks_run_their_code_on_a_cpu_machine(script):
+    """The fresh-process and config-default checks' programs run here and give the CPU answers."""
+    from gpu_checks import first_use_checks as first
+
+    device, available, grad = first._last_json(first._python(first._FRESH))
+    assert (device, available, grad) == ("cpu", False, "cpu")
+    with tempfile.TemporaryDirectory() as folder:
+        code, written = first._last_json(first._python(first._CONFIG, str(Path(folder) / "c.yaml")))
+    assert code == 0 and written["use_cpu"] is True
+    names = [c.name for c in script.CHECKS]
+    assert names[:4] == ["fresh-process-launch", "config-default", "cupy-first", "notebooks"]
+
+
+def test_the_streaming_checks_pass_on_cpu_so_a_gpu_session_can_run_them_as_they_are():
+    """``check_gpu_loading.py --cpu`` runs the streamed-offload checks' own logic (order, wrap-around,
+    pinned cap, bit-identity) with synchronous copies; the CUDA-only parts skip themselves."""
+    loading = SCRIPT.parent / "check_gpu_loading.py"
+    done = subprocess.run([sys.executable, str(loading), "--cpu", "--mib", "16"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert all(line.startswith("ok   ") for line in lines), lines
+    assert any("prefetch order" in line for line in lines) and any("wrap-around" in line for line in lines)
+    assert any("pinned slabs stay under the cap" in line for line in lines)

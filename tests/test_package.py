@@ -121,3 +121,19 @@ def test_only_the_environment_module_writes_os_environ():
     writes = re.compile(r"os\.environ\[[^]]+\]\s*=|os\.environ\.(update|pop|setdefault|clear)\(|del os\.environ|os\.putenv")
     writers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py") if writes.search(p.read_text()))
     assert writers == ["environment.py"]
+
+
+def test_the_launch_core_does_not_import_the_training_pillar():
+    """launch/ asks machine facts (fp8 support included) of modules below both pillars, never of training/."""
+    import ast
+    from pathlib import Path
+
+    import nbaccel
+
+    offenders = []
+    for path in sorted((Path(nbaccel.__file__).parent / "launch").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            offenders += [f"{path.name}: {n}" for n in names if n.startswith("nbaccel.training")]
+    assert offenders == []

@@ -28,7 +28,10 @@ from nbaccel.big_modeling.hooks import (
                                            remove_hook_from_module,
 )
 from nbaccel.big_modeling.init import init_empty_weights, init_on_device
-from nbaccel.big_modeling.layerwise_casting import attach_layerwise_casting_hooks
+from nbaccel.big_modeling.layerwise_casting import (
+                                           SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING,
+                                           attach_layerwise_casting_hooks,
+)
 from nbaccel.big_modeling.loading import (
                                            load_checkpoint_and_dispatch,
                                            load_checkpoint_in_model,
@@ -48,6 +51,7 @@ __all__ = [
     "ModelHook",
     "OffloadedWeightsLoader",
     "PrefixedDataset",
+    "SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING",
     "SequentialHook",
     "UserCpuOffloadHook",
     "add_hook_to_module",

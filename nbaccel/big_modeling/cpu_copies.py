@@ -37,7 +37,7 @@ import torch
 from nbaccel.big_modeling.checkpoint_files import TensorInfo, read_tensor, truncated_error
 from nbaccel.errors import CheckpointError
 
-__all__ = ["CHUNK_BYTES", "copy_threads", "copy_to_cpu", "populate"]
+__all__ = ["CHUNK_BYTES", "FileDescriptors", "copy_threads", "copy_to_cpu", "populate"]
 
 CHUNK_BYTES = 4 * 2**20  # small enough to spread a 16 MiB weight over the cores, big enough
 MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23  # <linux/mman.h>, Linux 5.14+; EINVAL before
@@ -82,8 +82,23 @@ def _madvise(address: int, size: int, advice: int) -> int:
     return _LIBC.madvise(address, size, advice)
 
 
-class _Descriptors:
-    """One read-only descriptor per file for the whole load, closed by :meth:`close`."""
+class FileDescriptors:
+    """One read-only descriptor per file for the whole load, closed by :meth:`close`; every
+    file's size is checked against its tensors when opened.
+
+    Raises:
+        CheckpointError: a file is gone, or ends before one of its tensors does.
+
+    Example:
+        >>> import tempfile, safetensors.torch
+        >>> from nbaccel.big_modeling.checkpoint_files import SafetensorsFile
+        >>> path = tempfile.mktemp(suffix=".safetensors")
+        >>> safetensors.torch.save_file({"w": torch.arange(2.0)}, path)
+        >>> info = SafetensorsFile(path).tensors["w"]
+        >>> files = FileDescriptors([info]); out = bytearray(8); files.read(info, memoryview(out), 0)
+        >>> files.close(); torch.frombuffer(out, dtype=torch.float32)
+        tensor([0., 1.])
+    """
 
     def __init__(self, infos: Sequence[TensorInfo]) -> None:
         self._fds: dict[str, int] = {}
@@ -126,7 +141,7 @@ class _Descriptors:
 
 
 def _chunk_jobs(infos: Sequence[TensorInfo], outs: Sequence[torch.Tensor],
-                sources: Sequence[torch.Tensor | None], files: _Descriptors,
+                sources: Sequence[torch.Tensor | None], files: FileDescriptors,
                 chunk_bytes: int) -> list[Callable[[], None]]:
     """One job per chunk, in file order: pre-fault the destination, then read or cast into it."""
     jobs: list[Callable[[], None]] = []
@@ -159,7 +174,7 @@ def _cuts(flat: torch.Tensor, step: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(bounds, [*bounds[1:], flat.numel()]) if b > a]
 
 
-def _read_job(files: _Descriptors, info: TensorInfo, flat: torch.Tensor, first: int,
+def _read_job(files: FileDescriptors, info: TensorInfo, flat: torch.Tensor, first: int,
               last: int) -> Callable[[], None]:
     def job() -> None:
         size = flat.element_size()
@@ -207,7 +222,7 @@ def copy_to_cpu(infos: Sequence[TensorInfo], dtypes: Sequence[torch.dtype] | Non
         [tensor([0., 1., 2., 3., 4.], dtype=torch.float16)]
     """
     dtypes = [i.dtype for i in infos] if dtypes is None else list(dtypes)
-    files = _Descriptors(infos)
+    files = FileDescriptors(infos)
     try:
         sources = [None if d == i.dtype else _cast_source(i, view) for i, d in zip(infos, dtypes)]
         outs = [torch.empty(i.shape, dtype=d) for i, d in zip(infos, dtypes)]

@@ -4,9 +4,10 @@ Each resident device-map entry gets one :class:`AlignDevicesHook`. Entries on an
 (disk; also CPU when a GPU executes) keep their weights on the meta device between calls: each
 submodule that holds tensors itself gets its own hook, which reads just that submodule's weights
 from one :class:`OffloadedWeightsLoader` before it runs and releases them after, so a forward
-holds one submodule's weights at a time, not the whole entry's. Each offloaded hook starts
-reading the next one's weights on a background thread before it computes. The map is recorded
-as ``model.hf_device_map``.
+holds one submodule's weights at a time, not the whole entry's. When they run on a GPU, their
+weights stream through a few device slots, copied on a side stream while the layer before them
+computes (:mod:`.streamed_offload`); elsewhere each offloaded hook starts reading the next one's
+weights on a background thread before it computes. The map is recorded as ``model.hf_device_map``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from nbaccel.big_modeling.offload import (
     PrefixedDataset,
     offload_state_dict,
 )
+from nbaccel.big_modeling.streamed_offload import stream_offloaded
 from nbaccel.big_modeling.tensors import Device, named_module_tensors
 from nbaccel.errors import CheckpointMismatchError, DeviceMapError
 
@@ -175,8 +177,14 @@ def _check_loaded(model: nn.Module, names: Sequence[str]) -> None:
             missing_keys=tuple(meta))
 
 
-def _chain_prefetch(hooks: Sequence[tuple[AlignDevicesHook, list[str]]]) -> None:
-    """Each offloaded hook starts fetching the next one's weights once its own are loaded."""
+def _chain_prefetch(hooks: Sequence[tuple[AlignDevicesHook, list[str]]],
+                    device: torch.device | None = None) -> None:
+    """On a GPU, stream the offloaded hooks' weights through device slots (pinned copies, a
+    copy stream); elsewhere, and for hooks that cannot stream, each offloaded hook starts
+    fetching the next one's weights once its own are loaded."""
+    if device is not None and device.type == "cuda":
+        plain = set(map(id, stream_offloaded(hooks, device)))
+        hooks = [(hook, names) for hook, names in hooks if id(hook) in plain]
     for (hook, _), (nxt, names) in zip(hooks, hooks[1:]):
         prefetch = getattr(nxt.weights_map, "prefetch", None)
         if prefetch is not None and names:
@@ -263,7 +271,7 @@ def dispatch_model(model: nn.Module, device_map: Mapping[str, Device],
     if not any(site == "" for _, site, *_ in sites):
         add_hook_to_module(model, AlignDevicesHook(io_same_device=True, skip_keys=skip_keys),
                            append=True)
-    _chain_prefetch(chain)
+    _chain_prefetch(chain, _torch_device(main))
     model.hf_device_map = dict(checked)
     return model
 
@@ -282,7 +290,7 @@ def _offload_every_module(model: nn.Module, execution_device: torch.device,
         add_hook_to_module(module, hook, append=True)
         if names:
             chain.append((hook, names))
-    _chain_prefetch(chain)
+    _chain_prefetch(chain, execution_device)
 
 
 def cpu_offload(model: nn.Module, execution_device: Device | None = None,

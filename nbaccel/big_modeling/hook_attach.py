@@ -3,7 +3,8 @@
 :func:`attach_align_device_hook` gives every module that holds tensors directly its own
 :class:`~nbaccel.big_modeling.hooks.AlignDevicesHook` (offloaded weights looked up under the
 module's dotted name); :func:`attach_execution_device_hook` only moves inputs and tensors to one
-device; :func:`remove_hook_from_submodules` takes every hook off again.
+device; :func:`attach_align_device_hook_on_blocks` does either per block of a device map;
+:func:`remove_hook_from_submodules` takes every hook off again.
 
 Differs from Accelerate: there is no ``tied_params_map`` argument (nbaccel's loading makes tied
 names share one tensor; it keeps no map of per-device copies).
@@ -20,7 +21,8 @@ from nbaccel.big_modeling.hooks import AlignDevicesHook, add_hook_to_module, rem
 from nbaccel.big_modeling.offload import PrefixedDataset
 from nbaccel.big_modeling.tensors import named_module_tensors
 
-__all__ = ["attach_align_device_hook", "attach_execution_device_hook", "remove_hook_from_submodules"]
+__all__ = ["attach_align_device_hook", "attach_align_device_hook_on_blocks", "attach_execution_device_hook",
+           "remove_hook_from_submodules"]
 
 Device = int | str | torch.device
 
@@ -104,3 +106,65 @@ def attach_align_device_hook(module: nn.Module, execution_device: Device | None 
                                  offload_buffers=offload_buffers,
                                  module_name=f"{module_name}.{child_name}" if module_name else child_name,
                                  skip_keys=skip_keys, preload_module_classes=preload_module_classes)
+
+
+def attach_align_device_hook_on_blocks(module: nn.Module, execution_device: Device | Mapping[str, Device] | None = None,
+                                       offload: bool | Mapping[str, bool] = False,
+                                       weights_map: Mapping[str, torch.Tensor] | None = None,
+                                       offload_buffers: bool = False, module_name: str = "",
+                                       skip_keys: str | Sequence[str] | None = None,
+                                       preload_module_classes: Sequence[str] | None = None) -> None:
+    """Hook each block named in ``execution_device`` / ``offload`` (dicts by dotted name) as a device map says.
+
+    A block that is not offloaded gets one hook that places it (and its submodules) on its
+    device; an offloaded block gets :func:`attach_align_device_hook`'s per-module hooks reading
+    ``weights_map``; the root (``""``) otherwise gets a hook that returns outputs on the inputs'
+    device. With neither argument a dict, the whole ``module`` is one block. As in Accelerate.
+
+    Args:
+        module: the root of the tree (or the block ``module_name`` names).
+        execution_device: one device, or ``{block name: device}``.
+        offload: one flag, or ``{block name: whether its weights are offloaded}``.
+        weights_map: full name -> tensor for offloaded weights.
+        offload_buffers: offload buffers too.
+        module_name: ``module``'s dotted name.
+        skip_keys: keyword arguments not moved.
+        preload_module_classes: class names loaded whole before their forward.
+
+    Example:
+        >>> m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)); x = torch.ones(1, 2); ref = m(x)
+        >>> attach_align_device_hook_on_blocks(m, {"0": "cpu", "1": "cpu"}, {"0": False, "1": True},
+        ...                                    weights_map=m.state_dict())
+        >>> m[0].weight.device.type, m[1].weight.device.type, torch.equal(m(x), ref)
+        ('cpu', 'meta', True)
+    """
+    if not isinstance(execution_device, Mapping) and not isinstance(offload, Mapping):
+        if offload:
+            attach_align_device_hook(module, execution_device, True, weights_map, offload_buffers, module_name,
+                                     skip_keys)
+        else:
+            add_hook_to_module(module, AlignDevicesHook(execution_device, io_same_device=True, skip_keys=skip_keys,
+                                                        place_submodules=True))
+        return
+    devices = execution_device if isinstance(execution_device, Mapping) else dict.fromkeys(offload, execution_device)
+    offloads = offload if isinstance(offload, Mapping) else dict.fromkeys(devices, offload)
+    if module_name in devices and module_name in offloads:
+        device = devices[module_name]
+        if not offloads[module_name]:
+            add_hook_to_module(module, AlignDevicesHook(device, offload_buffers=offload_buffers,
+                                                        io_same_device=module_name == "", place_submodules=True,
+                                                        skip_keys=skip_keys))
+            attach_execution_device_hook(module, device, skip_keys=skip_keys)
+        else:
+            attach_align_device_hook(module, device, True, weights_map, offload_buffers, module_name, skip_keys,
+                                     preload_module_classes)
+            if not hasattr(module, "_hf_hook"):
+                add_hook_to_module(module, AlignDevicesHook(device, io_same_device=module_name == "",
+                                                            skip_keys=skip_keys))
+            attach_execution_device_hook(module, device, skip_keys, preload_module_classes)
+    elif module_name == "":
+        add_hook_to_module(module, AlignDevicesHook(devices.get(""), io_same_device=True, skip_keys=skip_keys))
+    for child_name, child in module.named_children():
+        attach_align_device_hook_on_blocks(child, devices, offloads, weights_map, offload_buffers,
+                                           f"{module_name}.{child_name}" if module_name else child_name, skip_keys,
+                                           preload_module_classes)

@@ -4,7 +4,10 @@ A hook is a small object with four methods (``init_hook``, ``pre_forward``, ``po
 ``detach_hook``). :func:`add_hook_to_module` wraps ``module.forward`` so that the hook runs
 around it; :func:`remove_hook_from_module` restores the original forward. Moving weights to
 the execution device and offloading them afterwards are just hooks. The attribute names
-(``_hf_hook``, ``_old_forward``) are Accelerate's, so libraries that look for them work.
+(``_hf_hook``, ``_old_forward``) are Accelerate's, so libraries that look for them work. One
+addition to Accelerate's protocol: when the wrapped forward raises, a hook's optional
+``forward_failed(module)`` runs (``post_forward`` does not), so offloaded weights and device
+slots loaded for that call are given back instead of staying loaded after the error.
 """
 
 from __future__ import annotations
@@ -102,6 +105,13 @@ class SequentialHook(ModelHook):
             module = hook.detach_hook(module)
         return module
 
+    def forward_failed(self, module: nn.Module) -> None:
+        """The wrapped forward raised: each hook that can gives back what it loaded."""
+        for hook in self.hooks:
+            failed = getattr(hook, "forward_failed", None)
+            if failed is not None:
+                failed(module)
+
 
 def add_hook_to_module(module: nn.Module, hook: ModelHook, append: bool = False) -> nn.Module:
     """Run ``hook`` around every call of ``module``'s forward.
@@ -134,11 +144,19 @@ def add_hook_to_module(module: nn.Module, hook: ModelHook, append: bool = False)
 
     def new_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = module._hf_hook.pre_forward(module, *args, **kwargs)
-        if module._hf_hook.no_grad:
-            with torch.no_grad():
+        try:
+            if module._hf_hook.no_grad:
+                with torch.no_grad():
+                    output = module._old_forward(*args, **kwargs)
+            else:
                 output = module._old_forward(*args, **kwargs)
-        else:
-            output = module._old_forward(*args, **kwargs)
+        except BaseException:
+            # nbaccel's addition to the protocol: a hook that loaded something for this call
+            # (offloaded weights, a device slot) gives it back when the forward raises
+            failed = getattr(module._hf_hook, "forward_failed", None)
+            if failed is not None:
+                failed(module)
+            raise
         return module._hf_hook.post_forward(module, output)
 
     wrapped = functools.update_wrapper(functools.partial(new_forward, module), old_forward)
@@ -201,6 +219,11 @@ class AlignDevicesHook(ModelHook):
         prefetch: a callable run after this module's weights are loaded, to start fetching
             the next offloaded module's weights while this one computes.
 
+    Attributes:
+        streamed: set by :func:`~.streamed_offload.stream_offloaded`: gives the offloaded weights
+            already on the execution device (copied ahead of time), or ``None`` when they must be
+            loaded the plain way.
+
     Example:
         >>> lin = torch.nn.Linear(2, 2)
         >>> x = torch.ones(1, 2); ref = lin(x)
@@ -223,6 +246,8 @@ class AlignDevicesHook(ModelHook):
         self.place_submodules = place_submodules
         self.skip_keys = skip_keys
         self.prefetch = prefetch
+        self.streamed: Any = None
+        self._streaming: list[bool] = []  # per (possibly nested) call: weights came from a slot
         self.input_device: torch.device | None = None
         self.original_devices: dict[str, torch.device] = {}
 
@@ -263,9 +288,15 @@ class AlignDevicesHook(ModelHook):
         if self.io_same_device:
             self.input_device = find_device([args, kwargs])
         if self.offload:
-            for name in self._names(module):
-                set_module_tensor_to_device(module, name, self.execution_device,
-                                            value=self.weights_map[name])
+            values = self.streamed.acquire() if self.streamed is not None else None
+            self._streaming.append(values is not None)
+            try:
+                for name in self._names(module):
+                    set_module_tensor_to_device(module, name, self.execution_device,
+                                                value=(self.weights_map if values is None else values)[name])
+            except BaseException:
+                self.forward_failed(module)
+                raise
             if self.prefetch is not None:
                 self.prefetch()
         if self.execution_device is None:
@@ -275,11 +306,21 @@ class AlignDevicesHook(ModelHook):
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         if self.offload:
-            for name in self._names(module):
-                set_module_tensor_to_device(module, name, "meta")
+            self._unload(module)
         if self.io_same_device and self.input_device is not None:
             output = send_to_device(output, self.input_device, skip_keys=self.skip_keys)
         return output
+
+    def _unload(self, module: nn.Module) -> None:
+        for name in self._names(module):
+            set_module_tensor_to_device(module, name, "meta")
+        if self._streaming and self._streaming.pop():
+            self.streamed.release()
+
+    def forward_failed(self, module: nn.Module) -> None:
+        """The forward raised: release the offloaded weights (and their slot) as after a call."""
+        if self.offload:
+            self._unload(module)
 
     def detach_hook(self, module: nn.Module) -> nn.Module:
         if self.offload:

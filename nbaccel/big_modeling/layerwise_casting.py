@@ -19,11 +19,15 @@ from torch import nn
 
 from nbaccel.big_modeling.hooks import ModelHook, add_hook_to_module
 
-__all__ = ["CASTABLE_LAYERS", "LayerwiseCastingHook", "attach_layerwise_casting_hooks"]
+__all__ = ["CASTABLE_LAYERS", "SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING", "LayerwiseCastingHook",
+           "attach_layerwise_casting_hooks"]
 
 CASTABLE_LAYERS: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d,
                                                 nn.ConvTranspose2d, nn.ConvTranspose3d, nn.Linear)
 """The layer types that get a hook (the ones Accelerate casts)."""
+
+SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING = CASTABLE_LAYERS
+"""Accelerate's name for :data:`CASTABLE_LAYERS`."""
 
 
 class LayerwiseCastingHook(ModelHook):

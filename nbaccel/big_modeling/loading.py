@@ -6,8 +6,9 @@ the device map puts it. CPU weights that live in a safetensors file, in their st
 at 64-byte aligned offsets, are not copied: they are views of a private, copy-on-write map of
 the file, its pages mapped in at load (so processes on one machine share them); a dtype change,
 or a file off that alignment, copies, on one thread pool for the whole load (:mod:`.cpu_copies`;
-a cast reads straight from the file's map). GPU weights are read through pinned staging
-buffers, overlapping reads with copies. Weights mapped to ``"disk"`` that live in a safetensors
+a cast reads straight from the file's map). GPU weights are read by reader threads
+into their own pinned buffers, for all GPUs at once (:mod:`.device_reads`). A checkpoint of several
+files shows a "Loading checkpoint shards" bar (:mod:`.load_progress`). Weights mapped to ``"disk"`` that live in a safetensors
 file are not read either: the offload index points into the checkpoint's own file. Weights from
 ``.bin``/``.pt`` pickles come from ``torch.load`` (memory-mapped where its format allows) and are
 copied into the offload folder when offloaded.
@@ -15,6 +16,7 @@ copied into the offload folder when offloaded.
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -22,9 +24,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from nbaccel.big_modeling.checkpoint_files import TensorInfo, can_map
 from nbaccel.big_modeling.checkpoint_layout import Checkpoint, open_checkpoint
-from nbaccel.big_modeling.cpu_copies import copy_to_cpu
 from nbaccel.big_modeling.device_map import (
     DeviceMapStrategy,
     MapDevice,
@@ -33,12 +33,17 @@ from nbaccel.big_modeling.device_map import (
     resolve_device_map,
 )
 from nbaccel.big_modeling.offload import IndexEntry, offload_weight, save_offload_index
-from nbaccel.big_modeling.resident import FileMaps, read_to_device
+from nbaccel.big_modeling.load_progress import ShardProgress
+from nbaccel.big_modeling.resident import FileMaps
+from nbaccel.big_modeling.resident_values import copied_to_cpu, resident_value, staged_to_gpus
+from nbaccel.big_modeling.streamed_offload import OFFLOAD_SLOTS
 from nbaccel.big_modeling.sizes import MaxMemory, find_tied_parameters
 from nbaccel.big_modeling.tensors import Device, set_module_tensor_to_device
 from nbaccel.errors import CheckpointMismatchError, ConfigError
 
 __all__ = ["load_checkpoint_and_dispatch", "load_checkpoint_in_model"]
+
+_log = logging.getLogger(__name__)
 
 
 def _sources(model: nn.Module, ckpt: Checkpoint, strict: bool) -> dict[str, str]:
@@ -72,10 +77,11 @@ def _sources(model: nn.Module, ckpt: Checkpoint, strict: bool) -> dict[str, str]
             "saved from this model's class and configuration.", path=ckpt.path,
             missing_keys=tuple(missing), unexpected_keys=tuple(unexpected),
             mismatched_shapes=shapes)
-    if unexpected:
-        warnings.warn(f"the checkpoint {ckpt.path} holds {len(unexpected)} tensor(s) the model "
-                      f"does not have, first {unexpected[:5]}; they were ignored (pass "
-                      "strict=True to make this an error).", stacklevel=3)
+    if unexpected:  # logged, not warned, as Accelerate does: a warning filter set to "error"
+        # must not turn a checkpoint with extra tensors (a head, a buffer) into a failure
+        _log.warning("the checkpoint %s holds %d tensor(s) the model does not have, first %s; "
+                     "they were ignored (pass strict=True to make this an error).", ckpt.path,
+                     len(unexpected), unexpected[:5])
     unloaded = [n for n in tensors if n not in sources]
     if unloaded:
         warnings.warn(f"the checkpoint {ckpt.path} has no values for {len(unloaded)} tensor(s), "
@@ -114,57 +120,21 @@ def _share(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
         module._buffers[leaf] = tensor
 
 
-def _staged_to_gpus(ckpt: Checkpoint, sources: Mapping[str, str],
-                    homes: Mapping[str, MapDevice]) -> dict[tuple[str, MapDevice], torch.Tensor]:
-    """``{(checkpoint key, GPU): tensor}`` for the GPU-bound safetensors weights, in their stored
-    dtype, read through pinned staging buffers one GPU at a time."""
-    wanted: dict[int, dict[str, TensorInfo]] = {}
-    for name, key in sources.items():
-        info = ckpt.location(key)
-        if info is not None and isinstance(homes[name], int):
-            wanted.setdefault(homes[name], {})[key] = info
-    staged: dict[tuple[str, MapDevice], torch.Tensor] = {}
-    for gpu, infos in wanted.items():
-        tensors = read_to_device(list(infos.values()), torch.device("cuda", gpu))
-        staged.update({(key, gpu): t for key, t in zip(infos, tensors)})
-    return staged
-
-
-def _copied_to_cpu(ckpt: Checkpoint, sources: Mapping[str, str], homes: Mapping[str, MapDevice],
-                   targets: Mapping[str, torch.dtype],
-                   maps: FileMaps) -> dict[tuple[str, torch.dtype], torch.Tensor]:
-    """``{(checkpoint key, dtype): tensor}`` for the CPU-bound safetensors weights that cannot be
-    views of their file (off the 64-byte alignment, or cast to another dtype), copied by one
-    thread pool for the whole load; a cast reads straight from the file's map."""
-    wanted: dict[tuple[str, torch.dtype], TensorInfo] = {}
-    for name, key in sources.items():
-        info = ckpt.location(key)
-        if info is not None and homes[name] == "cpu" and (targets[name] != info.dtype or not can_map(info)):
-            wanted[(key, targets[name])] = info
-    tensors = copy_to_cpu(list(wanted.values()), [dtype for _, dtype in wanted], view=maps.view)
-    return dict(zip(wanted, tensors))
-
-
-def _resident_value(ckpt: Checkpoint, key: str, home: MapDevice, target: torch.dtype, maps: FileMaps,
-                    staged: dict[tuple[str, MapDevice], torch.Tensor],
-                    copied: dict[tuple[str, torch.dtype], torch.Tensor]) -> torch.Tensor:
-    """The stored tensor, without a copy where one is not needed: staged on its GPU, copied
-    already on CPU, a view of its file on CPU, else read (pickles: as ``torch.load`` gave it)."""
-    value = staged.pop((key, home), None)
-    if value is None and home == "cpu":
-        value = copied.pop((key, target), None)
-    if value is not None:
-        return value
-    info = ckpt.location(key)
-    return maps.tensor(info) if info is not None and home == "cpu" else ckpt.read(key)
-
-
 def _load(model: nn.Module, checkpoint: str | os.PathLike,
           device_map: Mapping[str, MapDevice] | None, offload_folder: str | os.PathLike | None,
           dtype: torch.dtype | None, offload_buffers: bool, keep_in_fp32: Sequence[str],
-          strict: bool, index_needs_folder: bool) -> dict[str, IndexEntry]:
+          strict: bool, index_needs_folder: bool, show_progress: bool) -> dict[str, IndexEntry]:
     ckpt = open_checkpoint(checkpoint)
     sources = _sources(model, ckpt, strict)
+    with ShardProgress({k: ckpt.file_of(k) for k in sources.values()}, show_progress) as progress:
+        return _load_into(model, ckpt, sources, device_map, offload_folder, dtype,
+                          offload_buffers, keep_in_fp32, index_needs_folder, progress)
+
+
+def _load_into(model: nn.Module, ckpt: Checkpoint, sources: Mapping[str, str],
+               device_map: Mapping[str, MapDevice] | None, offload_folder: str | os.PathLike | None,
+               dtype: torch.dtype | None, offload_buffers: bool, keep_in_fp32: Sequence[str],
+               index_needs_folder: bool, progress: ShardProgress) -> dict[str, IndexEntry]:
     tensors = model.state_dict(keep_vars=True)
     buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
     homes = {n: _home(n, tensors[n], device_map, n in buffers, offload_buffers) for n in sources}
@@ -181,8 +151,8 @@ def _load(model: nn.Module, checkpoint: str | os.PathLike,
     loaded: dict[tuple[str, MapDevice], torch.Tensor] = {}
     targets = {n: _target_dtype(n, ckpt.dtype(k), tensors[n].dtype, dtype, keep_in_fp32)
                for n, k in sources.items()}
-    maps, staged = FileMaps(), _staged_to_gpus(ckpt, sources, homes)
-    copied = _copied_to_cpu(ckpt, sources, homes, targets, maps)
+    maps, staged = FileMaps(), staged_to_gpus(ckpt, sources, homes, progress)
+    copied = copied_to_cpu(ckpt, sources, homes, targets, maps)
     resident_first = sorted(sources, key=lambda n: homes[n] == "disk")
     for name in resident_first:
         key, home, target = sources[name], homes[name], targets[name]
@@ -202,10 +172,12 @@ def _load(model: nn.Module, checkpoint: str | os.PathLike,
         elif home == "meta":
             set_module_tensor_to_device(model, name, "meta", dtype=target)
         else:
-            value = _resident_value(ckpt, key, home, target, maps, staged, copied)
+            value = resident_value(ckpt, key, home, target, maps, staged, copied)
             set_module_tensor_to_device(model, name, home, value=value, dtype=target)
             loaded[(key, home)] = model.get_parameter(name) if name not in buffers \
                 else model.get_buffer(name)
+        progress.done(key)
+        progress.tick()
     if offload_folder is not None and (copies or index_needs_folder):
         save_offload_index(index, offload_folder)
     return index
@@ -245,7 +217,7 @@ def load_checkpoint_in_model(model: nn.Module, checkpoint: str | os.PathLike,
                              keep_in_fp32_modules: Sequence[str] | None = None,
                              offload_8bit_bnb: bool = False,
                              strict: bool = False, full_state_dict: bool = True,
-                             broadcast_from_rank0: bool = False) -> None:
+                             broadcast_from_rank0: bool = False, show_progress: bool = True) -> None:
     """Load a checkpoint into a model (often built with ``init_empty_weights``), by device map.
 
     Args:
@@ -269,6 +241,8 @@ def load_checkpoint_in_model(model: nn.Module, checkpoint: str | os.PathLike,
             no DTensor shards) is supported.
         broadcast_from_rank0: accepted for Accelerate compatibility; only ``False`` is
             supported: each process reads the checkpoint itself.
+        show_progress: show a "Loading checkpoint shards" bar (``tqdm.auto``: a widget in a
+            notebook, text on stderr elsewhere) when the checkpoint has more than one file.
 
     Raises:
         CheckpointMismatchError: missing or unexpected keys, or shape mismatches; the model is
@@ -295,7 +269,8 @@ def load_checkpoint_in_model(model: nn.Module, checkpoint: str | os.PathLike,
         dtype = getattr(torch, dtype.removeprefix("torch."))
     checked = None if device_map is None else check_device_map(model, device_map, on_this_machine=True)
     _load(model, checkpoint, checked, offload_folder, dtype, offload_buffers,
-          list(keep_in_fp32_modules or ()), strict, index_needs_folder=True)
+          list(keep_in_fp32_modules or ()), strict, index_needs_folder=True,
+          show_progress=show_progress)
 
 
 def load_checkpoint_and_dispatch(model: nn.Module, checkpoint: str | os.PathLike,
@@ -310,7 +285,8 @@ def load_checkpoint_and_dispatch(model: nn.Module, checkpoint: str | os.PathLike
                                  preload_module_classes: Sequence[str] | None = None,
                                  force_hooks: bool = False, strict: bool = False,
                                  full_state_dict: bool = True, broadcast_from_rank0: bool = False,
-                                 keep_in_fp32_modules: Sequence[str] | None = None) -> nn.Module:
+                                 keep_in_fp32_modules: Sequence[str] | None = None,
+                                 show_progress: bool = True) -> nn.Module:
     """Load a checkpoint and dispatch the model over devices, offloading what does not fit.
 
     Disk-offloaded weights of a safetensors checkpoint are read from the checkpoint's own files
@@ -335,6 +311,7 @@ def load_checkpoint_and_dispatch(model: nn.Module, checkpoint: str | os.PathLike
         full_state_dict: as in :func:`load_checkpoint_in_model`.
         broadcast_from_rank0: as in :func:`load_checkpoint_in_model`.
         keep_in_fp32_modules: as in :func:`load_checkpoint_in_model`.
+        show_progress: as in :func:`load_checkpoint_in_model`.
 
     Returns:
         The dispatched model, with ``model.hf_device_map`` set.
@@ -362,12 +339,15 @@ def load_checkpoint_and_dispatch(model: nn.Module, checkpoint: str | os.PathLike
     _check_whole_tensor_loading(full_state_dict, broadcast_from_rank0)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.removeprefix("torch."))
+    # On GPUs, offloaded layers stream through OFFLOAD_SLOTS device buffers: keep room for them.
     checked = None if device_map is None else resolve_device_map(
-        model, device_map, max_memory, no_split_module_classes, dtype, offload_buffers)
+        model, device_map, max_memory, no_split_module_classes, dtype, offload_buffers,
+        reserved_slots=OFFLOAD_SLOTS)
     if checked is not None:
         dispatch_entries(model, checked)  # a map dispatch would reject fails before any read
     index = _load(model, checkpoint, checked, offload_folder, dtype, offload_buffers,
-                  list(keep_in_fp32_modules or ()), strict, index_needs_folder=False)
+                  list(keep_in_fp32_modules or ()), strict, index_needs_folder=False,
+                  show_progress=show_progress)
     if checked is None:
         return model
     return dispatch_model(model, checked, offload_dir=offload_folder, offload_index=index,

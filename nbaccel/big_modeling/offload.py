@@ -201,6 +201,22 @@ class OffloadedWeightsLoader(Mapping):
             self._locations[key] = (info, None if cast == info.dtype else cast)
         return self._locations[key]
 
+    def location(self, key: str) -> tuple[TensorInfo, torch.dtype | None]:
+        """Where an indexed (not in-memory) weight lies, and the dtype it is cast to (``None``:
+        as stored).
+
+        Raises:
+            KeyError: ``key`` is not in the index.
+            CheckpointError: the index points at a file that is missing or does not hold it.
+
+        Example:
+            >>> import tempfile; folder = tempfile.mkdtemp()
+            >>> offload_state_dict(folder, {"w": torch.ones(2)})
+            >>> OffloadedWeightsLoader(save_folder=folder).location("w")[0].nbytes
+            8
+        """
+        return self._where(key)
+
     def _read(self, key: str) -> torch.Tensor:
         info, cast = self._where(key)
         # An offloaded weight lives for one forward: mapping it even off the allocator's 64-byte

@@ -10,9 +10,9 @@ What always holds:
   checkpoint share them. Writing to such a weight copies the written page
   into the process; the file never changes. The map goes away with the last tensor that uses
   it (no file descriptor is kept open: torch closes it once the file is mapped).
-- A weight bound for a GPU is read with ``preadv`` into one of a few pinned staging buffers and
-  copied from there with ``non_blocking=True`` on a side stream (:func:`read_to_device`): the
-  next chunk is read while the previous one is in flight, file by file, in file order.
+- A weight bound for a GPU is read by reader threads into their pinned buffers and copied from
+  there with ``non_blocking=True`` on side streams (:func:`read_to_device`, see
+  :mod:`.device_reads`).
 - A file cut short after its header was read is a :class:`~nbaccel.errors.CheckpointError`,
   found before any of its bytes are used. (A file cut short *while mapped* cannot be caught:
   reading the lost pages raises SIGBUS, as with any memory map.)
@@ -20,27 +20,24 @@ What always holds:
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from nbaccel.big_modeling.checkpoint_files import (
     TensorInfo,
     can_map,
-    read_into,
     read_tensor,
     truncated_error,
 )
 from nbaccel.big_modeling.cpu_copies import populate
+from nbaccel.big_modeling.device_reads import BUFFER_BYTES, read_to_devices
 
 __all__ = ["FileMaps", "read_to_device"]
 
 _MADV_WILLNEED, _MADV_POPULATE_READ = 3, 22  # <sys/mman.h>; POPULATE_READ is Linux 5.14+
-STAGING_BUFFERS = 2  # two are enough to overlap one read with one copy
-STAGING_BYTES = 64 * 2**20  # per buffer; bigger tensors go through in chunks
 
 
 class FileMaps:
@@ -114,31 +111,16 @@ def _populate(address: int, size: int) -> None:
         populate(address, size, _MADV_WILLNEED)
 
 
-def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.reshape(-1).view(torch.uint8)
-
-
-def _chunks(infos: Sequence[TensorInfo], size: int) -> Iterator[tuple[int, int, int]]:
-    """``(tensor index, start byte, length)`` in file order, each at most ``size`` bytes."""
-    for k in sorted(range(len(infos)), key=lambda i: (infos[i].path, infos[i].offset)):
-        for start in range(0, infos[k].nbytes, size):
-            yield k, start, min(size, infos[k].nbytes - start)
-
-
 def read_to_device(infos: Sequence[TensorInfo], device: torch.device | str,
-                   buffer_bytes: int = STAGING_BYTES,
-                   buffers: int = STAGING_BUFFERS) -> list[torch.Tensor]:
-    """Read tensors from their files into new tensors on ``device``, through staging buffers.
-
-    On a CUDA device the buffers are pinned and each copy is asynchronous on a side stream, so
-    reading the next chunk overlaps copying the last; a buffer is reused only once the copy out
-    of it has finished. On any other device the same chunks are copied synchronously.
+                   buffer_bytes: int = BUFFER_BYTES, buffers: int = 2) -> list[torch.Tensor]:
+    """Read tensors from their files into new tensors on ``device`` (see
+    :func:`~.device_reads.read_to_devices`, which this calls with one device for all).
 
     Args:
         infos: where each tensor is; read in its stored dtype.
         device: where the tensors go.
-        buffer_bytes: the size of each staging buffer (at most the largest tensor's size).
-        buffers: how many staging buffers take turns.
+        buffer_bytes: the size of each reader's pinned buffers.
+        buffers: kept for callers of the earlier signature; each reader has two buffers.
 
     Returns:
         The tensors, in the order of ``infos``; all copies have finished.
@@ -154,29 +136,4 @@ def read_to_device(infos: Sequence[TensorInfo], device: torch.device | str,
         >>> read_to_device([SafetensorsFile(path).tensors["w"]], "cpu", buffer_bytes=8)
         [tensor([0., 1., 2., 3., 4.])]
     """
-    device = torch.device(device)
-    outs = [torch.empty(i.shape, dtype=i.dtype, device=device) for i in infos]
-    largest = max((i.nbytes for i in infos), default=0)
-    if largest == 0:
-        return outs
-    cuda = device.type == "cuda"
-    size = min(buffer_bytes, largest)
-    staging = [torch.empty(size, dtype=torch.uint8, pin_memory=cuda) for _ in range(buffers)]
-    done: list[torch.cuda.Event | None] = [None] * buffers
-    stream = torch.cuda.Stream(device) if cuda else None
-    if stream is not None:  # the outputs were allocated on the current stream: start after it
-        stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-        for turn, (k, start, length) in enumerate(_chunks(infos, size)):
-            slot = turn % buffers
-            if done[slot] is not None:
-                done[slot].synchronize()  # the copy out of this buffer has finished
-            buffer = staging[slot][:length]
-            read_into(infos[k], memoryview(buffer.numpy()), start)
-            _byte_view(outs[k])[start:start + length].copy_(buffer, non_blocking=cuda)
-            if stream is not None:
-                done[slot] = torch.cuda.Event()
-                done[slot].record(stream)
-    if stream is not None:
-        stream.synchronize()  # the tensors are complete before anyone uses them
-    return outs
+    return read_to_devices(infos, [device] * len(infos), buffer_bytes)

@@ -9,6 +9,7 @@ checked in a process that will fork later.
 
 from __future__ import annotations
 
+import enum
 import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -20,6 +21,7 @@ from nbaccel.errors import ConfigError
 from nbaccel.file_size import convert_file_size_to_int
 
 __all__ = [
+    "CustomDtype",
     "MaxMemory",
     "compute_module_sizes",
     "convert_file_size_to_int",
@@ -37,13 +39,31 @@ MaxMemory = Mapping[int | str, int | str]
 _NAMED_DEVICES = ("mps", "cpu", "disk")
 
 
-def dtype_byte_size(dtype: torch.dtype) -> float:
+class CustomDtype(enum.Enum):
+    """Storage formats torch has no dtype for, sized by :func:`dtype_byte_size` (quantized weights).
+
+    Example:
+        >>> dtype_byte_size(CustomDtype.INT4)
+        0.5
+    """
+
+    FP8 = "fp8"
+    INT4 = "int4"
+    INT2 = "int2"
+
+
+_CUSTOM_BYTES = {CustomDtype.FP8: 1, CustomDtype.INT4: 1 / 2, CustomDtype.INT2: 1 / 4}
+
+
+def dtype_byte_size(dtype: torch.dtype | CustomDtype) -> float:
     """Bytes per element of ``dtype`` (``torch.bool`` counts 1/8, as in Accelerate).
 
     Example:
         >>> dtype_byte_size(torch.float16)
         2
     """
+    if isinstance(dtype, CustomDtype):
+        return _CUSTOM_BYTES[dtype]
     if dtype == torch.bool:
         return 1 / 8
     return torch.empty((), dtype=dtype).element_size()
@@ -66,7 +86,9 @@ def compute_module_sizes(model: nn.Module, dtype: torch.dtype | str | None = Non
                          buffers_only: bool = False) -> dict[str, int]:
     """Bytes of every module (and tensor), by name; ``""`` is the whole model.
 
-    A tied parameter counts once, under the first name it has.
+    A tied parameter counts once, under the first name it has. With ``dtype``, a floating-point
+    tensor counts as the smaller of its own dtype and ``dtype``; integer and bool tensors keep
+    theirs; a ``special_dtypes`` entry applies to any tensor (as Accelerate sizes them).
 
     Args:
         model: the model (its tensors may be on the meta device).
@@ -83,16 +105,29 @@ def compute_module_sizes(model: nn.Module, dtype: torch.dtype | str | None = Non
     """
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.removeprefix("torch."))
-    special = dict(special_dtypes or {})
+    special = {k: getattr(torch, v.removeprefix("torch.")) if isinstance(v, str) else v
+               for k, v in (special_dtypes or {}).items()}
     sizes: dict[str, int] = defaultdict(int)
     tensors = list(model.named_buffers()) if buffers_only else \
         [*model.named_parameters(), *model.named_buffers()]
     for name, tensor in tensors:
-        size = tensor_size(tensor, special.get(name, dtype))
+        size = _load_size(tensor, special.get(name), dtype)
         parts = name.split(".")
         for i in range(len(parts) + 1):
             sizes[".".join(parts[:i])] += size
     return sizes
+
+
+def _load_size(tensor: torch.Tensor, special: torch.dtype | None,
+               dtype: torch.dtype | None) -> int:
+    """Bytes once loaded, as Accelerate counts them: a special dtype always applies; ``dtype``
+    never widens a tensor and leaves integer and bool tensors alone (loading does not cast them)."""
+    if special is not None:
+        return int(tensor.numel() * dtype_byte_size(special))
+    own = dtype_byte_size(tensor.dtype)
+    if dtype is None or not (tensor.is_floating_point() or tensor.is_complex()):
+        return int(tensor.numel() * own)
+    return int(tensor.numel() * min(own, dtype_byte_size(dtype)))
 
 
 def find_tied_parameters(model: nn.Module) -> list[list[str]]:

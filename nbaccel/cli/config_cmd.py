@@ -8,8 +8,6 @@ be piped in; an empty answer (or the end of input) takes the default shown in br
 from __future__ import annotations
 
 import argparse
-import glob
-import os
 import re
 import sys
 from collections.abc import Callable
@@ -28,13 +26,6 @@ _MAX_DEFAULT_CPU_PROCESSES = 4  # the same cap as an automatic launch
 _ATTEMPTS = 3
 
 
-def _gpu_count() -> int:
-    """GPUs visible, without importing torch (seconds) on a machine with no GPU device files."""
-    if "torch" not in sys.modules and not glob.glob("/dev/nvidia[0-9]*") and not os.path.exists("/dev/kfd"):
-        return 0
-    return cuda_device_count()
-
-
 def default_config(mixed_precision: MixedPrecision = "no") -> LaunchConfig:
     """A config for this machine: every GPU, else the TPU, else one CPU process per core (at most 4).
 
@@ -42,7 +33,7 @@ def default_config(mixed_precision: MixedPrecision = "no") -> LaunchConfig:
         >>> default_config().num_machines
         1
     """
-    gpus = _gpu_count()
+    gpus = cuda_device_count()
     if gpus:
         return LaunchConfig(distributed_type="MULTI_GPU" if gpus > 1 else "NO", num_processes=gpus,
                             mixed_precision=mixed_precision)
@@ -189,7 +180,7 @@ def ask_config(base: LaunchConfig, inp: TextIO, out: TextIO) -> LaunchConfig:
         ConfigError: a question got no valid answer, or the answers do not fit together.
     """
     ask = _Asker(inp, out)
-    gpus = _gpu_count()
+    gpus = cuda_device_count()
     values: dict[str, Any] = _machines(ask, base)
     use_cpu = ask.ask("Run on CPU only (yes/no)?", base.use_cpu or not gpus, _yes_no,
                       "yes" if base.use_cpu or not gpus else "no")

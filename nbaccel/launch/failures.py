@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
-from nbaccel.errors import ProcessExitedError, WorkerFailedError
+from nbaccel.errors import ProcessExitedError, WorkerFailedError, child_failed_bases
 from nbaccel.launch.payload import loads
 
 __all__ = ["RemoteTraceback", "WorkerFailure", "format_report", "raise_failures"]
@@ -121,7 +121,7 @@ def _family_type(kind: type[BaseException]) -> type[BaseException] | None:
     joined = _JOINED.get(kind)
     if joined is None:
         try:
-            joined = type(kind.__name__, (kind, WorkerFailedError), {
+            joined = type(kind.__name__, (kind, WorkerFailedError, *child_failed_bases()), {
                 "__module__": kind.__module__, "__qualname__": kind.__qualname__,
                 "__reduce__": _reduce_joined, "__doc__": kind.__doc__})
         except TypeError:  # a final or layout-incompatible exception type

@@ -22,7 +22,7 @@ from nbaccel.launch.rich_output import CellPublisher
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.starter import SpawnFiles, start_forked, start_spawned
 from nbaccel.launch.supervisor import Supervisor, SupervisorPolicy
-from nbaccel.launch.warmup import finish_warmup, may_build_ddp, start_warmup
+from nbaccel.launch.warmup import finish_warmup, import_used_exports, may_build_ddp, start_warmup, used_names
 
 __all__ = ["LAUNCHER", "LocalLauncher", "local_environments", "request_relay"]
 
@@ -40,6 +40,8 @@ class LocalLauncher:
         payload = dumps_payload(function, args, kwargs) if plan.start_method == "spawn" else None  # fail early
         if payload is None and (may_build_ddp(function) if request.warm_imports is None else request.warm_imports):
             start_warmup()
+        if payload is None:
+            import_used_exports(used_names(function))
         # Joined before anything else starts: the import must not run beside the rendezvous store's
         # threads, and no fork may happen in the middle of an import.
         finish_warmup()

@@ -143,7 +143,9 @@ def _join_group() -> str:
     """Join the process group now (once for the pool's life); returns this worker's device."""
     from nbaccel.state import ProcessState
 
-    return str(ProcessState().device)
+    # The pool's group outlives any one task, and a later task's Accelerator(fsdp_plugin=...cpu_offload)
+    # reduces CPU shards: on GPUs it carries CPU tensors too (cuda:nccl,cpu:gloo), as Accelerate's FSDP jobs do.
+    return str(ProcessState(cpu_collectives=True).device)
 
 
 def serve(socket_path: str) -> None:

@@ -74,6 +74,17 @@ def _device_kind(config: LaunchConfig) -> tuple[DeviceKind, int]:
     return ("cuda", gpus) if gpus else ("cpu", 0)
 
 
+def _unused_gpus_note() -> list[str]:
+    """Say so when the machine has GPUs that this torch cannot use (a CPU build)."""
+    from nbaccel.cuda_probe import gpu_driver_present, nvml_gpus, torch_cuda_built
+
+    found = nvml_gpus() if gpu_driver_present() and not torch_cuda_built() else None
+    if not found or not found[1]:
+        return []
+    return [f"nbaccel: this machine has {len(found[1])} GPU(s) ({found[1][0].name}), but this torch has no CUDA "
+            "support, so the launch runs on CPU processes. Fix: install a CUDA build of torch."]
+
+
 def _gpu_ids(config: LaunchConfig, gpus: int) -> tuple[str | None, int, tuple[int, ...] | None]:
     from nbaccel.cuda_probe import (
         select_gpus,  # numbers count the GPUs this process sees; UUIDs name one
@@ -133,7 +144,7 @@ def plan_launch(config: LaunchConfig) -> LaunchPlan:
     kind, gpus = _device_kind(config)
     visible, usable, physical = _gpu_ids(config, gpus) if kind == "cuda" else (None, 0, None)
     if config.mixed_precision == "fp8":  # refused here, not by each worker's Accelerator() after N started
-        from nbaccel.training.fp8 import check_fp8_launch
+        from nbaccel.fp8_support import check_fp8_launch
 
         check_fp8_launch(kind, physical)
     notes: list[str] = []
@@ -141,12 +152,16 @@ def plan_launch(config: LaunchConfig) -> LaunchPlan:
     if n is None:
         if kind == "cuda":
             n = usable
+            notes.append(f"nbaccel: using {n} process{'es' if n > 1 else ''}, one per visible GPU. Pass "
+                         "num_processes= to choose.")
         elif kind == "xla":
             n = 0  # replaced below by what the XLA runtime reports
         else:
             n = max(1, min(cpu_count(), _MAX_AUTO_CPU_WORKERS))
             notes.append(f"nbaccel: no GPU found; using {n} CPU processes (one per core, at most "
                          f"{_MAX_AUTO_CPU_WORKERS}). Pass num_processes= to choose.")
+    if kind == "cpu" and not config.use_cpu and config.distributed_type != "MULTI_CPU":
+        notes.extend(_unused_gpus_note())
     if kind == "cuda" and n > usable:
         raise ConfigError(f"num_processes={n} but only {usable} GPU(s) are usable. Fix: pass num_processes<="
                           f"{usable}, or use_cpu=True for CPU processes.", key="num_processes", value=n,

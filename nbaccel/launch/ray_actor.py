@@ -176,7 +176,9 @@ class RankActor:
         """Join the process group now (a pool's ranks, once for its life); returns this rank's device."""
         from nbaccel.state import ProcessState
 
-        return str(ProcessState().device)
+        # The pool's group outlives any one task, and a later task's Accelerator(fsdp_plugin=...cpu_offload)
+        # reduces CPU shards: on GPUs it carries CPU tensors too (cuda:nccl,cpu:gloo), as Accelerate's FSDP jobs do.
+        return str(ProcessState(cpu_collectives=True).device)
 
     # ------------------------------------------------------------------ running
     def run(self, run_id: int, payload: bytes, rank: int, send_result: bool, cpu_results: bool = False) -> int:

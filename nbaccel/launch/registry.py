@@ -1,16 +1,14 @@
-"""Finding the launcher for a request, and running it: adding a launcher is adding a module.
+"""Finding the launcher for a request, and running it: one explicit table of nbaccel's launchers.
 
-The launcher named ``x`` is ``LAUNCHER`` in the module ``nbaccel.launch.x`` (``local``, ``xla``,
-``elastic`` ship with nbaccel), imported only when a request asks for it, so torch_xla or torch
-elastic cost nothing to a launch that does not use them. Launchers defined elsewhere are added
-with :func:`register_launcher`.
+:data:`BUILTIN_LAUNCHERS` maps each launcher nbaccel ships to the module whose ``LAUNCHER`` it is,
+imported only when a request asks for it, so torch_xla, torch elastic or Ray cost nothing to a
+launch that does not use them. Adding a launcher to nbaccel is a module plus a row here;
+launchers defined elsewhere are added with :func:`register_launcher`.
 """
 
 from __future__ import annotations
 
 import importlib
-import pkgutil
-from pathlib import Path
 from typing import Any
 
 from nbaccel.errors import ConfigError
@@ -18,8 +16,15 @@ from nbaccel.launch.base import Launcher
 from nbaccel.launch.preflight import say
 from nbaccel.launch.request import LaunchRequest
 
-__all__ = ["available_launchers", "launch", "launcher_for", "register_launcher"]
+__all__ = ["BUILTIN_LAUNCHERS", "available_launchers", "launch", "launcher_for", "register_launcher"]
 
+BUILTIN_LAUNCHERS: dict[str, str] = {
+    "elastic": "nbaccel.launch.elastic",  # several machines: torch's elastic agent
+    "local": "nbaccel.launch.local",  # this machine: forked or spawned workers
+    "ray": "nbaccel.launch.ray",  # Ray actors in a placement group
+    "xla": "nbaccel.launch.xla",  # TPU cores through torch_xla.launch
+}
+"""Launcher name -> the module holding it as ``LAUNCHER``."""
 _registered: dict[str, Launcher] = {}
 
 
@@ -43,10 +48,7 @@ def available_launchers() -> list[str]:
         >>> {"local", "xla", "elastic"} <= set(available_launchers())
         True
     """
-    here = Path(__file__).parent
-    own = [m.name for m in pkgutil.iter_modules([str(here)])
-           if "\nLAUNCHER = " in (here / f"{m.name}.py").read_text(encoding="utf-8", errors="replace")]
-    return sorted(set(own) | set(_registered))
+    return sorted(set(BUILTIN_LAUNCHERS) | set(_registered))
 
 
 def launcher_for(name: str) -> Launcher:
@@ -57,13 +59,7 @@ def launcher_for(name: str) -> Launcher:
     """
     if name in _registered:
         return _registered[name]
-    module = None
-    if name.isidentifier():
-        try:
-            module = importlib.import_module(f"nbaccel.launch.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"nbaccel.launch.{name}":
-                raise
+    module = importlib.import_module(BUILTIN_LAUNCHERS[name]) if name in BUILTIN_LAUNCHERS else None
     found = getattr(module, "LAUNCHER", None)
     if not isinstance(found, Launcher):
         valid = available_launchers()

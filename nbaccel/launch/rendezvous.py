@@ -68,12 +68,20 @@ class LoopbackStore:
         Raises:
             LaunchError: another process reached the store before it was locked (see store_guard).
         """
+        if self._store is None:
+            self._store = self.guard.start(self._tcp_store, ranks)
+
+    def _tcp_store(self, listen_fd: int) -> object:
+        """The ``TCPStore`` server on the guard's real socket (``listen_fd``, a duplicate it owns)."""
         import torch.distributed as dist  # already imported by __init__
 
-        if self._store is None:
-            self._store = self.guard.start(lambda fd: dist.TCPStore(
-                self.host, self.guard.real_port, world_size=None, is_master=True, master_listen_fd=fd,
-                use_libuv=True, wait_for_workers=False, timeout=timedelta(seconds=self._timeout)), ranks)
+        kwargs = {"world_size": None, "is_master": True, "master_listen_fd": listen_fd,
+                  "wait_for_workers": False, "timeout": timedelta(seconds=self._timeout)}
+        try:
+            return dist.TCPStore(self.host, self.guard.real_port, use_libuv=True, **kwargs)
+        except NotImplementedError:
+            # torch < 2.7: the libuv server cannot take a bound socket; the legacy one can (same protocol).
+            return dist.TCPStore(self.host, self.guard.real_port, use_libuv=False, **kwargs)
 
     @property
     def rejected(self) -> list[tuple[int, str]]:

@@ -10,6 +10,10 @@ second for nothing on its first launch, so the import happens:
   model (:func:`may_build_ddp`), finished before the launch creates anything else;
 - never on the path of a launch that does not need it.
 
+The public ``nbaccel`` names a launched function uses (``Accelerator``, ...) are imported in the
+caller before forking too (:func:`import_used_exports`): cheap here, several times dearer in
+each forked worker.
+
 Forking while another thread is in the middle of an import would leave the child with a
 half-initialized module and a module lock nobody will release, so the thread is always joined
 before any fork in this process: by the launchers, and by an ``os.register_at_fork`` hook for
@@ -26,11 +30,12 @@ import types
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-__all__ = ["finish_warmup", "may_build_ddp", "source_names", "start_warmup", "warmed_up"]
+__all__ = ["finish_warmup", "import_used_exports", "may_build_ddp", "source_names", "start_warmup", "used_names",
+           "warmed_up"]
 
 # Names whose presence in a function (or the functions it calls) suggests it builds a DDP/FSDP model.
 _DDP_NAMES = frozenset({
-    "DistributedDataParallel", "DDP", "Accelerator", "prepare", "prepare_model", "fully_shard",
+    "DistributedDataParallel", "DDP", "prepare", "prepare_model", "fully_shard",
     "FullyShardedDataParallel", "FSDP", "compile",
 })
 _MODULES = ("torch._dynamo", "torch.nn.parallel")
@@ -118,17 +123,13 @@ def source_names(source: str) -> set[str]:
     return found
 
 
-def may_build_ddp(function: Callable[..., Any] | None = None, names: Iterable[str] = (),
-                  namespace: Mapping[str, Any] | None = None) -> bool:
-    """A cheap guess: does ``function`` (or code using ``names``) build a DDP or FSDP model?
-
-    Functions among ``names`` that ``namespace`` defines (a notebook's, for a cell) are read too.
-    A wrong "no" costs what a launch without nbaccel's warm-up costs (each worker imports it);
-    a wrong "yes" costs one import in the caller, once per process.
+def used_names(function: Callable[..., Any] | None = None, names: Iterable[str] = (),
+               namespace: Mapping[str, Any] | None = None) -> set[str]:
+    """The names ``function`` (a few calls deep) and ``names`` use, with the functions ``namespace`` defines among them.
 
     Example:
-        >>> may_build_ddp(lambda: 1), may_build_ddp(names=["Accelerator"])
-        (False, True)
+        >>> sorted(used_names(names=["Accelerator", "x"]))
+        ['Accelerator', 'x']
     """
     used = set(names)
     if function is not None:
@@ -137,7 +138,45 @@ def may_build_ddp(function: Callable[..., Any] | None = None, names: Iterable[st
         value = namespace[name]  # type: ignore[index]
         if isinstance(value, types.FunctionType):
             used |= _function_names(value)
-    return bool(used & _DDP_NAMES)
+    return used
+
+
+def may_build_ddp(function: Callable[..., Any] | None = None, names: Iterable[str] = (),
+                  namespace: Mapping[str, Any] | None = None) -> bool:
+    """A cheap guess: does ``function`` (or code using ``names``) build a DDP or FSDP model?
+
+    Functions among ``names`` that ``namespace`` defines (a notebook's, for a cell) are read too.
+    A wrong "no" costs what a launch without nbaccel's warm-up costs (each worker imports it);
+    a wrong "yes" costs one import in the caller, once per process. Making an ``Accelerator``
+    is not a yes: only preparing a model builds one.
+
+    Example:
+        >>> may_build_ddp(lambda: 1), may_build_ddp(names=["Accelerator"]), may_build_ddp(names=["prepare"])
+        (False, False, True)
+    """
+    return bool(used_names(function, names, namespace) & _DDP_NAMES)
+
+
+def import_used_exports(used: Iterable[str]) -> None:
+    """Import here, before forking, the modules behind the public ``nbaccel`` names in ``used``.
+
+    ``from nbaccel import Accelerator`` in a function costs about 0.05 s in this process, but
+    0.3-0.7 s in *each* of 4 forked workers sharing 2 cores (their first touches of the parent's
+    memory copy its pages); done once here, workers find the module imported. Names whose
+    import fails are left to the workers, which then raise as they would have.
+
+    Example:
+        >>> import_used_exports(["notebook_launcher", "not_an_export"])
+    """
+    import importlib
+
+    from nbaccel.exports import EXPORTS
+
+    for module in sorted({EXPORTS[name] for name in set(used) & set(EXPORTS)} - set(sys.modules)):
+        try:
+            importlib.import_module(module)
+        except Exception:  # noqa: BLE001 - e.g. a missing optional dependency: the worker reports it
+            continue
 
 
 if hasattr(os, "register_at_fork"):

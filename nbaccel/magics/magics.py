@@ -190,11 +190,13 @@ class AccelMagics(Magics):
     @staticmethod
     def _request(program: CellProgram, config: LaunchConfig, args: argparse.Namespace) -> LaunchRequest:
         from nbaccel.launch.request import build_request
-        from nbaccel.launch.warmup import may_build_ddp, source_names, start_warmup
+        from nbaccel.launch.warmup import import_used_exports, may_build_ddp, source_names, start_warmup, used_names
 
-        warm = may_build_ddp(names=source_names(program.source), namespace=program.namespace())
+        used = used_names(names=source_names(program.source), namespace=program.namespace())
+        warm = may_build_ddp(names=used)
         if warm:
             start_warmup()  # overlaps with the rest of the preparation; joined before any fork
+        import_used_exports(used)  # `from nbaccel import Accelerator` in the cell: imported once, here
         try:
             return build_request(run_cell_program, (program,), config=config, output_ranks=args.ranks,
                                  return_all=args.all_ranks, hang_timeout=args.hang_timeout,

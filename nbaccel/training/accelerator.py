@@ -23,6 +23,7 @@ import torch
 from nbaccel.distributed_type import DistributedType
 from nbaccel.environment import MixedPrecision
 from nbaccel.errors import ConfigError
+from nbaccel.hardware import check_os_kernel
 from nbaccel.partial_state import AcceleratorState
 from nbaccel.tracking.helpers import TrackingHelpers
 from nbaccel.training.checkpoint_helpers import CheckpointHelpers
@@ -166,6 +167,8 @@ class Accelerator(PrepareHelpers, ProcessHelpers, CheckpointHelpers, TrackingHel
         self.step = 0
         self.prepared = PreparedObjects()
         self._trigger = False
+        if self.state.is_local_main_process:  # Accelerate checks on every Accelerator it makes
+            check_os_kernel()
 
     # Accelerate's private names for what was prepared, read by user code and libraries.
     _models = RegistryView("models")

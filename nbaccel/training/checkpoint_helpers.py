@@ -69,8 +69,14 @@ class CheckpointHelpers:
             raise ConfigError(f"`save_directory` must be a folder, but {str(folder)!r} is a file; pass a folder path",
                               key="save_directory", value=str(folder), valid="a folder path")
         convert_file_size_to_int(max_shard_size, key="max_shard_size")
-        state_dict = self.get_state_dict(model)
-        if self._is_writer():
+        from nbaccel.training.fsdp import is_fsdp_model
+
+        context = self._checkpoint_context()
+        # FSDP gathers onto every node's writer (one more collective to learn who they are); other models
+        # are whole on every rank already.
+        writers = context.writer_ranks() if is_fsdp_model(model) else (0,)
+        state_dict = training_state.model_state_dict(model, ranks=writers)
+        if context.is_writer:
             checkpointing.save_model_shards(state_dict, folder, max_shard_size, safe_serialization)
         self.wait_for_everyone()
 

@@ -30,13 +30,14 @@ from nbaccel.nested_data import (
 from nbaccel.ops import broadcast_object_list
 from nbaccel.training.data_sharding import IterableDatasetShard
 from nbaccel.training.gradient_state import GradientState
+from nbaccel.training.loader_state import DataLoaderStateMixin
 
 __all__ = ["DataLoaderDispatcher", "DataLoaderShard", "draw_seed"]
 
 _END = object()
 
 
-class DataLoaderShard(DataLoader):
+class DataLoaderShard(DataLoader, DataLoaderStateMixin):
     """A ``DataLoader`` that yields this process's batches on ``device`` and flags the last one.
 
     Attributes:
@@ -67,7 +68,10 @@ class DataLoaderShard(DataLoader):
         self.reseeded_sampler = reseeded_sampler
         self.end_of_dataloader = False
         self.remainder = -1
-        self._epoch_owner: DataLoaderShard = self
+        # the loader whose epoch count this one shares (a skip_first_batches copy shares its
+        # source's); None for itself, since a reference to self would be a cycle that keeps the
+        # loader alive after `del loader` until the cyclic garbage collector runs
+        self._shared_epoch_owner: DataLoaderShard | None = None
         self._iteration = 0
         self._in_progress = False
         self._start_generator_state: torch.Tensor | None = None
@@ -75,6 +79,14 @@ class DataLoaderShard(DataLoader):
         self._replay_rng_state: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ epochs and state
+    @property
+    def _epoch_owner(self) -> DataLoaderShard:
+        return self if self._shared_epoch_owner is None else self._shared_epoch_owner
+
+    @_epoch_owner.setter
+    def _epoch_owner(self, owner: DataLoaderShard) -> None:
+        self._shared_epoch_owner = None if owner is self else owner
+
     @property
     def iteration(self) -> int:
         """The epoch number; a loader from :func:`skip_first_batches` shares its source's (the same count)."""
@@ -147,16 +159,10 @@ class DataLoaderShard(DataLoader):
             torch.set_rng_state(draws.get_state())
 
     # ------------------------------------------------------------------ iteration
-    def _begin(self) -> None:
-        self.end_of_dataloader = False
-        self.remainder = -1
-        if self.total_batch_size and not self.source_drop_last:
-            try:
-                length = getattr(self.dataset, "total_dataset_length", None) or len(self.dataset)  # type: ignore[arg-type]
-                self.remainder = length % self.total_batch_size
-            except TypeError:  # an iterable dataset without a length
-                pass
-        self.gradient_state._add_dataloader(self)
+    def begin(self) -> None:
+        """Start a pass (:class:`DataLoaderStateMixin`), the remainder counted unless the source drops its last batch."""
+        self._drop_last = self.source_drop_last
+        super().begin()
 
     def _finish(self) -> None:
         if self.remainder == -1 and isinstance(self.dataset, IterableDatasetShard) and self.total_batch_size:
@@ -175,7 +181,7 @@ class DataLoaderShard(DataLoader):
         owner._start_generator_state = self.sync_generator.get_state() if self.sync_generator is not None else None
         self._seed_pass()
         owner._in_progress = True
-        self._begin()
+        self.begin()
 
     def _end_pass(self) -> None:
         owner = self._epoch_owner

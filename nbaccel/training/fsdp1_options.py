@@ -23,20 +23,22 @@ _NO_MEANING = {
     "backward_prefetch": "FSDP2 prefetches the next all-gather in backward by itself",
     "forward_prefetch": "FSDP2 overlaps forward all-gathers by itself",
     "use_orig_params": "FSDP2 always keeps the original parameters (as DTensors)",
-    "sync_module_states": "prepare broadcasts nothing: every rank builds the model from the same seed or checkpoint",
+    "sync_module_states": "prepare broadcasts rank 0's weights only into ranks that built the model on the meta "
+                          "device (or with cpu_ram_efficient_loading); otherwise every rank keeps its own",
     "limit_all_gathers": "FSDP2 has no rate limiter to turn off",
-    "cpu_ram_efficient_loading": "every rank holds the model in RAM before sharding; load large checkpoints after "
-                                 "prepare with load_state",
 }
+# Honoured as in Accelerate, by nbaccel.training.fsdp_materialize: rank 0's weights broadcast into the shards.
+_HONOURED = ("cpu_ram_efficient_loading",)
 _REFUSED = {
     "ignored_modules": "FSDP2 sharding in nbaccel covers the whole model; move those modules out of it",
-    "param_init_fn": "materialize the model before prepare (load its weights, or build it on CPU)",
+    "param_init_fn": "build the model on the meta device: prepare calls each module's reset_parameters() (or, "
+                     "where rank 0 has real weights, broadcasts them into the shards)",
     "state_dict_config": "use state_dict_type='FULL_STATE_DICT' or 'SHARDED_STATE_DICT'",
     "optim_state_dict_config": "use state_dict_type='FULL_STATE_DICT' or 'SHARDED_STATE_DICT'",
     "activation_checkpointing": "wrap blocks with torch.utils.checkpoint in the model's forward",
     "activation_checkpointing_offload": "wrap blocks with torch.utils.checkpoint in the model's forward",
 }
-FSDP1_OPTIONS: tuple[str, ...] = ("sharding_strategy", *_NO_MEANING, *_REFUSED)
+FSDP1_OPTIONS: tuple[str, ...] = ("sharding_strategy", *_NO_MEANING, *_HONOURED, *_REFUSED)
 """Every FSDP1-style option the plugin accepts by name."""
 
 

@@ -9,6 +9,7 @@ so nothing survives into launched workers.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from nbaccel.training.plugins import GradientAccumulationPlugin
@@ -28,9 +29,19 @@ class GradientState:
     def __init__(self, gradient_accumulation_plugin: GradientAccumulationPlugin | None = None) -> None:
         self.plugin = gradient_accumulation_plugin or GradientAccumulationPlugin()
         self.sync_gradients = True
-        self.active_dataloader: Any = None
-        self.dataloader_references: list[Any] = [None]
+        # weak, as Accelerate's: a loader the code dropped mid-pass is not kept alive by this state
+        self._references: list[weakref.ref | None] = [None]
         self.is_xla_gradients_synced = False
+
+    @property
+    def dataloader_references(self) -> list[Any]:
+        """The loaders being iterated, innermost last (``None`` first; a freed loader reads ``None``)."""
+        return [None if ref is None else ref() for ref in self._references]
+
+    @property
+    def active_dataloader(self) -> Any:
+        """The loader being iterated (the innermost), or ``None``."""
+        return self.dataloader_references[-1]
 
     @property
     def num_steps(self) -> int:
@@ -77,13 +88,12 @@ class GradientState:
         self.is_xla_gradients_synced = False
 
     def _add_dataloader(self, loader: Any) -> None:
-        self.active_dataloader = loader
-        self.dataloader_references.append(loader)
+        self._references.append(weakref.ref(loader))
 
     def _remove_dataloader(self, loader: Any) -> None:
-        if loader in self.dataloader_references:
-            self.dataloader_references.remove(loader)
-        self.active_dataloader = self.dataloader_references[-1]
+        # drop this loader's entries and those of loaders already freed
+        self._references = [None] + [ref for ref in self._references[1:]
+                                     if ref is not None and ref() is not None and ref() is not loader]
 
     def __repr__(self) -> str:
         return (f"GradientState(num_steps={self.num_steps}, sync_gradients={self.sync_gradients}, "

@@ -158,6 +158,9 @@ class FullyShardedDataParallelPlugin:
         mixed_precision_policy: a ``torch.distributed.fsdp.MixedPrecisionPolicy``, a precision
             name (``"bf16"``, ``"fp16"``, ``"fp32"``: parameter and reduction dtype), or a dict of
             the policy's fields. ``None``: built from the accelerator's ``mixed_precision``.
+        cpu_ram_efficient_loading: every rank takes rank 0's weights, broadcast into its shards
+            after sharding (as in Accelerate); the other ranks may build the model on the meta
+            device. Ranks whose model is on the meta device get rank 0's weights in any case.
 
     Example:
         >>> FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Block"]).auto_wrap_policy

@@ -128,7 +128,9 @@ class PrepareHelpers:
         if self.deepspeed_plugin is not None:
             return self._prepare_deepspeed((model,))[0]
         place = self.device_placement if device_placement is None else device_placement
-        if place and not (self.fsdp_plugin is not None and self.fsdp_plugin.cpu_offload):
+        sharded = self.fsdp_plugin is not None and not evaluation_mode
+        # FSDP2 places each shard itself (shard_model); placing first would put the whole model on every GPU.
+        if place and not sharded:
             before = list(model.parameters()) if self.device.type == "xla" else []
             model = model.to(self.device)
             if before:  # XLA: .to() makes new Parameter objects; the optimizers must follow them
@@ -141,7 +143,7 @@ class PrepareHelpers:
         if self.mixed_precision != "no":
             wrap_forward(model, self.mixed_precision, self.device, self.autocast_handler)
         trainable = any(p.requires_grad for p in model.parameters())
-        if self.fsdp_plugin is not None and not evaluation_mode:
+        if sharded:
             from nbaccel.training.fsdp import shard_model
 
             optimizers = list(_optimizers or []) + [o.optimizer for o in self.prepared.optimizers]

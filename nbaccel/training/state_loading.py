@@ -6,7 +6,9 @@ model keys and shapes, optimizer parameter groups); only when all of them pass a
 optimizers, schedulers, dataloaders, scaler, registered objects and RNG states changed. No file
 runs code while loaded unless ``load_kwargs={"weights_only": False}`` opts in (see
 :mod:`nbaccel.safe_load`). DeepSpeed engines and sharded FSDP models read their own files,
-after the checks of everything else.
+after the checks of everything else. A full FSDP model's weights and optimizer state are read
+by rank 0 alone and broadcast into the shards, so an N-rank machine holds one copy in host
+memory, not N; every rank then learns whether any rank refused the checkpoint, and all raise.
 """
 
 from __future__ import annotations
@@ -73,8 +75,8 @@ def _read_weights(path: Path, load_kwargs: Mapping[str, Any]) -> dict[str, torch
     return dict(weights)
 
 
-def _plan_models(prepared: PreparedObjects, source: Path, strict: bool, load_kwargs: Mapping[str, Any]
-                 ) -> list[Step]:
+def _plan_models(prepared: PreparedObjects, source: Path, strict: bool, load_kwargs: Mapping[str, Any],
+                 reader: bool) -> list[Step]:
     from nbaccel.training.fsdp import (
         is_fsdp_model,
         load_full_model_state_dict,
@@ -102,6 +104,9 @@ def _plan_models(prepared: PreparedObjects, source: Path, strict: bool, load_kwa
     for i, model in enumerate(plain):
         safe = source / numbered_name("model", i, "safetensors")
         path = safe if safe.exists() else _need(source / numbered_name("pytorch_model", i, "bin"))
+        if is_fsdp_model(model) and not reader:
+            steps.append(lambda m=model: load_full_model_state_dict(m, {}))  # rank 0 reads and broadcasts
+            continue
         weights = _read_weights(path, load_kwargs)
         target = model if is_fsdp_model(model) else unwrap_model(model, keep_torch_compile=False)
         check_fits(target, weights, strict=strict, path=path)  # an FSDP model's DTensors have the full shapes
@@ -126,8 +131,8 @@ def _check_optimizer(optimizer: Any, state: Any, path: Path) -> None:
             "checkpoint was saved", path=str(path))
 
 
-def _plan_rest(prepared: PreparedObjects, context: CheckpointContext, source: Path, load_kwargs: Mapping[str, Any]
-               ) -> list[Step]:
+def _plan_rest(prepared: PreparedObjects, context: CheckpointContext, source: Path, load_kwargs: Mapping[str, Any],
+               reader: bool) -> list[Step]:
     from nbaccel.training.fsdp import is_fsdp_model, load_full_optimizer_state_dict
 
     def load(path: Path) -> Any:
@@ -138,8 +143,9 @@ def _plan_rest(prepared: PreparedObjects, context: CheckpointContext, source: Pa
         if (source / f"pytorch_model_fsdp_{i}").is_dir() or engine_owned(optimizer):
             continue
         path = source / numbered_name("optimizer", i, "bin")
-        state = load(path)
-        if i < len(prepared.models) and is_fsdp_model(prepared.models[i]):
+        fsdp = i < len(prepared.models) and is_fsdp_model(prepared.models[i])
+        state = load(path) if reader or not fsdp else {}  # FSDP: rank 0 reads and broadcasts
+        if fsdp:
             steps.append(lambda m=prepared.models[i], o=optimizer, s=state:
                          load_full_optimizer_state_dict(m, o.optimizer, s))
         else:
@@ -184,6 +190,37 @@ def _warn_on_other_process_count(process: ProcessState, source: Path) -> None:
                       "processes", stacklevel=4)
 
 
+def _agree(failure: Exception | None, input_dir: str | Path | None = None) -> None:
+    """Every rank learns whether any rank refused the checkpoint, so none is left waiting in a broadcast.
+
+    A rank that read nothing itself raises the refusing rank's own error (same type and fields:
+    a shape mismatch seen by rank 0 is a ``CheckpointMismatchError`` on every rank).
+
+    Raises:
+        CheckpointError: another rank refused it (its error, or, where that cannot be pickled, a
+            ``CheckpointError`` carrying its message); this rank's own refusal is re-raised by the caller.
+    """
+    import pickle
+
+    import torch.distributed as dist
+
+    sent: Exception | str | None = failure
+    if failure is not None:
+        try:
+            pickle.dumps(failure)
+        except Exception:  # noqa: BLE001 - send its text instead
+            sent = f"{type(failure).__name__}: {failure}"
+    said: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(said, sent)
+    refused = [(rank, told) for rank, told in enumerate(said) if told is not None]
+    if failure is None and refused:
+        rank, told = refused[0]
+        if isinstance(told, Exception):
+            raise told
+        raise CheckpointError(f"rank {rank} refused the checkpoint, so nothing was loaded on any rank: {told}",
+                              path=str(input_dir))
+
+
 def load_accelerator_state(prepared: PreparedObjects, context: CheckpointContext, input_dir: str | Path | None,
                            strict: bool = True, load_kwargs: dict[str, Any] | None = None) -> LoadedState:
     """Restore what :func:`~nbaccel.training.training_state.save_accelerator_state` wrote into the prepared objects.
@@ -195,13 +232,28 @@ def load_accelerator_state(prepared: PreparedObjects, context: CheckpointContext
             object, or a file is truncated or corrupt (the error names the file).
         UnsafeCheckpointError: a file would run code when loaded (``load_kwargs`` did not opt in).
         CheckpointMismatchError: a model's keys or shapes, or an optimizer's parameter groups, do not match.
+        CheckpointError: (FSDP) another rank refused the checkpoint; its message is included.
     """
+    from nbaccel.training.fsdp import is_fsdp_model
+
     project = context.project
-    folder = checkpoint_folder(project, input_dir, for_load=True)
-    source = resolve_checkpoint(folder)
-    _warn_on_other_process_count(context.process, source)
-    kwargs = dict(load_kwargs or {})
-    steps = _plan_models(prepared, source, strict, kwargs) + _plan_rest(prepared, context, source, kwargs)
+    process = context.process
+    # Full FSDP states are read by rank 0 alone and broadcast (one copy in host memory, not one per rank).
+    shared = process.num_processes > 1 and any(is_fsdp_model(m) for m in prepared.models)
+    try:
+        folder = checkpoint_folder(project, input_dir, for_load=True)
+        source = resolve_checkpoint(folder)
+        _warn_on_other_process_count(process, source)
+        kwargs = dict(load_kwargs or {})
+        reader = not shared or process.is_main_process
+        steps = (_plan_models(prepared, source, strict, kwargs, reader)
+                 + _plan_rest(prepared, context, source, kwargs, reader))
+    except Exception as exc:
+        if shared:
+            _agree(exc)
+        raise
+    if shared:
+        _agree(None, input_dir)
     for step in steps:  # every file is read and checked: now change the objects
         step()
     marker = source / MARKER

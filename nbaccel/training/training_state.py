@@ -66,6 +66,22 @@ class CheckpointContext:
             return self.process.is_local_main_process
         return self.process.is_main_process
 
+    def writer_ranks(self) -> tuple[int, ...]:
+        """The global ranks that write (see :attr:`is_writer`): gathered states must reach each of them.
+
+        A collective under ``save_on_each_node`` in a multi-process job (each rank tells whether it
+        is its machine's local main process); ``(0,)`` otherwise.
+        """
+        import torch.distributed as dist
+
+        process = self.process
+        if not self.project.save_on_each_node or process.num_processes == 1 or not dist.is_initialized():
+            return (0,)  # (XLA replicas have no torch.distributed group: their states are not gathered there)
+
+        local_mains: list[Any] = [None] * process.num_processes
+        dist.all_gather_object(local_mains, process.is_local_main_process)
+        return tuple(rank for rank, main in enumerate(local_mains) if main)
+
 
 @dataclass(frozen=True)
 class LoadedState:
@@ -80,12 +96,13 @@ class LoadedState:
     step: int | None
 
 
-def model_state_dict(model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
-    """The model's full state dict on CPU (gathered from the shards under FSDP: call on every rank)."""
+def model_state_dict(model: torch.nn.Module, unwrap: bool = True, ranks: tuple[int, ...] = (0,)
+                     ) -> dict[str, torch.Tensor]:
+    """The model's full state dict on CPU (gathered from the shards under FSDP onto ``ranks``: call on every rank)."""
     from nbaccel.training.fsdp import full_model_state_dict, is_fsdp_model
 
     if is_fsdp_model(model):
-        return full_model_state_dict(model)
+        return full_model_state_dict(model, ranks)
     if is_deepspeed_engine(model):
         return deepspeed_state_dict(model)
     state = (unwrap_model(model, keep_torch_compile=False) if unwrap else model).state_dict()
@@ -140,11 +157,12 @@ def _prune(context: CheckpointContext) -> None:
         remove_checkpoint(old)
 
 
-def _optimizer_state(prepared: PreparedObjects, context: CheckpointContext, index: int, optimizer: Any) -> Any:
+def _optimizer_state(prepared: PreparedObjects, context: CheckpointContext, index: int, optimizer: Any,
+                     writers: tuple[int, ...]) -> Any:
     from nbaccel.training.fsdp import full_optimizer_state_dict, is_fsdp_model
 
     if index < len(prepared.models) and is_fsdp_model(prepared.models[index]):
-        return full_optimizer_state_dict(prepared.models[index], optimizer.optimizer)
+        return full_optimizer_state_dict(prepared.models[index], optimizer.optimizer, writers)
     state = optimizer.state_dict()
     if context.process.device.type == "xla":
         from nbaccel.nested_data import send_to_device
@@ -158,7 +176,8 @@ def engine_owned(obj: Any) -> bool:
     return isinstance(obj, (DeepSpeedOptimizerWrapper, DeepSpeedSchedulerWrapper))
 
 
-def _write_models(prepared: PreparedObjects, context: CheckpointContext, tmp: Path, safe_serialization: bool) -> None:
+def _write_models(prepared: PreparedObjects, context: CheckpointContext, tmp: Path, safe_serialization: bool,
+                  writers: tuple[int, ...]) -> None:
     from nbaccel.training.fsdp import is_fsdp_model, sharded_save
 
     weights = []
@@ -169,7 +188,7 @@ def _write_models(prepared: PreparedObjects, context: CheckpointContext, tmp: Pa
             optimizer = prepared.optimizer_for(i)
             sharded_save(model, optimizer.optimizer if optimizer is not None else None, tmp / f"pytorch_model_fsdp_{i}")
         else:
-            weights.append(model_state_dict(model))
+            weights.append(model_state_dict(model, ranks=writers))
     for hook in list(prepared.save_state_pre_hooks.values()):  # may drop entries of `weights` to save them itself
         hook(list(prepared.models), weights, str(tmp))
     if context.is_writer:
@@ -195,12 +214,13 @@ def _write_state(prepared: PreparedObjects, context: CheckpointContext, tmp: Pat
     from nbaccel.training.fsdp import is_fsdp_model
 
     writer = context.is_writer
-    _write_models(prepared, context, tmp, safe_serialization)
+    writers = context.writer_ranks() if any(is_fsdp_model(m) for m in prepared.models) else (0,)
+    _write_models(prepared, context, tmp, safe_serialization, writers)
     for i, optimizer in enumerate(prepared.optimizers):
         if (context.sharded_fsdp and i < len(prepared.models) and is_fsdp_model(prepared.models[i])
                 or engine_owned(optimizer)):
             continue
-        state = _optimizer_state(prepared, context, i, optimizer)
+        state = _optimizer_state(prepared, context, i, optimizer, writers)
         if writer:
             torch.save(state, tmp / numbered_name("optimizer", i, "bin"))
     if writer:

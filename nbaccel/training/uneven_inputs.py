@@ -45,7 +45,17 @@ class UnevenInputs:
         if self.num_processes <= 1:  # Join needs Joinable models; nothing to join in one process
             yield
             return
-        from torch.distributed.algorithms import Join
+        from torch.distributed.algorithms import Join, Joinable
+
+        strangers = [type(j).__name__ for j in joinables if not isinstance(j, Joinable)]
+        if strangers:  # FSDP, DeepSpeed, an unwrapped model: Join cannot take them (Accelerate too
+            # warns and runs the block as it is, there on anything but multi-GPU)
+            warnings.warn(f"join_uneven_inputs needs DDP models (torch Joinables); got {strangers}, "
+                          "so it has no effect: the block runs as it is, with even_batches "
+                          "unchanged. Fix: prepare the model for DDP, or keep even_batches=True.",
+                          stacklevel=3)
+            yield
+            return
 
         overridden: list[tuple[Any, bool]] = []
         if even_batches is not None:

@@ -7,7 +7,29 @@ import torch
 from nbaccel.training.deepspeed_engine import is_deepspeed_engine
 from nbaccel.training.precision import unwrap_forward
 
-__all__ = ["extract_model_from_parallel", "unwrap_model"]
+__all__ = ["extract_model_from_parallel", "has_compiled_regions", "is_compiled_module", "unwrap_model"]
+
+
+def is_compiled_module(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is ``torch.compile``'s wrapper (an ``OptimizedModule``).
+
+    Example:
+        >>> is_compiled_module(torch.nn.Linear(1, 1))
+        False
+    """
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return isinstance(module, OptimizedModule)
+
+
+def has_compiled_regions(module: torch.nn.Module) -> bool:
+    """Whether ``module`` has submodules (or is one) compiled with ``torch.compile``, as regional compilation leaves them.
+
+    Example:
+        >>> has_compiled_regions(torch.nn.Sequential(torch.nn.Linear(1, 1)))
+        False
+    """
+    return bool(module._modules) and any(is_compiled_module(m) for m in module.modules())
 
 
 def unwrap_model(model: torch.nn.Module, keep_fp32_wrapper: bool = True,
@@ -22,7 +44,6 @@ def unwrap_model(model: torch.nn.Module, keep_fp32_wrapper: bool = True,
     compiled: torch.nn.Module | None = None
     while True:
         if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)) or is_deepspeed_engine(model):
-            compiled = None  # a compile wrapper around DDP cannot be kept without the DDP inside it
             model = model.module
         elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):
             compiled = model if compiled is None else compiled
@@ -31,7 +52,21 @@ def unwrap_model(model: torch.nn.Module, keep_fp32_wrapper: bool = True,
             break
     if not keep_fp32_wrapper:
         unwrap_forward(model)
-    return compiled if keep_torch_compile and compiled is not None else model
+    if not keep_torch_compile or compiled is None:
+        return model
+    return compiled if compiled._orig_mod is model else _compiled_again(compiled, model)
+
+
+def _compiled_again(compiled: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` under a compile wrapper like ``compiled`` (same dynamo settings), as Accelerate keeps it.
+
+    Accelerate points ``compiled._orig_mod`` at the unwrapped model in place, which takes the DDP
+    out of the prepared model too; a new wrapper leaves the prepared model as it was.
+    """
+    try:
+        return type(compiled)(model, compiled.dynamo_ctx)  # torch's OptimizedModule(mod, dynamo_ctx)
+    except (AttributeError, TypeError):  # a compile wrapper of another kind: the model alone
+        return model
 
 
 def _unwrap_tree(module: torch.nn.Module) -> torch.nn.Module:

@@ -116,3 +116,13 @@ def _fsdp2(gpus: int) -> str:
 @check("fsdp2-cpu-offload", min_gpus=2)
 def _fsdp2_offload(gpus: int) -> str:
     return _fsdp_check(gpus, offload=True)
+
+
+@check("fsdp2-shard-first")
+def _fsdp2_shard_first(gpus: int) -> str:
+    got = launch(workers.fsdp_shard_first, n=1)[0]
+    expect(got["devices"] == ["cuda:0"] and got["dtypes"] == ["torch.float32"], got)
+    expect(got["meta_left"] == 0 and got["round_trip"], got)
+    expect(got["peak"] < 1.3, f"peak while sharding: {got['peak']:.2f}x the float32 model (placing first: 1.5x)")
+    return (f"a bf16 model on CPU sharded onto cuda:0 and upcast per shard (peak {got['peak']:.2f}x its fp32 size), "
+            "a meta-device model materialized there, a full state dict round-tripped through rank 0's broadcast")

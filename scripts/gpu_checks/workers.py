@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["accumulate", "all_reduce", "cuda_module", "fp8_train", "fp16_clipping", "fsdp", "hold_memory_then",
-           "precisions", "save_load", "shuffled", "uuid"]
+__all__ = ["accumulate", "all_reduce", "cuda_module", "fp8_train", "fp16_clipping", "fsdp", "fsdp_shard_first",
+           "hold_memory_then", "precisions", "save_load", "shuffled", "uuid"]
 
 
 def all_reduce() -> tuple[int, str, float]:
@@ -156,6 +156,50 @@ def fsdp() -> tuple[str, float, int]:
         optimizer.zero_grad()
     full = accelerator.get_state_dict(model)
     return accelerator.state.backend, float(norm), len(full)
+
+
+def fsdp_shard_first() -> dict[str, Any]:
+    """``shard_model`` on a one-rank group: a bf16 model on CPU, and a model on the meta device.
+
+    Returns where the shards ended up, their dtypes, the peak accelerator memory while sharding the
+    bf16 model as a multiple of its float32 size (placing then upcasting the whole model first
+    peaked at 1.5), and whether a full state dict round-trips through the rank-0 broadcast.
+    """
+    import torch.distributed as dist
+
+    from nbaccel import FullyShardedDataParallelPlugin, ProcessState
+    from nbaccel.training.fsdp import full_model_state_dict, load_full_model_state_dict, shard_model
+
+    device = ProcessState().device
+    if not dist.is_initialized():  # one rank: FSDP needs a group even so
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1,
+                                **({"device_id": device} if device.type == "cuda" else {}))
+    plugin = FullyShardedDataParallelPlugin(min_num_params=1)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)]).to(torch.bfloat16)
+    fp32_bytes = 4 * sum(p.numel() for p in model.parameters())
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    model = shard_model(model, plugin, device, 1, [], upcast=True)
+    peak = torch.cuda.max_memory_allocated(device) / fp32_bytes if cuda else 0.0
+    with torch.device("meta"):
+        empty = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64))
+    empty = shard_model(empty, plugin, device, 1, [])
+    def local(state: dict[str, Any]) -> dict[str, torch.Tensor]:  # one rank: torch may leave DTensors ungathered
+        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone() for k, v in state.items()}
+
+    full = local(full_model_state_dict(model))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    load_full_model_state_dict(model, dict(full))  # torch puts the shards into the dict it is given
+    again = local(full_model_state_dict(model))
+    return {"devices": sorted({str(p.device) for p in [*model.parameters(), *empty.parameters()]}),
+            "dtypes": sorted({str(p.dtype) for p in model.parameters()}), "peak": peak,
+            "meta_left": sum(p.is_meta for p in empty.parameters()),
+            "round_trip": all(torch.equal(full[k], again[k]) for k in full)}
 
 
 def uuid() -> str:

@@ -54,3 +54,53 @@ def freed(library: str) -> dict:
 def test_free_memory_lets_a_loader_left_mid_pass_go():
     ours, theirs = freed("nbaccel"), freed("accelerate")
     assert ours == theirs == {"alive": [False, False], "registered": 0}
+
+
+def dropped(library: str, mid_pass: bool) -> dict:
+    """A prepared loader's life once the code holds it no more, with the cyclic collector off."""
+    _, accelerator = fresh_accelerator(library)
+    loader = accelerator.prepare(DataLoader(list(range(10)), batch_size=2))
+    for _ in loader:
+        if mid_pass:
+            break
+    gc.collect()
+    gc.disable()  # reference counting alone must free it, as in a notebook between collections
+    try:
+        reference = weakref.ref(loader)
+        del loader
+        kept_by_registry = reference() is not None  # accelerator._dataloaders, in both
+        accelerator._dataloaders.clear()
+        after_registry = reference() is not None
+        reference = weakref.ref(accelerator.prepare(DataLoader(list(range(4)), batch_size=2)))
+        del accelerator  # a notebook cell run again makes a new Accelerator
+        after_accelerator = reference() is not None
+    finally:
+        gc.enable()
+    return {"kept_by_registry": kept_by_registry, "after_registry": after_registry,
+            "after_accelerator": after_accelerator}
+
+
+@pytest.mark.parametrize("mid_pass", [False, True])
+def test_a_dropped_loader_is_freed_by_reference_counting(mid_pass):
+    ours, theirs = dropped("nbaccel", mid_pass), dropped("accelerate", mid_pass)
+    assert ours == theirs == {"kept_by_registry": True, "after_registry": False,
+                              "after_accelerator": False}
+
+
+def registered_then_dropped(library: str) -> dict:
+    """A loader registered with the gradient state (as a pass does when it starts) and then dropped."""
+    _, accelerator = fresh_accelerator(library)
+    loader = accelerator.prepare(DataLoader(list(range(10)), batch_size=2))
+    accelerator._dataloaders.clear()
+    accelerator.gradient_state._add_dataloader(loader)
+    active = accelerator.gradient_state.active_dataloader is loader
+    reference = weakref.ref(loader)
+    del loader
+    gc.collect()
+    return {"active while alive": active, "freed": reference() is None,
+            "active after": accelerator.gradient_state.active_dataloader}
+
+
+def test_the_gradient_state_holds_loaders_weakly():
+    ours, theirs = registered_then_dropped("nbaccel"), registered_then_dropped("accelerate")
+    assert ours == theirs == {"active while alive": True, "freed": True, "active after": None}

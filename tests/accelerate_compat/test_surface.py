@@ -31,9 +31,11 @@ _PARALLEL = "tensor / context / N-D parallelism (ParallelismConfig, torch_tp_plu
 _DEEPSPEED = "DeepSpeed internals (ZeRO-3 gathering, sequence parallelism, launcher env): DeepSpeed is used only through the Accelerator"
 _FSDP = "FSDP1-era and FSDP2 internals: nbaccel shards with FSDP2 inside Accelerator.prepare; the helpers are not exposed"
 _LAUNCH = "Accelerate's CLI / SageMaker / TPU-pod launch internals: nbaccel launches with its own launcher and config"
+_STATEFUL = ("torchdata's StatefulDataLoader integration (the adapter wraps either loader): nbaccel's loaders subclass "
+             "torch's DataLoader directly")
 _TRACKERS = "trackers nbaccel does not integrate (it has TensorBoard, MLflow, W&B and trackio)"
-_COMPILE = "torch.compile regions, dynamo plugin and profiler kwargs: not supported by nbaccel's Accelerator yet"
-_LATER = "not ported yet"
+_COMPILE = ("the Accelerator's torch.compile and profiler integration (dynamo_backend, regional compilation, profile()): "
+            "nbaccel's Accelerator has none; compile the model before prepare")
 
 NOT_HERE: dict[str, str] = {
     **dict.fromkeys("is_hpu_available is_habana_gaudi1 is_mlu_available is_musa_available is_neuron_available "
@@ -48,8 +50,8 @@ NOT_HERE: dict[str, str] = {
                     "is_8bit_bnb_available is_bnb_available is_bitsandbytes_multi_backend_available "
                     "is_torchao_available torchao_required is_transformer_engine_available "
                     "is_transformer_engine_mxfp8_available check_cuda_fp8_capability is_fp8_available".split(), _QUANT),
-    **dict.fromkeys("ParallelismConfig TorchContextParallelConfig TorchTensorParallelConfig TorchTensorParallelPlugin "
-                    "get_model_tp_size model_has_dtensor".split(), _PARALLEL),
+    **dict.fromkeys("ParallelismConfig TorchContextParallelConfig TorchTensorParallelConfig TorchTensorParallelPlugin".split(),
+                  _PARALLEL),
     **dict.fromkeys("DeepSpeedSequenceParallelConfig GatheredParameters compile_regions_deepspeed deepspeed_required "
                     "prepare_deepspeed_cmd_env".split(), _DEEPSPEED),
     **dict.fromkeys("fsdp2_apply_ac fsdp2_canonicalize_names fsdp2_load_full_state_dict fsdp2_prepare_model "
@@ -60,16 +62,11 @@ NOT_HERE: dict[str, str] = {
                     "is_boto3_available install_xla prepare_tpu PrepareForLaunch prepare_multi_gpu_env "
                     "prepare_simple_launcher_cmd_env write_basic_config convert_dict_to_env_variables "
                     "purge_accelerate_environment get_cpu_distributed_information set_numa_affinity "
-                    "check_cuda_p2p_ib_support".split(), _LAUNCH),
+                    "check_cuda_p2p_ib_support get_gpu_info".split(), _LAUNCH),
     **dict.fromkeys("is_aim_available is_clearml_available is_comet_ml_available is_dvclive_available "
                     "is_swanlab_available".split(), _TRACKERS),
-    **dict.fromkeys("ProfileKwargs DynamoBackend TorchDynamoPlugin compile_regions has_compiled_regions "
-                    "is_compiled_module".split(), _COMPILE),
-    **dict.fromkeys("CannotPadNestedTensorWarning CustomDtype are_libraries_initialized "
-                    "attach_align_device_hook_on_blocks check_tied_parameters_in_config get_accelerator_free_memory "
-                    "get_current_device_type get_distributed_backend get_gpu_info get_pretty_name normalize_device tqdm "
-                    "DataLoaderAdapter DataLoaderStateMixin ThreadLocalSharedDict do_nothing "
-                    "get_torch_accelerator_backend".split(), _LATER),
+    **dict.fromkeys("ProfileKwargs DynamoBackend TorchDynamoPlugin compile_regions".split(), _COMPILE),
+    "DataLoaderAdapter": _STATEFUL,
 }
 """Accelerate names nbaccel does not have, with the reason; the README lists the same."""
 
@@ -83,6 +80,7 @@ SIGNATURE_DIFFERS: dict[str, str] = {
     "AlignDevicesHook": "no tied_params_map: loading makes tied names share one tensor (no per-device copies to track)",
     "attach_align_device_hook": "no tied_params_map: loading makes tied names share one tensor (no per-device copies to track)",
     "attach_execution_device_hook": "no tied_params_map: loading makes tied names share one tensor (no per-device copies to track)",
+    "attach_align_device_hook_on_blocks": "no tied_params_map: loading makes tied names share one tensor (no per-device copies to track)",
     "SeedableRandomSampler": "names RandomSampler's parameters (Accelerate passes them through *args, **kwargs)",
 }
 """Callables whose parameters differ from Accelerate's, with the reason."""
@@ -155,6 +153,14 @@ def test_the_issue_names_are_all_here():
         save,
     )
     from nbaccel import Accelerator, AcceleratorState, DistributedType, GradientState, PartialState
+    # issue 28's names
+    from nbaccel.big_modeling import SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING  # noqa: F401
+    from nbaccel.data_loader import DataLoaderStateMixin, DataLoaderShard
+    from nbaccel.hooks import attach_align_device_hook_on_blocks  # noqa: F401
+    from nbaccel.state import ThreadLocalSharedDict, do_nothing  # noqa: F401
+    from nbaccel.utils import CannotPadNestedTensorWarning, CustomDtype, get_model_tp_size, tqdm  # noqa: F401
+
+    assert issubclass(DataLoaderShard, DataLoaderStateMixin)
 
     assert callable(Accelerator.join_uneven_inputs) and callable(Accelerator.trigger_sync_in_backward)
     assert {"MULTI_NPU", "MULTI_XPU", "MULTI_HPU", "MULTI_MLU"} <= {m.value for m in DistributedType}

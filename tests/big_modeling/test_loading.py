@@ -6,6 +6,8 @@ import inspect
 import json
 import os
 
+import warnings
+
 import pytest
 import torch
 
@@ -207,12 +209,17 @@ def test_missing_keys_of_a_real_model_warn_unless_strict(full, tmp_path):
     assert info.value.missing_keys == ("norm.bias",)
 
 
-def test_unexpected_keys_warn_or_fail_with_strict(full, tmp_path):
+def test_unexpected_keys_are_logged_or_fail_with_strict(full, tmp_path, caplog):
     state = stored_state(full) | {"extra.weight": torch.ones(2)}
     path = _write(tmp_path, state)
-    with pytest.warns(UserWarning, match="extra.weight"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # logged, never warned: this filter must not fail it
         load_checkpoint_in_model(empty_model(), path)
+    assert "extra.weight" in caplog.text and caplog.records[-1].levelname == "WARNING"
     model = empty_model()
+    with pytest.raises(RuntimeError) as info:  # what Accelerate's strict load raises
+        load_checkpoint_in_model(model, path, strict=True)
+    assert isinstance(info.value, CheckpointMismatchError)
     with pytest.raises(CheckpointMismatchError) as info:
         load_checkpoint_in_model(model, path, strict=True)
     assert info.value.unexpected_keys == ("extra.weight",)

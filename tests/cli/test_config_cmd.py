@@ -130,7 +130,7 @@ def test_each_question_explains_a_wrong_answer_and_asks_again(monkeypatch):
 
     from nbaccel.cli import config_cmd
 
-    monkeypatch.setattr(config_cmd, "_gpu_count", lambda: 2)  # so the GPU question is asked too
+    monkeypatch.setattr(config_cmd, "cuda_device_count", lambda: 2)  # so the GPU question is asked too
     answers = ["2", "5", "1", "", "", "etcd", "c10d", "no", "2", "first", "0,1", "", "", "-3", "soon", "600"]
     out = io.StringIO()
     config = config_cmd.ask_config(LaunchConfig(), io.StringIO("\n".join(answers) + "\n"), out)

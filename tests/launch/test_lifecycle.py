@@ -66,7 +66,9 @@ def test_sigint_to_the_process_group_stops_every_worker_and_is_an_interrupt(tmp_
     out, err = proc.communicate(timeout=15)
     assert time.monotonic() - sent < 5
     assert "INTERRUPTED" in out and "RETURNED" not in out, err
-    assert not any(alive(p) for p in pids)
+    # Killed workers the launcher has not reaped yet are re-parented when it exits; on a loaded machine
+    # the last one can take a moment to go (the same few seconds the SIGKILL test allows).
+    assert _wait_for(lambda: not any(alive(p) for p in pids), 5), [p for p in pids if alive(p)]
 
 
 def test_sigkill_of_the_parent_takes_the_workers_with_it(tmp_path):

@@ -27,7 +27,8 @@ def test_one_worker_per_gpu_by_default(gpus):
     plan = plan_launch(LaunchConfig(mixed_precision="bf16"))
     assert (plan.num_processes, plan.device_kind, plan.visible_gpus, plan.threads) == (4, "cuda", None, 1)
     assert plan.settings.distributed_type == "MULTI_GPU" and plan.settings.use_cpu is False
-    assert plan.settings.mixed_precision == "bf16" and plan.note is None
+    assert plan.settings.mixed_precision == "bf16"
+    assert plan.note == "nbaccel: using 4 processes, one per visible GPU. Pass num_processes= to choose."
 
 
 def test_gpu_ids_pick_the_visible_devices(gpus):
@@ -81,7 +82,7 @@ def test_fp8_without_a_gpu_is_refused_before_any_worker_starts(tmp_path):
 
 @pytest.mark.parametrize(("capability", "ok"), [((7, 5), False), ((8, 0), False), ((8, 9), True), ((9, 0), True)])
 def test_fp8_needs_gpus_of_compute_capability_8_9(gpus, monkeypatch, capability, ok):
-    from nbaccel.training import fp8
+    from nbaccel import fp8_support as fp8
 
     gpus(2)
     asked = []
@@ -96,7 +97,7 @@ def test_fp8_needs_gpus_of_compute_capability_8_9(gpus, monkeypatch, capability,
 
 
 def test_fp8_without_torchao_names_the_install(gpus, monkeypatch):
-    from nbaccel.training import fp8
+    from nbaccel import fp8_support as fp8
     from nbaccel.errors import MissingDependencyError
 
     gpus(1)
@@ -109,7 +110,7 @@ def test_fp8_without_torchao_names_the_install(gpus, monkeypatch):
 
 
 def test_fp8_where_nvml_cannot_tell_is_left_to_the_workers(gpus, monkeypatch):
-    from nbaccel.training import fp8
+    from nbaccel import fp8_support as fp8
 
     gpus(1)
     monkeypatch.setattr(fp8, "gpu_capabilities", lambda ids: None)

@@ -86,3 +86,22 @@ def _world() -> tuple[int, str]:
 
 def test_notebook_launcher_runs_a_request_built_from_its_arguments():
     assert notebook_launcher(_world, num_processes=2, config=LaunchConfig(num_processes=3)) == (2, "127.0.0.1")
+
+
+def test_the_builtin_table_names_every_launcher_module_and_only_those():
+    """Each row's module defines LAUNCHER under that name; no launcher module is missing from the table."""
+    import importlib.util
+    import pkgutil
+    from pathlib import Path
+
+    import nbaccel.launch
+    from nbaccel.launch.registry import BUILTIN_LAUNCHERS
+
+    for name, module in BUILTIN_LAUNCHERS.items():
+        assert importlib.util.find_spec(module) is not None
+    here = Path(nbaccel.launch.__file__).parent
+    defining = {f"nbaccel.launch.{m.name}" for m in pkgutil.walk_packages([str(here)])
+                if (here / f"{m.name.replace('.', '/')}.py").is_file()
+                and "\nLAUNCHER = " in (here / f"{m.name.replace('.', '/')}.py").read_text()}
+    assert defining == set(BUILTIN_LAUNCHERS.values())
+    assert launcher_for("local").name == "local"

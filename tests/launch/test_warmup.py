@@ -60,7 +60,8 @@ def test_the_guess_reads_functions_and_the_functions_they_call():
         return helper()
 
     assert may_build_ddp(calls_helper) and not may_build_ddp(lambda: 1)
-    assert may_build_ddp(names=source_names("from nbaccel import Accelerator\nacc = Accelerator()"))
+    assert not may_build_ddp(names=source_names("from nbaccel import Accelerator\nacc = Accelerator()"))
+    assert may_build_ddp(names=source_names("acc = Accelerator()\nmodel = acc.prepare(model)"))
     assert not may_build_ddp(names=source_names("print('hello')")) and source_names("def (") == set()
     # a cell that calls a notebook function: the function is read too
     assert may_build_ddp(names=source_names("train(3)"), namespace={"train": calls_helper, "x": 1})
@@ -80,3 +81,40 @@ def test_one_trimmer_drops_the_launchers_frames_everywhere():
     assert clean_traceback(text, {"cell-7": 5}).splitlines() == [
         "Traceback (most recent call last):", '  File "/home/me/train.py", line 4, in <module>', "    main()",
         "  Cell In[5], line 2, in main", "    1 / 0", "ZeroDivisionError: division by zero"]
+
+
+def _entry_state() -> dict:
+    import gc
+    import sys
+
+    state = {"imported": "nbaccel.training.accelerator" in sys.modules, "frozen": gc.get_freeze_count()}
+    from nbaccel import Accelerator  # noqa: F401 - the name the launch saw, and imported before forking
+    return state
+
+
+def test_forked_workers_find_the_nbaccel_names_they_use_imported_and_the_callers_objects_frozen():
+    """Imported once in the caller, frozen for the workers' collections, unfrozen again in the caller."""
+    import gc
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import gc, json, sys
+        from nbaccel import notebook_launcher
+        from tests.launch.test_warmup import _entry_state
+        before = "nbaccel.training.accelerator" in sys.modules
+        state = notebook_launcher(_entry_state, num_processes=2, use_cpu=True, start_method="fork")
+        print(json.dumps([before, state, gc.get_freeze_count()]))
+    """)
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=root)
+    assert done.returncode == 0, done.stderr
+    import json
+
+    before, state, caller_frozen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert before is False and state["imported"] is True
+    assert state["frozen"] > 1000 and caller_frozen == 0
+    assert gc.get_freeze_count() == 0

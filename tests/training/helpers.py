@@ -5,11 +5,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset, Sampler, TensorDataset
 
 import nbaccel
+
+
+# torch 2.6 (the floor) runs FSDP2 on GPUs only: on CPU its all-gather calls Stream.record_event, which
+# torch.cpu.Stream lacks there. Tests that train an FSDP2 model on CPU skip under such a torch.
+cpu_fsdp2 = pytest.mark.skipif(not hasattr(torch.cpu.Stream, "record_event"),
+                               reason=f"FSDP2 cannot run on CPU under torch {torch.__version__} (no Stream.record_event)")
 
 
 class TinyMLP(nn.Module):
@@ -176,3 +183,25 @@ def launch(function: Callable[..., Any], num_processes: int, *args: Any, **kwarg
     """Run ``function(*args)`` on ``num_processes`` CPU workers; returns ``{rank: result}``."""
     return nbaccel.notebook_launcher(function, args, num_processes=num_processes, use_cpu=True, return_all=True,
                                      timeout=120, **kwargs)
+
+
+class ScaledStack(BlockStack):
+    """A BlockStack whose output is multiplied by a buffer kept out of the state dict (``persistent=False``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.tensor([0.5]), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale
+
+
+class Unresettable(nn.Module):
+    """A model with a bare parameter: nothing can initialize it from the meta device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight

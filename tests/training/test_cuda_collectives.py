@@ -120,3 +120,40 @@ def test_cpu_offload_on_a_group_without_cpu_is_refused_before_sharding(monkeypat
         shard_model(model, FullyShardedDataParallelPlugin(cpu_offload=True), torch.device("cuda", 0), 2, [])
     assert (info.value.key, info.value.value, info.value.valid) == ("backend", "cuda:nccl", "cuda:nccl,cpu:gloo")
     assert "Fix:" in str(info.value) and not isinstance(model.weight, torch.distributed.tensor.DTensor)
+
+
+def test_a_group_someone_else_made_still_gets_this_ranks_gpu(cuda_worker, monkeypatch):
+    # e.g. the user's own init_process_group before Accelerator(): rank 1 must not stay on cuda:0
+    calls, _ = cuda_worker
+    current: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: current.append(torch.device(device)))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    for name, value in {"RANK": "1", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    state = ProcessState()
+    assert state.device == torch.device("cuda", 1) and current == [torch.device("cuda", 1)]
+    assert calls == []  # the existing group is kept
+
+
+def _carries(backend: str) -> frozenset[str]:
+    """The device types a backend string like ``cuda:nccl,cpu:gloo`` gives the default group."""
+    if ":" not in backend:
+        return frozenset({"cuda"} if backend == "nccl" else {"cpu"})
+    return frozenset(item.split(":")[0] for item in backend.split(","))
+
+
+@pytest.mark.parametrize("join", ["pool", "ray"])
+def test_a_pools_group_takes_a_later_fsdp_cpu_offload_accelerator(cuda_worker, monkeypatch, join):
+    from nbaccel.launch import pool_worker, ray_actor
+    from nbaccel.training.fsdp import _check_group_carries_cpu
+
+    calls, _ = cuda_worker
+    # the pool's rank joins its group when it starts, before any task says what it will train
+    device = pool_worker._join_group() if join == "pool" else ray_actor.RankActor.join_group(None)
+    assert device == "cuda:0" and len(calls) == 1
+    monkeypatch.setattr(ops, "group_device_types", lambda: _carries(calls[0]["backend"]))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: calls[0]["backend"])
+    accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(cpu_offload=True))  # a later task
+    _check_group_carries_cpu()  # what shard_model refuses a plain NCCL group with
+    assert accelerator.state.backend == "cuda:nccl,cpu:gloo" and len(calls) == 1

@@ -36,7 +36,7 @@ def test_convert_swaps_the_chosen_layers_for_float8linear():
 @pytest.mark.parametrize(("capability", "ok"), [((8, 6), False), ((8, 9), True)])
 def test_the_worker_checks_its_own_gpu(monkeypatch, capability, ok):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    monkeypatch.setattr("nbaccel.training.fp8.importlib.util.find_spec", lambda name: object())
+    monkeypatch.setattr("nbaccel.fp8_support.importlib.util.find_spec", lambda name: object())
     if ok:
         check_fp8_device(torch.device("cuda", 0))
     else:

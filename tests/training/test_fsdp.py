@@ -11,6 +11,7 @@ import nbaccel
 from nbaccel.config import LaunchConfig
 from tests.training.helpers import (
     BlockStack,
+    cpu_fsdp2,
     launch,
     model_and_optimizer,
     regression_data,
@@ -42,6 +43,7 @@ def _train(plugin: nbaccel.FullyShardedDataParallelPlugin | None, per_process_ba
     return out
 
 
+@cpu_fsdp2
 def test_fsdp2_on_two_processes_matches_single_process_losses(tmp_path):
     single = _train(None, 16)
     plugin = nbaccel.FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Block"])
@@ -64,6 +66,7 @@ def _from_config() -> tuple:
     return accelerator.distributed_type, type(model).__name__, accelerator.fsdp_plugin.reshard_after_forward
 
 
+@cpu_fsdp2
 def test_fsdp_chosen_by_the_launch_config_reads_accelerate_keys():
     config = LaunchConfig(distributed_type="FSDP", use_cpu=True, fsdp_config={
         "fsdp_version": 2, "fsdp_reshard_after_forward": False, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
@@ -86,6 +89,7 @@ def _sharded_state(folder: str) -> bool:
     return train_steps(accelerator, model, optimizer, loader) == before
 
 
+@cpu_fsdp2
 def test_fsdp2_sharded_state_dict_round_trips(tmp_path):
     assert launch(_sharded_state, 2, str(tmp_path / "ckpt")) == {0: True, 1: True}
     assert (tmp_path / "ckpt" / "pytorch_model_fsdp_0").is_dir()
@@ -139,6 +143,7 @@ def _clip_norm(plugin: nbaccel.FullyShardedDataParallelPlugin | None, per_proces
     return type(norm).__name__, norm.item(), after.item()
 
 
+@cpu_fsdp2
 def test_clip_grad_norm_under_fsdp2_is_the_global_norm():
     single = _clip_norm(None, 16)
     results = launch(_clip_norm, 2, nbaccel.FullyShardedDataParallelPlugin(), 8)
@@ -166,6 +171,7 @@ def _train_bf16(folder: str) -> dict:
             "policy": (policy.param_dtype, policy.reduce_dtype)}
 
 
+@cpu_fsdp2
 def test_fsdp2_with_bf16_computes_in_bf16_and_saves_fp32(tmp_path):
     results = launch(_train_bf16, 2, str(tmp_path / "model"))
     for rank in (0, 1):

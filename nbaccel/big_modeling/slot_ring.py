@@ -1,0 +1,139 @@
+"""Which offloaded group goes into which device slot, and when: the prefetch plan, device-agnostic.
+
+An offloaded forward runs ``groups`` weight groups (one per offload hook) in a predicted cyclic
+order ``0, 1, ..., n-1, 0, ...`` on ``slots`` device buffers. :class:`SlotRing` decides; a
+:class:`CopyEngine` does (a CUDA copy stream in :mod:`.streamed_offload`, a fake that records
+calls in the tests). What always holds:
+
+- A group is used only from the slot it was last copied into, and the engine is told to
+  ``use`` that slot before the compute that reads it (on CUDA: the compute stream waits for the
+  copy's event).
+- A slot is copied into only when no acquired group is in it; the engine orders the copy after
+  the slot's last ``free`` (on CUDA: the copy stream waits for the compute stream's event).
+- Acquiring group ``g`` brings ``g+1 .. g+slots-1`` (cyclically) into the other slots, so the
+  copies run while ``g`` computes, and the first groups of the next call are already in place
+  when the last group of this one runs (the ring wraps around).
+- A group called out of the predicted order still gets its own weights (it is copied in on
+  demand); when every slot is acquired (deeper nesting than there are slots), ``acquire``
+  returns ``None`` and the caller takes the weights the plain way.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from nbaccel.errors import ConfigError, EnvironmentStateError
+
+__all__ = ["CopyEngine", "SlotRing"]
+
+
+class CopyEngine(Protocol):
+    """The three things the ring asks of a copy engine; all may return before the work is done."""
+
+    def copy_in(self, slot: int, group: int) -> None:
+        """Bring ``group``'s weights into ``slot``, after everything freed from ``slot`` so far."""
+
+    def use(self, slot: int) -> None:
+        """Make the compute that follows wait for the last copy into ``slot``."""
+
+    def free(self, slot: int) -> None:
+        """Mark the compute issued so far as the last use of ``slot``'s current contents."""
+
+
+class SlotRing:
+    """The slot plan for ``groups`` weight groups over ``slots`` device buffers.
+
+    Args:
+        groups: how many groups, in their predicted order of use.
+        slots: how many device buffers (one in use plus ``slots - 1`` prefetched).
+        engine: what carries out the copies.
+
+    Example:
+        >>> class Log:
+        ...     def __init__(self): self.calls = []
+        ...     def copy_in(self, slot, group): self.calls.append(("copy", slot, group))
+        ...     def use(self, slot): self.calls.append(("use", slot))
+        ...     def free(self, slot): self.calls.append(("free", slot))
+        >>> log = Log(); ring = SlotRing(4, 2, log)
+        >>> ring.acquire(0), log.calls
+        (0, [('copy', 0, 0), ('use', 0), ('copy', 1, 1)])
+    """
+
+    def __init__(self, groups: int, slots: int, engine: CopyEngine) -> None:
+        if groups < 1 or slots < 1:
+            raise ConfigError(f"a slot ring needs at least one group and one slot (got groups={groups}, "
+                              f"slots={slots}). Fix: pass slots >= 1 and at least one offloaded group.",
+                              key="slots" if groups >= 1 else "groups",
+                              value=slots if groups >= 1 else groups, valid="an int >= 1")
+        self.groups, self.slots, self.engine = groups, slots, engine
+        self.holds: list[int | None] = [None] * slots  # the group each slot holds
+        self.busy = [0] * slots  # acquisitions not yet released (nested calls count)
+        self.last_use = [0] * slots
+        self._clock = 0
+
+    def slot_of(self, group: int) -> int | None:
+        """The slot holding ``group``, or ``None``."""
+        return next((s for s, g in enumerate(self.holds) if g == group), None)
+
+    def acquire(self, group: int) -> int | None:
+        """Make ``group``'s weights usable by the compute that follows; prefetch the next ones.
+
+        Returns:
+            The slot that holds them, or ``None`` when every slot is acquired.
+        """
+        slot = self.slot_of(group)
+        if slot is None:
+            slot = self._victim(keep={group})
+            if slot is None:
+                return None
+            self._load(slot, group)
+        try:
+            self.engine.use(slot)
+        except BaseException:
+            self.holds[slot] = None  # the copy failed (a file cut short): copy again next time
+            raise
+        self.busy[slot] += 1
+        self._clock += 1
+        self.last_use[slot] = self._clock
+        self._prefetch(group)
+        return slot
+
+    def release(self, group: int) -> None:
+        """The compute that reads ``group`` has been issued; its slot may be reused after it."""
+        slot = self.slot_of(group)
+        if slot is None or self.busy[slot] == 0:
+            raise EnvironmentStateError(
+                f"group {group} was released without being acquired (slots hold {self.holds}, "
+                f"acquired {self.busy}). Fix: call release(group) once per acquire(group) that "
+                "returned a slot.")
+        self.busy[slot] -= 1
+        if self.busy[slot] == 0:
+            self.engine.free(slot)
+
+    def upcoming(self, group: int) -> list[int]:
+        """The groups prefetched while ``group`` runs, nearest first."""
+        depth = min(self.slots - 1, self.groups - 1)
+        return [(group + j) % self.groups for j in range(1, depth + 1)]
+
+    def _prefetch(self, group: int) -> None:
+        window = self.upcoming(group)
+        keep = {group, *window}
+        for nxt in window:
+            if self.slot_of(nxt) is not None:
+                continue
+            slot = self._victim(keep)
+            if slot is None:
+                return
+            self._load(slot, nxt)
+
+    def _victim(self, keep: set[int]) -> int | None:
+        """An idle slot whose group is not wanted soon: an empty one, else the least recently used."""
+        idle = [s for s in range(self.slots) if self.busy[s] == 0 and self.holds[s] not in keep]
+        if not idle:
+            return None
+        empty = [s for s in idle if self.holds[s] is None]
+        return empty[0] if empty else min(idle, key=lambda s: self.last_use[s])
+
+    def _load(self, slot: int, group: int) -> None:
+        self.holds[slot] = group
+        self.engine.copy_in(slot, group)

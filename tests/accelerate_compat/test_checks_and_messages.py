@@ -1,0 +1,113 @@
+"""The checks code relies on, through Accelerate and nbaccel: what raises (and as what), what only logs or warns.
+
+Loading with unexpected keys, shape checks when setting a tensor, device maps naming unknown modules
+(one process); ``split_batches`` with a batch size the processes do not divide (two processes).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import warnings
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from torch.utils.data import DataLoader
+
+from tests.training.helpers import launch
+
+pytest.importorskip("accelerate")
+
+LIBRARIES = ["accelerate", "nbaccel"]
+
+
+def utils(library: str):
+    return importlib.import_module(f"{library}.utils")
+
+
+def loaded_with_extra_keys(library: str, path: Path, caplog: pytest.LogCaptureFixture) -> dict:
+    torch.manual_seed(1)
+    model = torch.nn.Linear(2, 2)
+    caplog.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a logged message, never a warning
+        utils(library).load_checkpoint_in_model(model, str(path))
+    logged = [r for r in caplog.records if "extra" in r.getMessage()]
+    try:
+        utils(library).load_checkpoint_in_model(torch.nn.Linear(2, 2), str(path), strict=True)
+        strict = "loaded"
+    except RuntimeError:
+        strict = "RuntimeError"
+    return {"weight": model.weight.tolist(), "logged": [r.levelno for r in logged], "strict": strict}
+
+
+def test_unexpected_checkpoint_keys_are_logged_and_loading_goes_on(tmp_path, caplog):
+    caplog.set_level(logging.WARNING)
+    source = torch.nn.Linear(2, 2)
+    path = tmp_path / "model.safetensors"
+    state = {k: v.detach().clone() for k, v in source.state_dict().items()}
+    safetensors.torch.save_file({**state, "extra": torch.ones(3)}, str(path), metadata={"format": "pt"})
+    theirs, ours = (loaded_with_extra_keys(lib, path, caplog) for lib in LIBRARIES)
+    assert ours == theirs == {"weight": source.weight.tolist(), "logged": [logging.WARNING],
+                              "strict": "RuntimeError"}
+
+
+def set_tensor(library: str, value: torch.Tensor) -> str:
+    model = torch.nn.Linear(2, 3)
+    try:
+        utils(library).set_module_tensor_to_device(model, "weight", "cpu", value=value)
+    except ValueError as exc:
+        return f"ValueError naming the shapes: {'(4, 2)' in str(exc) or '[4, 2]' in str(exc)}"
+    return f"set {tuple(model.weight.shape)}"
+
+
+@pytest.mark.parametrize("shape,expected", [((3, 2), "set (3, 2)"),
+                                            ((4, 2), "ValueError naming the shapes: True")])
+def test_set_module_tensor_to_device_checks_the_shape(shape, expected):
+    assert [set_tensor(lib, torch.ones(shape)) for lib in LIBRARIES] == [expected, expected]
+
+
+def checked_map(library: str) -> dict:
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        utils(library).check_device_map(model, {"": "cpu", "9": "cpu"})
+    try:
+        utils(library).check_device_map(model, {"0": "cpu"})
+        uncovered = "passed"
+    except ValueError:
+        uncovered = "ValueError"
+    return {"warned": [(w.category, "'9'" in str(w.message)) for w in caught], "uncovered": uncovered}
+
+
+def test_check_device_map_warns_on_unknown_keys_and_fails_on_uncovered_tensors():
+    theirs, ours = (checked_map(lib) for lib in LIBRARIES)
+    assert ours == theirs == {"warned": [(UserWarning, True)], "uncovered": "ValueError"}
+
+
+def split_unevenly(library: str, batch_size: int) -> str:
+    lib = importlib.import_module(library)
+    if library == "accelerate":  # its process-wide singletons survive fork
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    config = lib.DataLoaderConfiguration(split_batches=True)
+    accelerator = lib.Accelerator(cpu=True, dataloader_config=config)
+    try:
+        loader = accelerator.prepare(DataLoader(list(range(12)), batch_size=batch_size))
+    except ValueError as exc:  # nbaccel's is a ConfigError with the value on it
+        return f"ValueError {getattr(exc, 'value', batch_size)}"
+    return f"batches {[b.tolist() for b in loader]}"
+
+
+@pytest.mark.parametrize("batch_size", [3, 4])
+def test_split_batches_needs_a_batch_size_the_processes_divide(batch_size):
+    theirs, ours = (launch(split_unevenly, 2, lib, batch_size) for lib in LIBRARIES)
+    assert ours == theirs
+    if batch_size == 3:
+        assert ours == {0: "ValueError 3", 1: "ValueError 3"}
+    else:
+        assert ours[0] == "batches [[0, 1], [4, 5], [8, 9]]"
