@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -188,9 +189,12 @@ def main() -> None:
     import nbaccel
 
     print(f"nbaccel from {Path(nbaccel.__file__).parent}; load average {os.getloadavg()[0]:.2f}")
-    caller_table(folder, args.lines, args.redraw_mb)
-    if not args.skip_kernel:
-        kernel_table(folder, args.lines, args.redraw_mb)
+    try:
+        caller_table(folder, args.lines, args.redraw_mb)
+        if not args.skip_kernel:
+            kernel_table(folder, args.lines, args.redraw_mb)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":
