@@ -21,8 +21,10 @@ from torch import nn
 from nbaccel.big_modeling.placement import place
 from nbaccel.big_modeling.sizes import (
     MaxMemory,
+    compute_module_sizes,
     find_tied_parameters,
     get_balanced_memory,
+    get_max_layer_size,
     planning_budget,
 )
 from nbaccel.big_modeling.tensors import Device
