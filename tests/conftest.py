@@ -11,7 +11,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # --doctest-modules imports every module under tests/; this one makes torch look CUDA-built for the
 # whole process, so it is only ever imported by the subprocesses that simulate a CUDA parent.
-collect_ignore = ["fake_cuda_runtime.py"]
+collect_ignore = ["fake_cuda_runtime.py", "fake_cuda_on_import.py"]
 
 
 def pytest_configure(config):
@@ -26,9 +26,27 @@ def pytest_configure(config):
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _a_launch_leftover(pid: int) -> bool:
+    """A forked worker (this process's own command line) or a spawned one (nbaccel's trampoline).
+
+    Services a library keeps for the whole process (wandb's, started by an in-process tracker
+    test) are not leftovers: killing one breaks that library for every later test.
+    """
+    line = _cmdline(pid)
+    return line == _cmdline(os.getpid()) or b"nbaccel" in line
+
+
 @pytest.fixture(autouse=True)
 def _no_leftovers_between_tests():
-    """A test sees only the child processes it started; what it leaves running is killed after it.
+    """A test sees only the child processes it started; launch workers it leaves running are killed after it.
 
     A test that fails part-way can leave workers behind; counted by the next test's "nothing is
     left running" check, they used to fail tests that had done nothing wrong.
@@ -37,7 +55,7 @@ def _no_leftovers_between_tests():
 
     procs.BEFORE_THIS_TEST = set(procs.all_children())
     yield
-    left = [pid for pid in procs.all_children() if pid not in procs.BEFORE_THIS_TEST]
+    left = [pid for pid in procs.all_children() if pid not in procs.BEFORE_THIS_TEST and _a_launch_leftover(pid)]
     procs.BEFORE_THIS_TEST = set()
     for pid in left:
         for kill in (os.killpg, os.kill):
