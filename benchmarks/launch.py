@@ -115,25 +115,44 @@ def _child(launcher: str, function_name: str, n: int) -> None:
 def first_launches(n: int, repeat: int) -> None:
     """The fresh-process table: each measurement in a new interpreter, launchers interleaved."""
     cases = [(launcher, fn) for fn in ("trivial", "gather", "ddp") for launcher in ("nbaccel", "accelerate")]
-    got: dict[tuple[str, str], list[dict[str, float]]] = {case: [] for case in cases}
+    got: dict[tuple[str, str], list[dict[str, float] | None]] = {case: [] for case in cases}
+    hung: list[str] = []
     for round_index in range(repeat):
         for launcher, fn in cases[round_index % 2:] + cases[:round_index % 2]:
-            done = subprocess.run([sys.executable, __file__, "--child", launcher, fn, str(n)], capture_output=True,
-                                  text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-            if done.returncode != 0:
-                raise SystemExit(f"{launcher} {fn} failed:\n{done.stderr[-2000:]}")
-            got[(launcher, fn)].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            got[(launcher, fn)].append(_fresh_run(launcher, fn, n))
+            if got[(launcher, fn)][-1] is None:
+                hung.append(f"{launcher} {fn} (round {round_index + 1})")
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"\nfirst launches in a fresh process, {n} CPU workers (median [min..max] of {repeat}; the ratio's "
           f"spread is over rounds, each round's runs back to back; load average {load})")
     print(f"{'function':9} {'launch':7} {'nbaccel (s)':>22} {'accelerate (s)':>22} {'ratio':>18} {'goal':>7}")
     goals = {("trivial", "first"): 1.0, ("gather", "first"): 1.0, ("ddp", "first"): 0.5, ("ddp", "second"): 0.25}
     for (fn, which), goal in goals.items():
-        ours = [r[which] for r in got[("nbaccel", fn)]]
-        theirs = [r[which] for r in got[("accelerate", fn)]]
-        ratios = [a / b for a, b in zip(ours, theirs)]
+        pairs = [(a[which], b[which]) for a, b in zip(got[("nbaccel", fn)], got[("accelerate", fn)]) if a and b]
+        if not pairs:
+            continue
+        ours, theirs = [a for a, _ in pairs], [b for _, b in pairs]
+        ratios = [a / b for a, b in pairs]
         print(f"{fn:9} {which:7} {_spread(ours):>22} {_spread(theirs):>22} {_spread(ratios, 2):>18} "
               f"{'<= ' + str(goal):>7}")
+    if hung:  # a hung run is a finding, not a figure: its round is left out of that row
+        print(f"hung past 300 s and left out: {', '.join(hung)}")
+
+
+def _fresh_run(launcher: str, fn: str, n: int, timeout: float = 300) -> dict[str, float] | None:
+    """One fresh-process measurement; ``None`` when it hung past ``timeout`` (its whole group is killed)."""
+    child = subprocess.Popen([sys.executable, __file__, "--child", launcher, fn, str(n)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                             start_new_session=True)
+    try:
+        out, err = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, 9)
+        child.communicate()
+        return None
+    if child.returncode != 0:
+        raise SystemExit(f"{launcher} {fn} failed:\n{err[-2000:]}")
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def _spread(values: list[float], digits: int = 3) -> str:
