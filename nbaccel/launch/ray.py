@@ -17,7 +17,10 @@ from nbaccel.launch.ray_ranks import RayRanks
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.supervisor import SupervisorPolicy
 
-__all__ = ["LAUNCHER", "RayLauncher"]
+__all__ = ["ACTOR_START_TIMEOUT", "LAUNCHER", "RayLauncher"]
+
+ACTOR_START_TIMEOUT = 300.0
+"""Seconds the rank actors may take to be placed and started, whatever the launch's ``timeout``."""
 
 
 class RayLauncher:
@@ -33,7 +36,9 @@ class RayLauncher:
         if observer is not None:
             observer.on_launch(list(range(n)), "ray")
         try:
-            ranks = RayRanks.start(request, start_timeout=request.config.timeout or 300.0)
+            # The launch's timeout bounds the run, as for a local launch; placing and starting the actors
+            # has its own budget (a busy cluster, or a loaded machine, takes far longer than a short run).
+            ranks = RayRanks.start(request, start_timeout=ACTOR_START_TIMEOUT)
             try:
                 policy = SupervisorPolicy(timeout=request.config.timeout, hang_timeout=request.hang_timeout)
                 results = ranks.run(request.function, request.args, request.kwargs, relay=request_relay(request),
