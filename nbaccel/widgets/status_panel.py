@@ -27,15 +27,12 @@ from nbaccel.launch.events import RankState
 from nbaccel.tracking.history import metrics_table
 from nbaccel.widgets import import_widgets, set_titles, widget_bundle, widgets_available
 from nbaccel.widgets.live_chart import LiveChart
-from nbaccel.widgets.progress import progress_fraction
+from nbaccel.widgets.status_html import STATE_COLORS, output_html, rank_table_html
 
 __all__ = ["LaunchStatus", "RankRecord", "StatusPanel", "TextStatus", "status_observer"]
 
 _KEEP_LINES = 2000  # per rank, for the collapsible full output
 _SHOWN_LINES = 400  # redrawn while running; everything kept is shown once the launch ends
-_PROGRESS_HEAD = "<th style='padding:0 8px'>progress</th>"
-_COLORS: dict[str, str] = {"starting": "#6b7280", "running": "#2563eb", "finished": "#16a34a",
-                           "failed": "#dc2626", "stopped": "#d97706"}
 
 
 @dataclass
@@ -328,7 +325,7 @@ class StatusPanel(LaunchStatus):
             overall = self.overall()
             method = f" · {html.escape(self.start_method)}" if self.start_method else ""
             self._heading.value = (f"<b>{html.escape(self.title)}</b>{method} · "
-                                   f"<span style='color:{_COLORS[overall]}'>{overall}</span> · "
+                                   f"<span style='color:{STATE_COLORS[overall]}'>{overall}</span> · "
                                    f"{self.total_elapsed():.1f} s")
             self._table.value = self._table_html()
             # Every rank's section is kept current, not only the open one: opening a section is a
@@ -339,7 +336,7 @@ class StatusPanel(LaunchStatus):
                 child = self._sections[record.rank]
                 if final or self._drawn_lines.get(record.rank) != record.line_count:
                     self._drawn_lines[record.rank] = record.line_count
-                    child.value = self._output_html(record, None if final else _SHOWN_LINES)
+                    child.value = output_html(record, None if final else _SHOWN_LINES)
             if [r.rank for r in records] != self._shown_sections:
                 self._shown_sections = [r.rank for r in records]
                 self._outputs.children = [self._sections[r.rank] for r in records]
@@ -347,42 +344,7 @@ class StatusPanel(LaunchStatus):
                                        for r in records])
 
     def _table_html(self) -> str:
-        now = time.monotonic()
-        rows = []
-        bars = any(r.progress for r in list(self.records.values()))  # the column appears with the first bar
-        for r in list(self.records.values()):
-            rows.append(
-                f"<tr><td style='padding:0 8px'>rank {r.rank}</td>"
-                f"<td style='padding:0 8px;color:{_COLORS[r.state]};font-weight:bold'>{r.state}</td>"
-                f"<td style='padding:0 8px;text-align:right'>{r.elapsed(now, self.launched):.1f} s</td>"
-                f"{self._progress_html(r.progress) if bars else ''}"
-                f"<td style='padding:0 8px;font-family:monospace;max-width:60em;overflow:hidden;"
-                f"text-overflow:ellipsis;white-space:nowrap'>{html.escape(r.last_line)}</td></tr>")
-        head = ("<tr><th style='text-align:left;padding:0 8px'>rank</th><th style='text-align:left;"
-                "padding:0 8px'>state</th><th style='padding:0 8px'>elapsed</th>"
-                f"{_PROGRESS_HEAD if bars else ''}<th style='text-align:left;"
-                "padding:0 8px'>last line</th></tr>")
-        return f"<table class='nbaccel-ranks'>{head}{''.join(rows)}</table>"
-
-    @staticmethod
-    def _progress_html(text: str) -> str:
-        """One rank's progress bar: a bar where the text shows a fraction, and the bar's own text."""
-        fraction = progress_fraction(text)
-        bar = (f"<progress class='nbaccel-progress' value='{fraction:.3f}' max='1' style='width:8em'></progress> "
-               if fraction is not None else "")
-        shown = text.strip() if len(text.strip()) <= 60 else text.strip()[:57] + "..."
-        return (f"<td style='padding:0 8px;white-space:nowrap;font-family:monospace'>{bar}"
-                f"{html.escape(shown)}</td>")
-
-    @staticmethod
-    def _output_html(record: RankRecord, limit: int | None) -> str:
-        lines = list(record.lines)
-        if limit is not None:
-            lines = lines[-limit:]
-        hidden = record.line_count - len(lines)
-        note = f"... {hidden} earlier lines not shown\n" if hidden else ""
-        text = html.escape(note + "\n".join(lines))
-        return f"<pre style='max-height:24em;overflow:auto;margin:0'>{text}</pre>"
+        return rank_table_html(list(self.records.values()), self.launched, time.monotonic())
 
     # ------------------------------------------------------------------ display
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
