@@ -25,11 +25,11 @@ EXPORTS: dict[str, str] = {
     "save_config": "nbaccel.config",
     # launching
     "WorkerFailure": "nbaccel.launch.failures",
-    "WorkerPool": "nbaccel.launch.pool",
+    "WorkerPool": "nbaccel.launch.pool.worker_pool",
     "WorkerPoolError": "nbaccel.errors",
     "debug_launcher": "nbaccel.launch.launcher",
     "notebook_launcher": "nbaccel.launch.launcher",
-    "worker_namespace": "nbaccel.launch.pool_worker",
+    "worker_namespace": "nbaccel.launch.pool.serve",
     # experiment tracking
     "GeneralTracker": "nbaccel.tracking.base",
     "LoggerType": "nbaccel.tracking.base",

@@ -31,7 +31,7 @@ def clean_traceback(text: str, cell_numbers: Mapping[str, int] | None = None) ->
 
     Example:
         >>> print(clean_traceback('Traceback (most recent call last):\\n'
-        ...                       '  File "/x/nbaccel/launch/worker.py", line 9, in run\\n    fn()\\n'
+        ...                       '  File "/x/nbaccel/launch/worker/process.py", line 9, in run\\n    fn()\\n'
         ...                       '  File "c1", line 2, in <module>\\n    1/0\\n'
         ...                       'ZeroDivisionError: division by zero', {"c1": 3}))
         Traceback (most recent call last):

@@ -196,7 +196,7 @@ def _checkpoint(acc, rank: int, world: int, folder: str) -> None:
 
 @check("torchrun variables in a process of its own")
 def _environment(acc, rank: int, world: int, folder: str) -> None:
-    from nbaccel.launch.xla import current_replica
+    from nbaccel.launch.xla.launcher import current_replica
 
     info = current_replica()
     if info is not None and not info.shares_process and world > 1:

@@ -7,7 +7,7 @@ from nbaccel.tracebacks import clean_traceback
 WORKER_TRACEBACK = """Traceback (most recent call last):
   File "/usr/lib/python3.11/runpy.py", line 88, in _run_code
     exec(code, run_globals)
-  File "/site/nbaccel/launch/worker.py", line 120, in run_worker
+  File "/site/nbaccel/launch/worker/process.py", line 120, in run_worker
     result = function(*args)
              ^^^^^^^^^^^^^^^
   File "/site/nbaccel/magics/cell.py", line 200, in run_cell_program

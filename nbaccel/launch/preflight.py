@@ -169,7 +169,7 @@ def plan_launch(config: LaunchConfig) -> LaunchPlan:
     if kind != "xla":
         _check_capacity(n, kind)
     if kind == "xla":  # torch_xla.launch with fork, over 1 or every device the runtime reports
-        from nbaccel.launch.xla_topology import check_xla_launch
+        from nbaccel.launch.xla.topology import check_xla_launch
 
         n, xla_note = check_xla_launch(config.num_processes, config.start_method)
         if xla_note:

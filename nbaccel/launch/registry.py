@@ -19,10 +19,10 @@ from nbaccel.launch.request import LaunchRequest
 __all__ = ["BUILTIN_LAUNCHERS", "available_launchers", "launch", "launcher_for", "register_launcher"]
 
 BUILTIN_LAUNCHERS: dict[str, str] = {
-    "elastic": "nbaccel.launch.elastic",  # several machines: torch's elastic agent
-    "local": "nbaccel.launch.local",  # this machine: forked or spawned workers
-    "ray": "nbaccel.launch.ray",  # Ray actors in a placement group
-    "xla": "nbaccel.launch.xla",  # TPU cores through torch_xla.launch
+    "elastic": "nbaccel.launch.elastic.launcher",  # several machines: torch's elastic agent
+    "local": "nbaccel.launch.local.launcher",  # this machine: forked or spawned workers
+    "ray": "nbaccel.launch.ray.launcher",  # Ray actors in a placement group
+    "xla": "nbaccel.launch.xla.launcher",  # TPU cores through torch_xla.launch
 }
 """Launcher name -> the module holding it as ``LAUNCHER``."""
 _registered: dict[str, Launcher] = {}

@@ -220,7 +220,7 @@ def build_request(
                                  run_id=rdzv_id, max_restarts=max_restarts, monitor_interval=monitor_interval,
                                  prefix=log_line_prefix_template)
     if cfg.backend == "ray":  # the cluster, not this machine, says what the ranks run on
-        from nbaccel.launch.ray_plan import plan_ray_launch
+        from nbaccel.launch.ray.plan import plan_ray_launch
 
         plan = plan_ray_launch(cfg)
         launcher = launcher or "ray"

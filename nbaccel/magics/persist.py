@@ -1,6 +1,6 @@
 """A ``%%accel_launch --persist`` cell: a cell program that runs in a warm worker's lasting namespace.
 
-Each rank of the pool keeps one namespace (:func:`~nbaccel.launch.pool_worker.worker_namespace`)
+Each rank of the pool keeps one namespace (:func:`~nbaccel.launch.pool.serve.worker_namespace`)
 for every persisted cell, so a name defined in one cell is there in the next, in that rank. The
 notebook seeds it as ``%%accel_launch`` does under spawn: the notebook names the cell reads are
 sent with it. Who wins when both have a name:
@@ -20,7 +20,7 @@ from __future__ import annotations
 import types
 from typing import Any
 
-from nbaccel.launch.pool_worker import worker_namespace
+from nbaccel.launch.pool.serve import worker_namespace
 from nbaccel.magics.cell import CellProgram
 
 __all__ = ["PersistentCellProgram"]

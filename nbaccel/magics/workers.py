@@ -15,7 +15,7 @@ from IPython.core.error import UsageError
 
 from nbaccel.config import LaunchConfig
 from nbaccel.errors import ConfigError, EnvironmentStateError, MissingDependencyError
-from nbaccel.launch.pool import WorkerPool
+from nbaccel.launch.pool.worker_pool import WorkerPool
 from nbaccel.launch.request import LaunchRequest
 
 __all__ = ["NotebookPool", "defined_names", "format_status", "launch_flags_given", "persisted_launch",
@@ -33,7 +33,7 @@ def defined_names() -> list[str]:
     """Run in rank 0 by the status: the names a user defined in the persisted namespace."""
     import types
 
-    from nbaccel.launch.pool_worker import worker_namespace
+    from nbaccel.launch.pool.serve import worker_namespace
 
     return sorted(n for n, v in worker_namespace().items()
                   if not n.startswith("_") and not isinstance(v, types.ModuleType))

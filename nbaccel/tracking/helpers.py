@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from nbaccel.errors import ConfigError
-from nbaccel.launch.channel import current_channel
+from nbaccel.launch.worker.channel import current_channel
 from nbaccel.tracking.base import GeneralTracker, LoggerType, is_main_process
 from nbaccel.tracking.notebook_tracker import NotebookTracker
 from nbaccel.tracking.selection import TrackerSpec, build_tracker, resolve_log_with

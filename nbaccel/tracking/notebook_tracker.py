@@ -1,7 +1,7 @@
 """`NotebookTracker`: sends what ``accelerator.log`` records to the notebook that launched the run.
 
 Inside an nbaccel launch each worker has a control channel to the launching process
-(:mod:`nbaccel.launch.channel`); this tracker sends every logged record there as a ``log`` frame,
+(:mod:`nbaccel.launch.worker.channel`); this tracker sends every logged record there as a ``log`` frame,
 where the status panel draws it as a live chart and :func:`nbaccel.last_run_history` keeps it.
 It is on by default in launched workers (``Accelerator(notebook_tracker=False)`` turns it off)
 and does nothing elsewhere. As with every tracker, only the main process logs.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from nbaccel.launch.channel import Channel, current_channel
+from nbaccel.launch.worker.channel import Channel, current_channel
 from nbaccel.tracking.base import GeneralTracker, on_main_process
 from nbaccel.tracking.values import scalar_or_text
 
@@ -98,4 +98,4 @@ class NotebookTracker(GeneralTracker):
         record = {"step": step, "time": time.time(), **flatten_values(values)}
         self.history.append(record)
         if self._channel is not None:
-            self._channel.post("log", record)  # batched: see nbaccel.launch.channel
+            self._channel.post("log", record)  # batched: see nbaccel.launch.worker.channel

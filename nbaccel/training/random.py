@@ -86,7 +86,7 @@ def _xla_model() -> Any:
         return None
     from nbaccel.hardware import xla_runtime_initialized
 
-    xla_launch = sys.modules.get("nbaccel.launch.xla")
+    xla_launch = sys.modules.get("nbaccel.launch.xla.launcher")
     in_replica = xla_launch is not None and xla_launch.current_replica() is not None
     if not (in_replica or xla_runtime_initialized()):
         return None

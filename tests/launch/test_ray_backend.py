@@ -13,7 +13,7 @@ import pytest
 
 from nbaccel import ConfigError, LaunchConfig
 from nbaccel.config import load_config, save_config
-from nbaccel.launch.ray_cluster import RankSite, layout_ranks
+from nbaccel.launch.ray.cluster import RankSite, layout_ranks
 
 
 def _without_ray(code: str) -> subprocess.CompletedProcess[str]:

@@ -91,7 +91,6 @@ def test_notebook_launcher_runs_a_request_built_from_its_arguments():
 def test_the_builtin_table_names_every_launcher_module_and_only_those():
     """Each row's module defines LAUNCHER under that name; no launcher module is missing from the table."""
     import importlib.util
-    import pkgutil
     from pathlib import Path
 
     import nbaccel.launch
@@ -100,8 +99,7 @@ def test_the_builtin_table_names_every_launcher_module_and_only_those():
     for name, module in BUILTIN_LAUNCHERS.items():
         assert importlib.util.find_spec(module) is not None
     here = Path(nbaccel.launch.__file__).parent
-    defining = {f"nbaccel.launch.{m.name}" for m in pkgutil.walk_packages([str(here)])
-                if (here / f"{m.name.replace('.', '/')}.py").is_file()
-                and "\nLAUNCHER = " in (here / f"{m.name.replace('.', '/')}.py").read_text()}
+    defining = {"nbaccel.launch." + ".".join(path.relative_to(here).with_suffix("").parts)
+                for path in here.rglob("*.py") if "\nLAUNCHER = " in path.read_text()}
     assert defining == set(BUILTIN_LAUNCHERS.values())
     assert launcher_for("local").name == "local"

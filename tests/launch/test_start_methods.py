@@ -124,7 +124,7 @@ def test_cuda_tensors_in_a_spawn_payload_land_on_the_workers_own_gpu(monkeypatch
     import cloudpickle
     import torch
 
-    from nbaccel.launch import trampoline
+    from nbaccel.launch.worker import trampoline
 
     placed: list[int] = []
     monkeypatch.setattr(torch.serialization, "location_tag", lambda storage: "cuda:3")  # as saved on a GPU

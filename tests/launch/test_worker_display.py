@@ -107,7 +107,7 @@ def test_figures_are_shown_by_plt_show_and_when_the_function_ends(tmp_path):
     lines = [line for line in done.stdout.splitlines() if line.startswith("[rank0]")]
     assert lines == ["[rank0]: <Figure size 640x480 with 1 Axes>", "[rank0]: between",
                      "[rank0]: <Figure size 200x200 with 1 Axes>"]
-    assert "backend module://nbaccel.launch.figure_backend" in done.stdout
+    assert "backend module://nbaccel.launch.worker.figure_backend" in done.stdout
 
 
 def test_a_backend_chosen_on_purpose_stays(tmp_path):

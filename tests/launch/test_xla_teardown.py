@@ -9,7 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from nbaccel.launch.xla import _group_members, _kill_group
+from nbaccel.launch.xla.launcher import _group_members, _kill_group
 
 
 def test_kill_group_returns_once_the_group_is_gone():

@@ -19,7 +19,7 @@ def load_state() -> int:
     import torch
 
     from nbaccel import Accelerator
-    from nbaccel.launch.pool_worker import worker_namespace
+    from nbaccel.launch.pool.serve import worker_namespace
 
     accelerator = Accelerator()
     worker_namespace()["table"] = torch.full((3,), float(accelerator.process_index))
@@ -29,7 +29,7 @@ def load_state() -> int:
 def use_state() -> float:
     import torch.distributed as dist
 
-    from nbaccel.launch.pool_worker import worker_namespace
+    from nbaccel.launch.pool.serve import worker_namespace
 
     table = worker_namespace()["table"].clone()
     dist.all_reduce(table)  # the process group joined when the pool started is still there

@@ -144,7 +144,8 @@ def _carries(backend: str) -> frozenset[str]:
 
 @pytest.mark.parametrize("join", ["pool", "ray"])
 def test_a_pools_group_takes_a_later_fsdp_cpu_offload_accelerator(cuda_worker, monkeypatch, join):
-    from nbaccel.launch import pool_worker, ray_actor
+    from nbaccel.launch.pool import serve as pool_worker
+    from nbaccel.launch.ray import actor as ray_actor
     from nbaccel.training.fsdp import _check_group_carries_cpu
 
     calls, _ = cuda_worker

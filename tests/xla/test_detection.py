@@ -12,7 +12,7 @@ pytest.importorskip("torch_xla")
 
 from nbaccel.errors import ConfigError, EnvironmentStateError, LaunchError, MissingDependencyError  # noqa: E402
 from nbaccel.hardware import tpu_detected, xla_runtime_initialized  # noqa: E402
-from nbaccel.launch.xla_topology import check_xla_launch, probe_replica_count, xla_replica_count  # noqa: E402
+from nbaccel.launch.xla.topology import check_xla_launch, probe_replica_count, xla_replica_count  # noqa: E402
 
 pytestmark = pytest.mark.xla
 
@@ -76,7 +76,7 @@ def test_runtime_initialized_is_read_without_initializing_and_then_refuses_launc
 
     assert xla_runtime_initialized() is False
     code = ("import torch, torch_xla\nfrom nbaccel.hardware import xla_runtime_initialized as f\n"
-            "from nbaccel.errors import EnvironmentStateError\nfrom nbaccel.launch.xla_topology import check_xla_launch\n"
+            "from nbaccel.errors import EnvironmentStateError\nfrom nbaccel.launch.xla.topology import check_xla_launch\n"
             "before = f(); torch.ones(1, device='xla').cpu(); print(before, f())\n"
             "try:\n    check_xla_launch(None, None)\nexcept EnvironmentStateError as e:\n    print('refused:', e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -103,7 +103,7 @@ def test_replica_count_on_the_cpu_runtime(tmp_path):
 @pytest.mark.parametrize("pjrt_device", ["TPU", None])  # unset on a TPU VM: torch_xla picks the TPU
 def test_replica_count_on_a_tpu_from_the_pci_bus(tmp_path, device_id, chips, bounds, expected, pjrt_device,
                                                   monkeypatch):
-    monkeypatch.setattr("nbaccel.launch.xla_topology.probe_replica_count", _no_probe)
+    monkeypatch.setattr("nbaccel.launch.xla.topology.probe_replica_count", _no_probe)
     env = ({"PJRT_DEVICE": pjrt_device} if pjrt_device else {}) | ({"TPU_PROCESS_BOUNDS": bounds} if bounds else {})
     assert xla_replica_count(env, root=fake_machine(tmp_path, chips=chips, device_id=device_id)) == expected
 
@@ -170,7 +170,7 @@ def test_missing_torch_xla_is_named(tmp_path):
     main_python = REPO / ".venv/bin/python"  # the main environment has no torch_xla
     if not main_python.exists():
         pytest.skip("the main environment (.venv) is not here")
-    code = ("from nbaccel.launch.xla_topology import check_xla_launch\n"
+    code = ("from nbaccel.launch.xla.topology import check_xla_launch\n"
             "from nbaccel.errors import MissingDependencyError\n"
             "try:\n    check_xla_launch(None, None)\nexcept MissingDependencyError as e:\n"
             "    print(e.package, '|', e.install)\n")

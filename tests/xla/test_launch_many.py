@@ -48,7 +48,7 @@ def identify(scale):
     import torch_xla
     import torch_xla.runtime as xr
 
-    from nbaccel.launch.xla import current_replica
+    from nbaccel.launch.xla.launcher import current_replica
 
     rank = xr.global_ordinal()
     print(f"hello from {rank}")

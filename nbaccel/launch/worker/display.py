@@ -10,7 +10,7 @@ before it and after it.
 
 Libraries see a terminal, not a notebook: the shell's config names no ``IPKernelApp`` and its class
 is not ``ZMQInteractiveShell``, the two tests libraries use to detect a notebook (``tqdm.auto``'s
-own test is handled in :mod:`nbaccel.launch.kernel_cutoff`).
+own test is handled in :mod:`nbaccel.launch.worker.kernel_cutoff`).
 Widgets cannot live in a worker (their model would sit in a process the browser cannot reach):
 a widget bundle is dropped with a one-line note, once per worker.
 
@@ -30,12 +30,12 @@ from collections.abc import MutableMapping
 from typing import Any
 
 from nbaccel.launch.frames import DISPLAY_MARK, write_frame
-from nbaccel.launch.import_hooks import when_imported
+from nbaccel.launch.worker.import_hooks import when_imported
 
 __all__ = ["FIGURE_BACKEND", "WIDGET_MIME", "forward_displays", "note_widget", "route_figures", "show_open_figures"]
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
-FIGURE_BACKEND = "module://nbaccel.launch.figure_backend"
+FIGURE_BACKEND = "module://nbaccel.launch.worker.figure_backend"
 _NOTEBOOK_BACKENDS = ("module://matplotlib_inline.backend_inline", "inline", "module://ipympl.backend_nbagg",
                       "ipympl", "widget", "nbagg")
 _SHELL_MODULE = "IPython.core.interactiveshell"
@@ -164,7 +164,7 @@ def forward_displays(ctl_fd: int, rank: int) -> None:
 
 
 def route_figures(environ: MutableMapping[str, str]) -> None:
-    """Make matplotlib in this worker draw with :mod:`nbaccel.launch.figure_backend`.
+    """Make matplotlib in this worker draw with :mod:`nbaccel.launch.worker.figure_backend`.
 
     Only where the notebook's backend would have shown figures in the cell (the inline one, a
     widget one, or none chosen): a backend the user picked on purpose (``agg`` to save files)
@@ -188,10 +188,10 @@ def route_figures(environ: MutableMapping[str, str]) -> None:
 def show_open_figures() -> None:
     """Show the figures a worker left open, as the inline backend does when a cell ends."""
     pyplot = sys.modules.get("matplotlib.pyplot")
-    if pyplot is None or "nbaccel.launch.figure_backend" not in sys.modules:
+    if pyplot is None or "nbaccel.launch.worker.figure_backend" not in sys.modules:
         return
     if pyplot.get_backend() == FIGURE_BACKEND and pyplot.get_fignums():
-        sys.modules["nbaccel.launch.figure_backend"].show_open_figures()
+        sys.modules["nbaccel.launch.worker.figure_backend"].show_open_figures()
 
 
 if _SHELL_MODULE in sys.modules:  # the caller is an IPython shell: build it here once, not in every forked worker

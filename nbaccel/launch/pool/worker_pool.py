@@ -4,7 +4,7 @@ A launch (:func:`~nbaccel.notebook_launcher`, ``%%accel_launch``) starts workers
 and ends them; everything they built dies with them. A pool starts its workers once (fork when
 safe, else spawn, as a launch would), each joins the process group once, and then every
 :meth:`WorkerPool.run` is a message to live workers: what a run leaves behind (a loaded model, an
-``Accelerator``, anything in :func:`~nbaccel.launch.pool_worker.worker_namespace`) is there for
+``Accelerator``, anything in :func:`~nbaccel.launch.pool.serve.worker_namespace`) is there for
 the next one. Accelerate has no counterpart; ipyparallel keeps engines alive but knows nothing of
 ranks or process groups. One run at a time: a second thread's :meth:`WorkerPool.run` waits for
 the first to end (each caller gets its own result), and only the values asked for travel back.
@@ -41,9 +41,9 @@ from nbaccel.errors import ConfigError, WorkerPoolError
 from nbaccel.launch.events import LaunchObserver
 from nbaccel.launch.output import OutputRelay
 from nbaccel.launch.payload import dumps_payload
-from nbaccel.launch.pool_ray import RayPoolRanks
-from nbaccel.launch.pool_run import TaskOutcome, run_task
-from nbaccel.launch.pool_start import PoolProcesses, start_pool
+from nbaccel.launch.ray.pool import RayPoolRanks
+from nbaccel.launch.pool.run_task import TaskOutcome, run_task
+from nbaccel.launch.pool.start import PoolProcesses, start_pool
 from nbaccel.launch.preflight import say
 from nbaccel.launch.request import LaunchRequest, build_request
 
@@ -105,7 +105,7 @@ class WorkerPool:
         config: a :class:`LaunchConfig` supplying every value not given here.
         backend: ``"local"`` (this machine's processes) or ``"ray"``: the workers are Ray actors
             on a Ray cluster, kept (with their process group) until the pool closes; see
-            :mod:`nbaccel.launch.pool_ray`. ``None``: the config's.
+            :mod:`nbaccel.launch.ray.pool`. ``None``: the config's.
         ray_address: with ``backend="ray"``, the cluster (as in ``notebook_launcher``).
 
     Raises:

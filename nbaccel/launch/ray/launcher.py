@@ -1,8 +1,8 @@
 """The Ray launcher: a launch's ranks as Ray actors in one placement group, on a Ray cluster.
 
 ``notebook_launcher(fn, num_processes=8, backend="ray")`` and ``%%accel_launch --backend ray``
-build a request whose plan came from the cluster (:mod:`nbaccel.launch.ray_plan`); this launcher
-starts the ranks (:class:`~nbaccel.launch.ray_ranks.RayRanks`), runs the function once under the
+build a request whose plan came from the cluster (:mod:`nbaccel.launch.ray.plan`); this launcher
+starts the ranks (:class:`~nbaccel.launch.ray.ranks.RayRanks`), runs the function once under the
 local launch's supervisor, and ends the job: after success, a failure or an interrupt, every actor
 is killed and the placement group removed. Ray does the placement and notices dead actors;
 nbaccel never re-implements either.
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from nbaccel.launch.local import request_relay
-from nbaccel.launch.ray_ranks import RayRanks
+from nbaccel.launch.local.launcher import request_relay
+from nbaccel.launch.ray.ranks import RayRanks
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.supervisor import SupervisorPolicy
 

@@ -28,7 +28,7 @@ from nbaccel.environment import apply_environment, read_distributed_env, worker_
 from nbaccel.identity import WorkerIdentity, set_identity
 from nbaccel.launch.failures import WorkerFailure, raise_failures
 from nbaccel.launch.request import LaunchRequest
-from nbaccel.launch.worker import describe_error
+from nbaccel.launch.worker.process import describe_error
 
 __all__ = ["LAUNCHER", "ElasticLauncher"]
 

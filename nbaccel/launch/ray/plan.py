@@ -10,7 +10,7 @@ from __future__ import annotations
 from nbaccel.config import LaunchConfig
 from nbaccel.errors import ConfigError
 from nbaccel.launch.preflight import LaunchPlan, settings_for
-from nbaccel.launch.ray_cluster import check_room, cluster_totals, connect
+from nbaccel.launch.ray.cluster import check_room, cluster_totals, connect
 
 __all__ = ["plan_ray_launch"]
 

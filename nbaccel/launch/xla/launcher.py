@@ -14,7 +14,7 @@ replica, whichever process or thread it runs in, reports ``started`` / ``result`
 frames on its own pipe and the usual :class:`~nbaccel.launch.supervisor.Supervisor` reads them,
 with the host as its ``host`` (not a rank): output arrives labelled per rank, results of any
 size come back (moved to CPU), and the first failure is raised with its remote traceback. Every
-replica runs the same worker body as a local worker (:func:`~nbaccel.launch.worker.run_body`),
+replica runs the same worker body as a local worker (:func:`~nbaccel.launch.worker.process.run_body`),
 with its :class:`~nbaccel.identity.WorkerIdentity` set for its thread when replicas share a
 process, so ``ProcessState``, ``%%accel_launch`` cells and the collectives see its own rank.
 
@@ -61,7 +61,7 @@ from nbaccel.launch.output import OutputRelay, Stream
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.supervisor import Supervisor, SupervisorPolicy
 from nbaccel.launch.warmup import finish_warmup
-from nbaccel.launch.worker import WorkerSpec, die_with_parent, run_body, run_worker
+from nbaccel.launch.worker.process import WorkerSpec, die_with_parent, run_body, run_worker
 
 __all__ = ["HOST_RANK", "LAUNCHER", "XlaLauncher", "current_replica"]
 

@@ -10,8 +10,8 @@
        RayRankHandle × N + RunPump ─► Supervisor (the local launch's) ─► {rank: result} or the failure
     ranks.shutdown() ─► ray.kill every actor, remove the placement group
 
-The one-shot launcher (:mod:`nbaccel.launch.ray`) starts, runs once and shuts down; a pool on Ray
-(:class:`~nbaccel.launch.pool.WorkerPool` with ``backend="ray"``) keeps the ranks between runs.
+The one-shot launcher (:mod:`nbaccel.launch.ray.launcher`) starts, runs once and shuts down; a pool on Ray
+(:class:`~nbaccel.launch.pool.worker_pool.WorkerPool` with ``backend="ray"``) keeps the ranks between runs.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from nbaccel.errors import LaunchError
 from nbaccel.launch.events import LaunchObserver
 from nbaccel.launch.output import OutputRelay
 from nbaccel.launch.payload import dumps_payload
-from nbaccel.launch.ray_actor import RankActor
-from nbaccel.launch.ray_cluster import Placement, RankLayout, RankSite, layout_ranks, place_bundles, require_ray
-from nbaccel.launch.ray_handles import RayRankHandle, RunPump
+from nbaccel.launch.ray.actor import RankActor
+from nbaccel.launch.ray.cluster import Placement, RankLayout, RankSite, layout_ranks, place_bundles, require_ray
+from nbaccel.launch.ray.handles import RayRankHandle, RunPump
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.supervisor import Supervisor, SupervisorPolicy
 

@@ -1,10 +1,10 @@
 """The worker side of a warm pool: join the process group once, then run task after task.
 
-A pool worker is an ordinary worker process (:func:`~nbaccel.launch.worker.run_worker`, forked or
-spawned by :mod:`nbaccel.launch.starter`) whose function is :func:`serve`: it connects to its
+A pool worker is an ordinary worker process (:func:`~nbaccel.launch.worker.process.run_worker`, forked or
+spawned by :mod:`nbaccel.launch.local.starter`) whose function is :func:`serve`: it connects to its
 pool's private Unix socket, joins the process group once (``ProcessState``), says ``ready``, and
 then waits. Each task (a cloudpickled ``(function, args, kwargs)``) runs through the same worker
-body as every launch (:func:`~nbaccel.launch.worker.run_body`: ``started``, then ``result`` or
+body as every launch (:func:`~nbaccel.launch.worker.process.run_body`: ``started``, then ``result`` or
 ``error``), with the socket as its control channel. A task says whether its caller wants this
 rank's return value; when not, the value is never pickled (only that the rank finished is sent). What a task leaves behind stays: the process
 group, the ``Accelerator``'s shared state, imported modules, and :func:`worker_namespace`.
@@ -32,7 +32,7 @@ import cloudpickle
 
 from nbaccel.identity import current_identity
 from nbaccel.launch.frames import FrameReader, write_frame
-from nbaccel.launch.worker import run_body
+from nbaccel.launch.worker.process import run_body
 
 __all__ = ["cpu_copies", "serve", "worker_namespace"]
 

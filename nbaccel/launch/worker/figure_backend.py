@@ -1,7 +1,7 @@
 """The matplotlib backend of a worker: ``plt.show()`` displays each open figure as a PNG, like the inline backend.
 
-Workers use it as ``module://nbaccel.launch.figure_backend`` (set by
-:func:`nbaccel.launch.worker_display.route_figures`) when the notebook's backend is the inline one
+Workers use it as ``module://nbaccel.launch.worker.figure_backend`` (set by
+:func:`nbaccel.launch.worker.display.route_figures`) when the notebook's backend is the inline one
 or none was chosen. It draws with Agg; ``show()`` hands every open figure to
 ``IPython.display.display``, which the worker forwards to the launching cell, then closes them.
 Figures still open when the worker's function returns are shown then, as the inline backend

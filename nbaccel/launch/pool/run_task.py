@@ -27,8 +27,8 @@ from nbaccel.launch.events import LaunchObserver
 from nbaccel.launch.failures import WorkerFailure, format_report, raise_failures
 from nbaccel.launch.frames import write_frame
 from nbaccel.launch.payload import loads
-from nbaccel.launch.pool_channels import PoolChannels, PoolMember
-from nbaccel.launch.pool_start import exit_failure
+from nbaccel.launch.pool.channels import PoolChannels, PoolMember
+from nbaccel.launch.pool.start import exit_failure
 
 __all__ = ["TaskOutcome", "run_task"]
 

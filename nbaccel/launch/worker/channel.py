@@ -1,6 +1,6 @@
 """A worker's channel to the launching process: messages sent while the function runs.
 
-:func:`~nbaccel.launch.worker.run_body` opens it on the rank's control pipe before the function
+:func:`~nbaccel.launch.worker.process.run_body` opens it on the rank's control pipe before the function
 starts and closes it after; code inside the function (the notebook tracker) finds it with
 :func:`current_channel`. Outside an nbaccel launch, or under a launcher without a control pipe
 (torch's elastic agent on several machines), there is none. Like the identity, a channel is per

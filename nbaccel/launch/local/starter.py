@@ -1,7 +1,7 @@
 """Starting the worker processes of one machine, by fork or by spawn.
 
 Fork runs the function straight from the caller's memory (about 0.02 s per worker). Spawn starts
-fresh interpreters running :mod:`nbaccel.launch.trampoline`, with the function shipped by value
+fresh interpreters running :mod:`nbaccel.launch.worker.trampoline`, with the function shipped by value
 through cloudpickle in a private file.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 from nbaccel.environment import child_base_environment
 from nbaccel.launch.handles import WorkerHandle, discard_workers
 from nbaccel.launch.payload import dumps_payload
-from nbaccel.launch.worker import WorkerSpec, run_worker
+from nbaccel.launch.worker.process import WorkerSpec, run_worker
 
 __all__ = ["SpawnFiles", "start_forked", "start_spawned"]
 
@@ -113,7 +113,7 @@ class SpawnFiles:
 
 def _python_path() -> str:
     entries = [p for p in sys.path if p and os.path.isdir(p)]
-    package_root = str(Path(__file__).resolve().parents[2])
+    package_root = str(Path(__file__).resolve().parents[3])
     return os.pathsep.join(dict.fromkeys([package_root, *entries]))
 
 
@@ -145,7 +145,7 @@ def start_spawned(function: Callable[..., Any], args: Sequence[Any], kwargs: Map
         for rank, env in enumerate(envs):
             (ctl_r, ctl_w), (out_r, out_w), (err_r, err_w) = pipes[rank]
             popen = subprocess.Popen(
-                [sys.executable, "-m", "nbaccel.launch.trampoline", str(spec_paths[rank]), str(payload_path)],
+                [sys.executable, "-m", "nbaccel.launch.worker.trampoline", str(spec_paths[rank]), str(payload_path)],
                 stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, pass_fds=(ctl_w,),
                 env={**base, **env}, close_fds=True, **_OWN_GROUP)
             handles.append(WorkerHandle(rank=rank, pid=popen.pid, ctl_fd=ctl_r, out_fd=out_r, err_fd=err_r,

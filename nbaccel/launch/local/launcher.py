@@ -20,7 +20,7 @@ from nbaccel.launch.reaper import group_reaper
 from nbaccel.launch.rendezvous import LoopbackStore
 from nbaccel.launch.rich_output import CellPublisher
 from nbaccel.launch.request import LaunchRequest
-from nbaccel.launch.starter import SpawnFiles, start_forked, start_spawned
+from nbaccel.launch.local.starter import SpawnFiles, start_forked, start_spawned
 from nbaccel.launch.supervisor import Supervisor, SupervisorPolicy
 from nbaccel.launch.warmup import finish_warmup, import_used_exports, may_build_ddp, start_warmup, used_names
 

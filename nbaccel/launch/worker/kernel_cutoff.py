@@ -8,7 +8,7 @@ forked copy of that machinery must never be used: several processes would write 
 server's log). :func:`detach_from_kernel` makes all of it unreachable, in this order:
 
 - the session's ``send`` drops messages (noting once, on the rank's stderr, what was dropped);
-- ``get_ipython()`` no longer answers the kernel's shell (:mod:`nbaccel.launch.worker_display`
+- ``get_ipython()`` no longer answers the kernel's shell (:mod:`nbaccel.launch.worker.display`
   installs a socket-less one), and ipykernel's singletons are cleared;
 - ``sys.displayhook`` / ``sys.excepthook`` are Python's own again;
 - ``comm.create_comm`` builds a comm that sends nothing, with the widget note;
@@ -18,7 +18,7 @@ server's log). :func:`detach_from_kernel` makes all of it unreachable, in this o
   notebook's names already hold draws as text too.
 
 Nothing is imported here: each step applies to what the worker has loaded, and the comm step
-also to a ``comm`` package imported later (:mod:`nbaccel.launch.import_hooks`).
+also to a ``comm`` package imported later (:mod:`nbaccel.launch.worker.import_hooks`).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import sys
 from types import ModuleType
 from typing import Any
 
-from nbaccel.launch.import_hooks import when_imported
-from nbaccel.launch.worker_display import note_widget
+from nbaccel.launch.worker.import_hooks import when_imported
+from nbaccel.launch.worker.display import note_widget
 
 __all__ = ["detach_from_kernel"]
 
@@ -90,7 +90,7 @@ def detach_from_kernel() -> None:
     """Make the inherited kernel machinery unreachable in this worker (see the module docstring).
 
     Call it in the worker process, after its stdout and stderr are its own and before
-    :func:`~nbaccel.launch.worker_display.forward_displays` installs the worker's shell.
+    :func:`~nbaccel.launch.worker.display.forward_displays` installs the worker's shell.
     """
     _cut_session()
     _clear_kernel_singletons()

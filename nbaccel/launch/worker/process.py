@@ -3,14 +3,14 @@
 :func:`run_body` is what every rank runs, whichever launcher started it: it records the rank's
 :class:`~nbaccel.identity.WorkerIdentity`, reports ``started``, runs the function, and reports
 ``result`` or ``error`` on the rank's control pipe. A local worker process (:func:`run_worker`)
-and an XLA replica thread (:mod:`nbaccel.launch.xla`) differ only in what they set up around it.
+and an XLA replica thread (:mod:`nbaccel.launch.xla.launcher`) differ only in what they set up around it.
 
 :func:`run_worker` is a fresh worker process: a forked worker calls it straight after ``fork``;
-a spawned one reaches it through :mod:`nbaccel.launch.trampoline`. The worker dies with its
+a spawned one reaches it through :mod:`nbaccel.launch.worker.trampoline`. The worker dies with its
 parent (``PR_SET_PDEATHSIG``), writes fd 1 and 2 into the supervisor's pipes, and leaves with
 ``os._exit`` so no handler of the parent (a Jupyter kernel's, say) runs in it. Before it leaves
 (also when stopped with ``SIGTERM``) it ends every process it started, daemons included
-(:mod:`nbaccel.launch.descendants`).
+(:mod:`nbaccel.launch.worker.descendants`).
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ from typing import Any, NoReturn
 from nbaccel.environment import apply_environment, read_distributed_env
 from nbaccel.errors import PayloadPicklingError
 from nbaccel.identity import WorkerIdentity, clear_identity, set_identity
-from nbaccel.launch.channel import close_channel, open_channel
-from nbaccel.launch.console_tqdm import use_console_tqdm
-from nbaccel.launch.descendants import become_subreaper, end_descendants, end_descendants_on_sigterm
+from nbaccel.launch.worker.channel import close_channel, open_channel
+from nbaccel.launch.worker.console_tqdm import use_console_tqdm
+from nbaccel.launch.worker.descendants import become_subreaper, end_descendants, end_descendants_on_sigterm
 from nbaccel.launch.frames import write_frame
-from nbaccel.launch.kernel_cutoff import detach_from_kernel
+from nbaccel.launch.worker.kernel_cutoff import detach_from_kernel
 from nbaccel.launch.payload import dumps_by_reference_first, dumps_result
-from nbaccel.launch.worker_display import forward_displays, route_figures, show_open_figures
+from nbaccel.launch.worker.display import forward_displays, route_figures, show_open_figures
 
 __all__ = ["FINISHED_WITHOUT_VALUE", "WorkerSpec", "describe_error", "die_with_parent", "report_error", "run_body",
            "run_worker"]

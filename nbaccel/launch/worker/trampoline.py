@@ -1,4 +1,4 @@
-"""Entry point of a spawned worker: ``python -m nbaccel.launch.trampoline SPEC_FILE PAYLOAD_FILE``.
+"""Entry point of a spawned worker: ``python -m nbaccel.launch.worker.trampoline SPEC_FILE PAYLOAD_FILE``.
 
 The spec (rank, environment, descriptors) and the cloudpickled ``(function, args, kwargs)`` come
 from private files the supervisor wrote; the worker's fd 1 and 2 are already the supervisor's
@@ -49,7 +49,7 @@ def main(argv: list[str]) -> None:
     spec_path, payload_path = argv
     with open(spec_path, "rb") as handle:
         spec = pickle.load(handle)
-    from nbaccel.launch.worker import die_with_parent, run_worker
+    from nbaccel.launch.worker.process import die_with_parent, run_worker
 
     die_with_parent(spec.parent_pid)
     try:

@@ -1,7 +1,7 @@
 """A warm pool on Ray: the ranks' actors, their process group and namespaces kept between runs.
 
-:class:`~nbaccel.launch.pool.WorkerPool` with ``backend="ray"`` keeps a
-:class:`~nbaccel.launch.ray_ranks.RayRanks` instead of local processes: the actors join the
+:class:`~nbaccel.launch.pool.worker_pool.WorkerPool` with ``backend="ray"`` keeps a
+:class:`~nbaccel.launch.ray.ranks.RayRanks` instead of local processes: the actors join the
 process group once when the pool starts, and each run is a call on live actors, supervised as a
 launch is. The rules are a local pool's: a rank that raises leaves the pool alive; an interrupt,
 a timeout or a failure interrupts the other ranks (``KeyboardInterrupt`` in their function), and
@@ -22,9 +22,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from nbaccel.launch.events import LaunchObserver
-from nbaccel.launch.local import request_relay
-from nbaccel.launch.ray_cluster import require_ray
-from nbaccel.launch.ray_ranks import RayRanks
+from nbaccel.launch.local.launcher import request_relay
+from nbaccel.launch.ray.cluster import require_ray
+from nbaccel.launch.ray.ranks import RayRanks
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.supervisor import SupervisorPolicy
 
@@ -32,7 +32,7 @@ __all__ = ["RayPoolRanks"]
 
 
 class RayPoolRanks:
-    """The Ray side of a :class:`~nbaccel.launch.pool.WorkerPool` (see the module docstring)."""
+    """The Ray side of a :class:`~nbaccel.launch.pool.worker_pool.WorkerPool` (see the module docstring)."""
 
     def __init__(self, request: LaunchRequest, start_timeout: float) -> None:
         self._request = request

@@ -29,14 +29,14 @@ from nbaccel.errors import LaunchError
 from nbaccel.launch.failures import WorkerFailure, raise_failures
 from nbaccel.launch.frames import FrameReader
 from nbaccel.launch.handles import WorkerHandle
-from nbaccel.launch.local import local_environments
-from nbaccel.launch.pool_channels import PoolChannels, PoolMember
+from nbaccel.launch.local.launcher import local_environments
+from nbaccel.launch.pool.channels import PoolChannels, PoolMember
 from nbaccel.launch.owner_thread import on_owner_thread
-from nbaccel.launch.pool_worker import serve
+from nbaccel.launch.pool.serve import serve
 from nbaccel.launch.reaper import GroupReaper, group_reaper
 from nbaccel.launch.rendezvous import LoopbackStore
 from nbaccel.launch.request import LaunchRequest
-from nbaccel.launch.starter import SpawnFiles, start_forked, start_spawned
+from nbaccel.launch.local.starter import SpawnFiles, start_forked, start_spawned
 from nbaccel.launch.warmup import finish_warmup, start_warmup
 
 __all__ = ["PoolProcesses", "exit_failure", "start_pool"]
@@ -90,7 +90,7 @@ class PoolProcesses:
         """End every worker and what it started, free the port and the folder; safe to call again.
 
         Each worker is first sent ``SIGTERM``, on which it ends every process it started, daemons
-        that left its process group included (:mod:`nbaccel.launch.descendants`); whoever has not
+        that left its process group included (:mod:`nbaccel.launch.worker.descendants`); whoever has not
         exited within :data:`_STOP_GRACE` seconds is killed with its group.
         """
         if self.closed:

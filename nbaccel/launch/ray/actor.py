@@ -1,9 +1,9 @@
 """One rank as a Ray actor: the worker body of every launcher, run inside a Ray worker process.
 
-The launcher (:mod:`nbaccel.launch.ray`) makes this class a Ray actor with a few threads, one
+The launcher (:mod:`nbaccel.launch.ray.launcher`) makes this class a Ray actor with a few threads, one
 per rank, in its placement-group bundle. :meth:`RankActor.run` is the rank: it applies the same
 environment a local worker gets, points fd 1 and 2 and a control pipe at a reader thread, and
-runs :func:`~nbaccel.launch.worker.run_body` (identity, ``started``, the function, ``result`` or
+runs :func:`~nbaccel.launch.worker.process.run_body` (identity, ``started``, the function, ``result`` or
 ``error``). What the reader collects, the launcher fetches with :meth:`RankActor.drain`, a long
 poll answered from another thread of the actor, and feeds to the same supervisor a local launch
 uses. So output, displays, ``accelerator.log`` records and failures travel exactly as locally:
@@ -31,9 +31,9 @@ import cloudpickle
 
 from nbaccel.environment import apply_environment, read_distributed_env
 from nbaccel.identity import WorkerIdentity, clear_identity
-from nbaccel.launch.console_tqdm import use_console_tqdm
-from nbaccel.launch.worker import run_body
-from nbaccel.launch.worker_display import forward_displays, route_figures, show_open_figures
+from nbaccel.launch.worker.console_tqdm import use_console_tqdm
+from nbaccel.launch.worker.process import run_body
+from nbaccel.launch.worker.display import forward_displays, route_figures, show_open_figures
 
 __all__ = ["RankActor"]
 
@@ -216,7 +216,7 @@ class RankActor:
             finally:
                 self._cancellable = False
             if cpu_results:
-                from nbaccel.launch.pool_worker import cpu_copies
+                from nbaccel.launch.pool.serve import cpu_copies
 
                 result = cpu_copies(result)
             return result

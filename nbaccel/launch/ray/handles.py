@@ -3,7 +3,7 @@
 The supervisor (:mod:`nbaccel.launch.supervisor`) reads each worker's control, stdout and stderr
 pipes and polls and signals its process. For a rank that is a Ray actor, :class:`RayRankHandle`
 holds the read ends of three local pipes, and :class:`RunPump` (one thread per run) writes into
-them what each actor's :meth:`~nbaccel.launch.ray_actor.RankActor.drain` returns. So output
+them what each actor's :meth:`~nbaccel.launch.ray.actor.RankActor.drain` returns. So output
 labels, the status panel, displays, ``accelerator.log`` records, results, the root-cause failure,
 the timeout and the hang watchdog are the local launch's own code. Signals become Ray calls:
 
