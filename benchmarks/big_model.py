@@ -192,9 +192,17 @@ def _folder_bytes(folder: Path) -> int:
 
 def _loaders(lib: str):  # noqa: ANN202 - the two libraries' functions of the same names
     if lib == "nbaccel":
-        from nbaccel.big_modeling import init_empty_weights, load_checkpoint_and_dispatch, load_checkpoint_in_model
+        from nbaccel.big_modeling import (
+            init_empty_weights,
+            load_checkpoint_and_dispatch,
+            load_checkpoint_in_model,
+        )
     else:
-        from accelerate import init_empty_weights, load_checkpoint_and_dispatch, load_checkpoint_in_model
+        from accelerate import (
+            init_empty_weights,
+            load_checkpoint_and_dispatch,
+            load_checkpoint_in_model,
+        )
     return init_empty_weights, load_checkpoint_in_model, load_checkpoint_and_dispatch
 
 
@@ -416,7 +424,9 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if not args.no_gpu:
-        from big_model_gpu import run  # next to this file: its own checkpoint, bf16, on one GPU
+        from big_model_gpu import (
+            run,  # next to this file: its own checkpoint, bf16, on one GPU
+        )
 
         run(args.gpu_rounds)
 

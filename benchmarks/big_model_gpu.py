@@ -88,7 +88,10 @@ def _bus() -> dict:
 
 def _loaders(lib: str):  # noqa: ANN202 - the two libraries' functions of the same names
     if lib == "nbaccel":
-        from nbaccel.big_modeling import init_empty_weights, load_checkpoint_and_dispatch
+        from nbaccel.big_modeling import (
+            init_empty_weights,
+            load_checkpoint_and_dispatch,
+        )
     else:
         from accelerate import init_empty_weights, load_checkpoint_and_dispatch
     return init_empty_weights, load_checkpoint_and_dispatch

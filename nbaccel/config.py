@@ -23,9 +23,13 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
-from nbaccel.distributed_type import LAUNCHABLE_TYPES, DistributedType, as_distributed_type
-from nbaccel.environment import MixedPrecision, config_file_path
 from nbaccel.config_text import parse_config_text, read_config_file
+from nbaccel.distributed_type import (
+    LAUNCHABLE_TYPES,
+    DistributedType,
+    as_distributed_type,
+)
+from nbaccel.environment import MixedPrecision, config_file_path
 from nbaccel.errors import ConfigError
 
 __all__ = ["LaunchBackend", "LaunchConfig", "PlacementStrategy", "StartMethod", "load_config", "save_config"]

@@ -15,7 +15,11 @@ from nbaccel.training.data_sharding import (
     SeedableRandomSampler,
     SkipBatchSampler,
 )
-from nbaccel.training.loader_preparation import get_sampler, prepare_data_loader, skip_first_batches
+from nbaccel.training.loader_preparation import (
+    get_sampler,
+    prepare_data_loader,
+    skip_first_batches,
+)
 from nbaccel.training.loader_state import DataLoaderStateMixin
 from nbaccel.training.skip_loader import SkipDataLoader
 

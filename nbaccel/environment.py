@@ -20,7 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
 
-from nbaccel.distributed_type import LAUNCHABLE_TYPES, DistributedType, as_distributed_type
+from nbaccel.distributed_type import (
+    LAUNCHABLE_TYPES,
+    DistributedType,
+    as_distributed_type,
+)
 from nbaccel.errors import ConfigError
 
 __all__ = [
@@ -152,7 +156,9 @@ def worker_environment(settings: WorkerSettings, dist: DistributedEnv | None = N
     if visible_gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible_gpus
     if not settings.use_cpu and settings.distributed_type in ("MULTI_GPU", "FSDP", "DEEPSPEED"):
-        from nbaccel.cuda_probe import nccl_p2p_workaround  # RTX 40xx on old drivers: NCCL hangs on P2P
+        from nbaccel.cuda_probe import (
+            nccl_p2p_workaround,  # RTX 40xx on old drivers: NCCL hangs on P2P
+        )
 
         env.update({k: v for k, v in nccl_p2p_workaround().items() if k not in os.environ})
     return env

@@ -7,6 +7,12 @@ and :mod:`nbaccel.big_modeling.layerwise_casting`.
 
 from __future__ import annotations
 
+from nbaccel.big_modeling.hook_attach import (
+    attach_align_device_hook,
+    attach_align_device_hook_on_blocks,
+    attach_execution_device_hook,
+    remove_hook_from_submodules,
+)
 from nbaccel.big_modeling.hooks import (
     AlignDevicesHook,
     CpuOffload,
@@ -16,13 +22,10 @@ from nbaccel.big_modeling.hooks import (
     add_hook_to_module,
     remove_hook_from_module,
 )
-from nbaccel.big_modeling.hook_attach import (
-    attach_align_device_hook,
-    attach_align_device_hook_on_blocks,
-    attach_execution_device_hook,
-    remove_hook_from_submodules,
+from nbaccel.big_modeling.layerwise_casting import (
+    LayerwiseCastingHook,
+    attach_layerwise_casting_hooks,
 )
-from nbaccel.big_modeling.layerwise_casting import LayerwiseCastingHook, attach_layerwise_casting_hooks
 from nbaccel.device_backend import normalize_device
 
 __all__ = [

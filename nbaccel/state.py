@@ -24,6 +24,7 @@ from nbaccel.environment import MixedPrecision, read_worker_settings
 from nbaccel.errors import ConfigError
 from nbaccel.hardware import cuda_device_count, tpu_detected
 from nbaccel.identity import WorkerIdentity, current_identity
+from nbaccel.rank_resets import register_rank_reset
 
 __all__ = ["AcceleratorState", "GradientState", "PartialState", "ProcessState", "ThreadLocalSharedDict",
            "is_initialized", "reset_process_state", "shared_state", "wait_for_everyone"]
@@ -279,6 +280,9 @@ def reset_process_state() -> None:
     """Forget the shared state (called in a fresh worker, which must read its own environment)."""
     _shared.clear()
     _per_replica.clear()
+
+
+register_rank_reset("nbaccel.state", reset_process_state)
 
 
 def is_initialized() -> bool:

@@ -43,6 +43,9 @@ from nbaccel.big_modeling.device_map import (
     check_device_map,
     infer_auto_device_map,
 )
+from nbaccel.big_modeling.layerwise_casting import (
+    SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING,
+)
 from nbaccel.big_modeling.loading import (
     load_checkpoint_in_model,
 )
@@ -71,7 +74,6 @@ from nbaccel.big_modeling.offload import (
     offload_weight,
     save_offload_index,
 )
-from nbaccel.big_modeling.layerwise_casting import SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING
 from nbaccel.big_modeling.sizes import (
     CustomDtype,
     compute_module_sizes,
@@ -117,15 +119,15 @@ from nbaccel.file_size import (
 from nbaccel.hardware import (
     check_os_kernel,
 )
-from nbaccel.launch.rendezvous import (
-    is_port_in_use,
-)
 from nbaccel.introspection import (
     are_libraries_initialized,
     check_tied_parameters_in_config,
     get_model_tp_size,
     get_pretty_name,
     model_has_dtensor,
+)
+from nbaccel.launch.rendezvous import (
+    is_port_in_use,
 )
 from nbaccel.nested_data import (
     TensorInformation,

@@ -134,7 +134,6 @@ def _check_dispatch(folder: Path, full: _Stack, blocks: int) -> None:
 
 def _check_streaming(folder: Path, blocks: int, device: torch.device) -> None:
     import safetensors.torch
-
     from gpu_checks.streaming_checks import check_streaming
 
     full = _Stack(blocks, 1024).eval()  # fresh from the files: _check_dispatch cast its model

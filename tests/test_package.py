@@ -33,7 +33,11 @@ def test_accelerates_import_paths_only_re_export():
         assert module.__all__ == sorted(module.__all__)
         defined_here = [n for n in module.__all__ if getattr(getattr(module, n), "__module__", None) == path]
         assert defined_here == [], path
-    from nbaccel.state import AcceleratorState, GradientState, PartialState  # Accelerate's accelerate.state names
+    from nbaccel.state import (  # Accelerate's accelerate.state names
+        AcceleratorState,
+        GradientState,
+        PartialState,
+    )
 
     assert AcceleratorState is nbaccel.AcceleratorState and PartialState is nbaccel.PartialState
     assert GradientState.__module__ == "nbaccel.training.gradient_state"

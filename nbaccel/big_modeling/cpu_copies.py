@@ -34,7 +34,11 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import torch
 
-from nbaccel.big_modeling.checkpoint_files import TensorInfo, read_tensor, truncated_error
+from nbaccel.big_modeling.checkpoint_files import (
+    TensorInfo,
+    read_tensor,
+    truncated_error,
+)
 from nbaccel.errors import CheckpointError
 
 __all__ = ["CHUNK_BYTES", "FileDescriptors", "copy_threads", "copy_to_cpu", "populate"]

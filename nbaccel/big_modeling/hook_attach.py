@@ -17,7 +17,11 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from nbaccel.big_modeling.hooks import AlignDevicesHook, add_hook_to_module, remove_hook_from_module
+from nbaccel.big_modeling.hooks import (
+    AlignDevicesHook,
+    add_hook_to_module,
+    remove_hook_from_module,
+)
 from nbaccel.big_modeling.offload import PrefixedDataset
 from nbaccel.big_modeling.tensors import named_module_tensors
 

@@ -32,12 +32,16 @@ from nbaccel.big_modeling.device_map import (
     device_for,
     resolve_device_map,
 )
-from nbaccel.big_modeling.offload import IndexEntry, offload_weight, save_offload_index
 from nbaccel.big_modeling.load_progress import ShardProgress
+from nbaccel.big_modeling.offload import IndexEntry, offload_weight, save_offload_index
 from nbaccel.big_modeling.resident import FileMaps
-from nbaccel.big_modeling.resident_values import copied_to_cpu, resident_value, staged_to_gpus
-from nbaccel.big_modeling.streamed_offload import OFFLOAD_SLOTS
+from nbaccel.big_modeling.resident_values import (
+    copied_to_cpu,
+    resident_value,
+    staged_to_gpus,
+)
 from nbaccel.big_modeling.sizes import MaxMemory, find_tied_parameters
+from nbaccel.big_modeling.streamed_offload import OFFLOAD_SLOTS
 from nbaccel.big_modeling.tensors import Device, set_module_tensor_to_device
 from nbaccel.errors import CheckpointMismatchError, ConfigError
 

@@ -23,7 +23,11 @@ from typing import Any, get_args
 from nbaccel.cli.slurm import read_slurm
 from nbaccel.cli.usage import UsageError
 from nbaccel.config import LaunchConfig, load_config
-from nbaccel.environment import MixedPrecision, apply_environment, single_process_environment
+from nbaccel.environment import (
+    MixedPrecision,
+    apply_environment,
+    single_process_environment,
+)
 from nbaccel.errors import ConfigError, NbaccelError, WorkerFailedError
 from nbaccel.tracebacks import clean_traceback
 

@@ -13,7 +13,13 @@ import sys
 import time
 from typing import Any
 
-from nbaccel.cli.launch_cmd import Terminated, add_launch_flags, launch_function, report_failure, resolve_config
+from nbaccel.cli.launch_cmd import (
+    Terminated,
+    add_launch_flags,
+    launch_function,
+    report_failure,
+    resolve_config,
+)
 from nbaccel.errors import LaunchTimeoutError
 
 __all__ = ["register", "sanity_check"]

@@ -190,7 +190,13 @@ class AccelMagics(Magics):
     @staticmethod
     def _request(program: CellProgram, config: LaunchConfig, args: argparse.Namespace) -> LaunchRequest:
         from nbaccel.launch.request import build_request
-        from nbaccel.launch.warmup import import_used_exports, may_build_ddp, source_names, start_warmup, used_names
+        from nbaccel.launch.warmup import (
+            import_used_exports,
+            may_build_ddp,
+            source_names,
+            start_warmup,
+            used_names,
+        )
 
         used = used_names(names=source_names(program.source), namespace=program.namespace())
         warm = may_build_ddp(names=used)

@@ -94,7 +94,10 @@ class MLflowTracker(GeneralTracker):
     def store_init_configuration(self, values: dict[str, Any]) -> None:
         """Log ``values`` as run parameters, in batches of MLflow's limit; over-long values are skipped."""
         import mlflow
-        from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
+        from mlflow.utils.validation import (
+            MAX_PARAM_VAL_LENGTH,
+            MAX_PARAMS_TAGS_PER_BATCH,
+        )
 
         items = [(k, v) for k, v in values.items() if len(str(v)) <= MAX_PARAM_VAL_LENGTH]
         for start in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):

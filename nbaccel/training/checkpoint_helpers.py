@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from nbaccel.training import checkpointing, state_loading, training_state
 from nbaccel.errors import ConfigError
 from nbaccel.file_size import convert_file_size_to_int
 from nbaccel.state import ProcessState
+from nbaccel.training import checkpointing, state_loading, training_state
 from nbaccel.training.plugins import (
     FullyShardedDataParallelPlugin,
     ProjectConfiguration,

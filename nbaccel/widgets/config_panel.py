@@ -25,7 +25,13 @@ from nbaccel.config_text import parse_config_text
 from nbaccel.errors import ConfigError
 from nbaccel.hardware import cpu_count, cuda_device_count, tpu_detected
 from nbaccel.magics.session import changed_fields
-from nbaccel.widgets import import_widgets, set_titles, tooltip, widget_bundle, widgets_available
+from nbaccel.widgets import (
+    import_widgets,
+    set_titles,
+    tooltip,
+    widget_bundle,
+    widgets_available,
+)
 
 __all__ = ["ConfigPanel", "FieldSpec", "field_specs", "widgets_available"]  # widgets_available: for %accel_config
 

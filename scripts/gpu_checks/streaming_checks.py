@@ -55,8 +55,12 @@ def _plain(model: nn.Module) -> list:
 
 def _dispatch(make: Callable[[], nn.Module], folder: Path, device_map: dict, device: torch.device,
               cap: int | None = None) -> nn.Module:
-    from nbaccel.big_modeling import cpu_offload, init_empty_weights, load_checkpoint_and_dispatch
-    from nbaccel.big_modeling import streamed_offload
+    from nbaccel.big_modeling import (
+        cpu_offload,
+        init_empty_weights,
+        load_checkpoint_and_dispatch,
+        streamed_offload,
+    )
 
     original = streamed_offload.pinned_cap
     if cap is not None:

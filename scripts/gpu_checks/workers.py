@@ -168,7 +168,11 @@ def fsdp_shard_first() -> dict[str, Any]:
     import torch.distributed as dist
 
     from nbaccel import FullyShardedDataParallelPlugin, ProcessState
-    from nbaccel.training.fsdp import full_model_state_dict, load_full_model_state_dict, shard_model
+    from nbaccel.training.fsdp import (
+        full_model_state_dict,
+        load_full_model_state_dict,
+        shard_model,
+    )
 
     device = ProcessState().device
     if not dist.is_initialized():  # one rank: FSDP needs a group even so

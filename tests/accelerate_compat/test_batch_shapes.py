@@ -6,7 +6,13 @@ import importlib
 
 import pytest
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, SequentialSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    Sampler,
+    SequentialSampler,
+)
 
 pytest.importorskip("accelerate")
 

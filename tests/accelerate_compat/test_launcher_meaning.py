@@ -15,7 +15,6 @@ pytest.importorskip("accelerate")
 
 def precision_seen() -> tuple:
     import accelerate
-
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(reset_partial_state=True)

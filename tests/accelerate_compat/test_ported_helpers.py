@@ -183,10 +183,9 @@ def test_get_mixed_precision_context_manager_matches_in_a_bf16_launch():
 
 
 def test_load_and_load_state_dict_match(tmp_path, caplog):
+    import accelerate
     import numpy as np
     from safetensors.torch import save_file
-
-    import accelerate
 
     accelerate.PartialState(cpu=True)  # Accelerate's logger needs its state
     torch.save({"w": torch.ones(2), "rng": np.arange(3, dtype=np.uint32)}, tmp_path / "state.bin")

@@ -251,7 +251,11 @@ def test_enums_and_exceptions_match():
     from accelerate.utils import DDPCommunicationHookType as Theirs
     from accelerate.utils import DistributedType as TheirType
 
-    from nbaccel.utils import DDPCommunicationHookType, DistributedOperationException, DistributedType
+    from nbaccel.utils import (
+        DDPCommunicationHookType,
+        DistributedOperationException,
+        DistributedType,
+    )
 
     assert [m.value for m in DDPCommunicationHookType] == [m.value for m in Theirs]
     assert {m.value for m in DistributedType} == {m.value for m in TheirType}

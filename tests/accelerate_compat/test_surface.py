@@ -122,13 +122,31 @@ def test_every_accelerate_name_exists_in_nbaccel_or_is_listed_with_its_reason():
 
 def test_the_issue_names_are_all_here():
     """The names issue 12 found missing, at Accelerate's paths."""
-    from nbaccel.data_loader import SkipDataLoader  # noqa: F401
+    from nbaccel import (
+        Accelerator,
+        AcceleratorState,
+        DistributedType,
+        GradientState,
+        PartialState,
+    )
+
+    # issue 28's names
+    from nbaccel.big_modeling import SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING  # noqa: F401
+    from nbaccel.data_loader import (
+        DataLoaderShard,
+        DataLoaderStateMixin,
+        SkipDataLoader,  # noqa: F401
+    )
     from nbaccel.hooks import (  # noqa: F401
         attach_align_device_hook,
+        attach_align_device_hook_on_blocks,  # noqa: F401
         attach_layerwise_casting_hooks,
         remove_hook_from_submodules,
     )
-    from nbaccel.utils import (  # noqa: F401
+    from nbaccel.state import ThreadLocalSharedDict, do_nothing  # noqa: F401
+    from nbaccel.utils import (  # noqa: F401  # noqa: F401
+        CannotPadNestedTensorWarning,
+        CustomDtype,
         DDPCommunicationHookType,
         DistributedOperationException,
         align_module_device,
@@ -141,6 +159,7 @@ def test_the_issue_names_are_all_here():
         extract_model_from_parallel,
         extract_submodules_state_dict,
         get_max_layer_size,
+        get_model_tp_size,
         get_module_size_with_ties,
         get_non_persistent_buffers,
         get_state_dict_offloaded_model,
@@ -151,14 +170,8 @@ def test_the_issue_names_are_all_here():
         patch_environment,
         retie_parameters,
         save,
+        tqdm,
     )
-    from nbaccel import Accelerator, AcceleratorState, DistributedType, GradientState, PartialState
-    # issue 28's names
-    from nbaccel.big_modeling import SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING  # noqa: F401
-    from nbaccel.data_loader import DataLoaderStateMixin, DataLoaderShard
-    from nbaccel.hooks import attach_align_device_hook_on_blocks  # noqa: F401
-    from nbaccel.state import ThreadLocalSharedDict, do_nothing  # noqa: F401
-    from nbaccel.utils import CannotPadNestedTensorWarning, CustomDtype, get_model_tp_size, tqdm  # noqa: F401
 
     assert issubclass(DataLoaderShard, DataLoaderStateMixin)
 

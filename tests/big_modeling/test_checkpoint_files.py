@@ -12,7 +12,12 @@ import safetensors.torch
 import torch
 
 from nbaccel.big_modeling import load_checkpoint_and_dispatch, open_checkpoint
-from nbaccel.big_modeling.checkpoint_files import SafetensorsFile, TensorInfo, load_pickle_checkpoint, read_tensor
+from nbaccel.big_modeling.checkpoint_files import (
+    SafetensorsFile,
+    TensorInfo,
+    load_pickle_checkpoint,
+    read_tensor,
+)
 from nbaccel.errors import CheckpointError, UnsafeCheckpointError
 from tests.big_modeling.helpers import empty_model, make_model, save_checkpoint
 

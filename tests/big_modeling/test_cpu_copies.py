@@ -15,11 +15,25 @@ import safetensors.torch
 import torch
 
 from nbaccel.big_modeling import cpu_copies, load_checkpoint_in_model
-from nbaccel.big_modeling.checkpoint_files import SAFETENSORS_DTYPES, SafetensorsFile, TensorInfo
-from nbaccel.big_modeling.cpu_copies import MADV_POPULATE_WRITE, copy_threads, copy_to_cpu, populate
+from nbaccel.big_modeling.checkpoint_files import (
+    SAFETENSORS_DTYPES,
+    SafetensorsFile,
+    TensorInfo,
+)
+from nbaccel.big_modeling.cpu_copies import (
+    MADV_POPULATE_WRITE,
+    copy_threads,
+    copy_to_cpu,
+    populate,
+)
 from nbaccel.big_modeling.resident import FileMaps
 from nbaccel.errors import CheckpointError
-from tests.big_modeling.helpers import empty_model, make_model, save_checkpoint, save_safetensors_at
+from tests.big_modeling.helpers import (
+    empty_model,
+    make_model,
+    save_checkpoint,
+    save_safetensors_at,
+)
 from tests.big_modeling.test_resident import _in_file_map, _misaligned_file
 
 

@@ -8,7 +8,12 @@ import torch
 
 from nbaccel import load_checkpoint_and_dispatch, notebook_launcher
 from nbaccel.errors import UnsafeCheckpointError
-from tests.big_modeling.helpers import empty_model, make_model, sample_ids, save_checkpoint
+from tests.big_modeling.helpers import (
+    empty_model,
+    make_model,
+    sample_ids,
+    save_checkpoint,
+)
 
 DEVICE_MAP = {"embed": "cpu", "positions": "cpu", "blocks.0": "cpu", "blocks.1": "disk",
               "blocks.2": "disk", "blocks.3": "disk", "norm": "disk", "head": "cpu"}

@@ -5,8 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nbaccel.big_modeling import load_checkpoint_and_dispatch, load_checkpoint_in_model
-from nbaccel.big_modeling import load_progress
+from nbaccel.big_modeling import (
+    load_checkpoint_and_dispatch,
+    load_checkpoint_in_model,
+    load_progress,
+)
 from nbaccel.big_modeling.load_progress import ShardProgress
 from nbaccel.errors import CheckpointMismatchError
 from tests.big_modeling.helpers import empty_model, make_model, save_checkpoint

@@ -5,15 +5,25 @@ from __future__ import annotations
 import inspect
 import json
 import os
-
 import warnings
 
 import pytest
 import torch
 
-from nbaccel.big_modeling import dispatch_model, load_checkpoint_and_dispatch, load_checkpoint_in_model
+from nbaccel.big_modeling import (
+    dispatch_model,
+    load_checkpoint_and_dispatch,
+    load_checkpoint_in_model,
+)
 from nbaccel.errors import CheckpointMismatchError, ConfigError, DeviceMapError
-from tests.big_modeling.helpers import TinyLM, empty_model, make_model, sample_ids, save_checkpoint, stored_state
+from tests.big_modeling.helpers import (
+    TinyLM,
+    empty_model,
+    make_model,
+    sample_ids,
+    save_checkpoint,
+    stored_state,
+)
 
 ALL_CPU = {"": "cpu"}
 CPU_AND_DISK = {"embed": "cpu", "positions": "cpu", "blocks.0": "cpu", "blocks.1": "disk",

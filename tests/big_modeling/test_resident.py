@@ -19,7 +19,14 @@ from nbaccel.big_modeling import load_checkpoint_and_dispatch, load_checkpoint_i
 from nbaccel.big_modeling.checkpoint_files import SAFETENSORS_DTYPES, SafetensorsFile
 from nbaccel.big_modeling.resident import FileMaps, read_to_device
 from nbaccel.errors import CheckpointError
-from tests.big_modeling.helpers import TinyLM, empty_model, make_model, sample_ids, save_checkpoint, save_safetensors_at
+from tests.big_modeling.helpers import (
+    TinyLM,
+    empty_model,
+    make_model,
+    sample_ids,
+    save_checkpoint,
+    save_safetensors_at,
+)
 
 
 def _maps_of(folder: Path) -> list[tuple[int, int]]:

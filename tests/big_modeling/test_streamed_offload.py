@@ -13,7 +13,12 @@ from nbaccel.big_modeling import cpu_offload, load_checkpoint_and_dispatch
 from nbaccel.big_modeling.hooks import AlignDevicesHook
 from nbaccel.big_modeling.streamed_offload import stream_offloaded
 from nbaccel.errors import CheckpointError
-from tests.big_modeling.helpers import empty_model, make_model, sample_ids, save_checkpoint
+from tests.big_modeling.helpers import (
+    empty_model,
+    make_model,
+    sample_ids,
+    save_checkpoint,
+)
 
 CPU = torch.device("cpu")
 MAP = {"": "cpu", "blocks": "disk"}  # the blocks are read from the checkpoint's files

@@ -11,7 +11,13 @@ import pytest
 import yaml
 
 from nbaccel.config import LaunchConfig, save_config
-from tests.cli.helpers import Running, env_with, nbaccel, processes_in_group, write_script
+from tests.cli.helpers import (
+    Running,
+    env_with,
+    nbaccel,
+    processes_in_group,
+    write_script,
+)
 from tests.cli.test_env_cmd import ACCELERATE_YAML
 
 REPORT = """\

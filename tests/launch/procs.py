@@ -6,7 +6,6 @@ import os
 import signal
 from pathlib import Path
 
-
 BEFORE_THIS_TEST: set[int] = set()
 """This process's children when the running test started (tests/conftest.py sets it): a leftover of
 an earlier test, or a module-scoped pool's worker, is not the running test's business."""

@@ -9,7 +9,12 @@ import time
 
 import pytest
 
-from nbaccel import PayloadPicklingError, ProcessExitedError, WorkerFailedError, notebook_launcher
+from nbaccel import (
+    PayloadPicklingError,
+    ProcessExitedError,
+    WorkerFailedError,
+    notebook_launcher,
+)
 from nbaccel.launch.failures import RemoteTraceback
 
 from .procs import children

@@ -7,7 +7,12 @@ import threading
 import types
 
 from nbaccel import notebook_launcher
-from nbaccel.identity import WorkerIdentity, clear_identity, current_identity, set_identity
+from nbaccel.identity import (
+    WorkerIdentity,
+    clear_identity,
+    current_identity,
+    set_identity,
+)
 from nbaccel.magics.cell import CellProgram, run_cell_program
 
 

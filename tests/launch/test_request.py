@@ -7,7 +7,13 @@ import os
 import pytest
 
 from nbaccel import ConfigError, LaunchConfig, notebook_launcher
-from nbaccel.launch import LaunchRequest, Launcher, build_request, launch, register_launcher
+from nbaccel.launch import (
+    Launcher,
+    LaunchRequest,
+    build_request,
+    launch,
+    register_launcher,
+)
 from nbaccel.launch.registry import available_launchers, launcher_for
 
 TWO_MACHINES = dict(num_machines=2, main_process_ip="10.0.0.7", main_process_port=29411, rdzv_backend="c10d")

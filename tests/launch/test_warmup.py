@@ -6,8 +6,8 @@ import subprocess
 import sys
 import textwrap
 
-from nbaccel.tracebacks import clean_traceback
 from nbaccel.launch.warmup import may_build_ddp, source_names
+from nbaccel.tracebacks import clean_traceback
 
 FRESH = """
     import sys

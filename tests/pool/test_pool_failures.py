@@ -8,7 +8,13 @@ import threading
 
 import pytest
 
-from nbaccel import LaunchTimeoutError, ProcessExitedError, WorkerFailedError, WorkerPool, WorkerPoolError
+from nbaccel import (
+    LaunchTimeoutError,
+    ProcessExitedError,
+    WorkerFailedError,
+    WorkerPool,
+    WorkerPoolError,
+)
 
 from .helpers import pid_and_rank, sleep_until_cancelled, wait_for
 

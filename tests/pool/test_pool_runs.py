@@ -6,7 +6,13 @@ import os
 
 import pytest
 
-from nbaccel import ConfigError, LaunchConfig, PayloadPicklingError, WorkerPool, WorkerPoolError
+from nbaccel import (
+    ConfigError,
+    LaunchConfig,
+    PayloadPicklingError,
+    WorkerPool,
+    WorkerPoolError,
+)
 from nbaccel.launch.base import Launcher
 from nbaccel.launch.request import build_request
 

@@ -12,7 +12,6 @@ from torch.utils.data import Dataset, IterableDataset, Sampler, TensorDataset
 
 import nbaccel
 
-
 # torch 2.6 (the floor) runs FSDP2 on GPUs only: on CPU its all-gather calls Stream.record_event, which
 # torch.cpu.Stream lacks there. Tests that train an FSDP2 model on CPU skip under such a torch.
 cpu_fsdp2 = pytest.mark.skipif(not hasattr(torch.cpu.Stream, "record_event"),

@@ -11,7 +11,13 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 import nbaccel
-from tests.training.helpers import BlockStack, cpu_fsdp2, launch, regression_data, train_steps
+from tests.training.helpers import (
+    BlockStack,
+    cpu_fsdp2,
+    launch,
+    regression_data,
+    train_steps,
+)
 
 pytestmark = cpu_fsdp2
 

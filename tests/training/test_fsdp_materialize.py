@@ -9,9 +9,9 @@ from torch.utils.data import DataLoader
 import nbaccel
 from tests.training.helpers import (
     BlockStack,
-    cpu_fsdp2,
     ScaledStack,
     Unresettable,
+    cpu_fsdp2,
     launch,
     regression_data,
     train_steps,

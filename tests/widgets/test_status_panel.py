@@ -8,7 +8,12 @@ import pytest
 
 from nbaccel import notebook_launcher
 from nbaccel.errors import MissingDependencyError
-from nbaccel.widgets.status_panel import LaunchStatus, StatusPanel, TextStatus, status_observer
+from nbaccel.widgets.status_panel import (
+    LaunchStatus,
+    StatusPanel,
+    TextStatus,
+    status_observer,
+)
 
 
 def _work(lines: int) -> int:

@@ -213,9 +213,8 @@ def test_every_optimizer_step_reduces_gradients_across_replicas(devices):
 def _all_reduces_per_step():
     import torch_xla.runtime as xr
 
-    from tests.xla.thread_collectives import install
-
     from nbaccel import Accelerator
+    from tests.xla.thread_collectives import install
 
     calls = install()
     accelerator = Accelerator()

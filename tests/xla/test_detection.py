@@ -10,9 +10,18 @@ import pytest
 
 pytest.importorskip("torch_xla")
 
-from nbaccel.errors import ConfigError, EnvironmentStateError, LaunchError, MissingDependencyError  # noqa: E402
+from nbaccel.errors import (  # noqa: E402
+    ConfigError,
+    EnvironmentStateError,
+    LaunchError,
+    MissingDependencyError,
+)
 from nbaccel.hardware import tpu_detected, xla_runtime_initialized  # noqa: E402
-from nbaccel.launch.xla.topology import check_xla_launch, probe_replica_count, xla_replica_count  # noqa: E402
+from nbaccel.launch.xla.topology import (  # noqa: E402
+    check_xla_launch,
+    probe_replica_count,
+    xla_replica_count,
+)
 
 pytestmark = pytest.mark.xla
 

@@ -158,7 +158,9 @@ def test_interrupt_stops_everything_and_the_next_launch_works():
         launch(sleeps, observer=observer)
     timer.cancel()
     assert (0, "running") in pids and pids[-1] is False
-    from tests.launch.procs import children as live_children  # leaves out the launcher's group reaper
+    from tests.launch.procs import (
+        children as live_children,  # leaves out the launcher's group reaper
+    )
 
     assert not [c for c in live_children() if group_members(c)], "a host process group outlived the launch"
     assert launch(lambda: 42) == 42

@@ -24,11 +24,16 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from nbaccel.environment import apply_environment, read_distributed_env, worker_environment
+from nbaccel.environment import (
+    apply_environment,
+    read_distributed_env,
+    worker_environment,
+)
 from nbaccel.identity import WorkerIdentity, set_identity
 from nbaccel.launch.failures import WorkerFailure, raise_failures
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.worker.process import describe_error
+from nbaccel.rank_resets import reset_rank_state
 
 __all__ = ["LAUNCHER", "ElasticLauncher"]
 
@@ -63,10 +68,8 @@ def _write_error_file(exc: BaseException) -> None:
 
 def _entry(function: Callable[..., Any], env: Mapping[str, str], kwargs: Mapping[str, Any], *args: Any) -> Any:
     """The worker body under the agent: identity -> run -> report (in the error file)."""
-    import nbaccel.state
-
     apply_environment(env)
-    nbaccel.state.reset_process_state()
+    reset_rank_state()
     dist = read_distributed_env()
     set_identity(WorkerIdentity.from_distributed_env(dist) if dist is not None else None)
     try:

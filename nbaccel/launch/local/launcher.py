@@ -14,15 +14,21 @@ from typing import Any
 
 from nbaccel.environment import DistributedEnv, worker_environment
 from nbaccel.launch.handles import discard_workers
+from nbaccel.launch.local.starter import SpawnFiles, start_forked, start_spawned
 from nbaccel.launch.output import OutputRelay
 from nbaccel.launch.payload import dumps_payload
 from nbaccel.launch.reaper import group_reaper
 from nbaccel.launch.rendezvous import LoopbackStore
-from nbaccel.launch.rich_output import CellPublisher
 from nbaccel.launch.request import LaunchRequest
-from nbaccel.launch.local.starter import SpawnFiles, start_forked, start_spawned
+from nbaccel.launch.rich_output import CellPublisher
 from nbaccel.launch.supervisor import Supervisor, SupervisorPolicy
-from nbaccel.launch.warmup import finish_warmup, import_used_exports, may_build_ddp, start_warmup, used_names
+from nbaccel.launch.warmup import (
+    finish_warmup,
+    import_used_exports,
+    may_build_ddp,
+    start_warmup,
+    used_names,
+)
 
 __all__ = ["LAUNCHER", "LocalLauncher", "local_environments", "request_relay"]
 

@@ -30,13 +30,13 @@ from nbaccel.launch.failures import WorkerFailure, raise_failures
 from nbaccel.launch.frames import FrameReader
 from nbaccel.launch.handles import WorkerHandle
 from nbaccel.launch.local.launcher import local_environments
-from nbaccel.launch.pool.channels import PoolChannels, PoolMember
+from nbaccel.launch.local.starter import SpawnFiles, start_forked, start_spawned
 from nbaccel.launch.owner_thread import on_owner_thread
+from nbaccel.launch.pool.channels import PoolChannels, PoolMember
 from nbaccel.launch.pool.serve import serve
 from nbaccel.launch.reaper import GroupReaper, group_reaper
 from nbaccel.launch.rendezvous import LoopbackStore
 from nbaccel.launch.request import LaunchRequest
-from nbaccel.launch.local.starter import SpawnFiles, start_forked, start_spawned
 from nbaccel.launch.warmup import finish_warmup, start_warmup
 
 __all__ = ["PoolProcesses", "exit_failure", "start_pool"]

@@ -41,10 +41,10 @@ from nbaccel.errors import ConfigError, WorkerPoolError
 from nbaccel.launch.events import LaunchObserver
 from nbaccel.launch.output import OutputRelay
 from nbaccel.launch.payload import dumps_payload
-from nbaccel.launch.ray.pool import RayPoolRanks
 from nbaccel.launch.pool.run_task import TaskOutcome, run_task
 from nbaccel.launch.pool.start import PoolProcesses, start_pool
 from nbaccel.launch.preflight import say
+from nbaccel.launch.ray.pool import RayPoolRanks
 from nbaccel.launch.request import LaunchRequest, build_request
 
 __all__ = ["WorkerInfo", "WorkerPool"]

@@ -32,8 +32,13 @@ import cloudpickle
 from nbaccel.environment import apply_environment, read_distributed_env
 from nbaccel.identity import WorkerIdentity, clear_identity
 from nbaccel.launch.worker.console_tqdm import use_console_tqdm
+from nbaccel.launch.worker.display import (
+    forward_displays,
+    route_figures,
+    show_open_figures,
+)
 from nbaccel.launch.worker.process import run_body
-from nbaccel.launch.worker.display import forward_displays, route_figures, show_open_figures
+from nbaccel.rank_resets import reset_rank_state
 
 __all__ = ["RankActor"]
 
@@ -165,9 +170,7 @@ class RankActor:
         torch = sys.modules.get("torch")
         if torch is not None and "OMP_NUM_THREADS" in env:
             torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-        state = sys.modules.get("nbaccel.state")
-        if state is not None:
-            state.reset_process_state()
+        reset_rank_state()
         clear_identity()
         use_console_tqdm()
         self._prepared = True

@@ -29,7 +29,14 @@ from nbaccel.launch.events import LaunchObserver
 from nbaccel.launch.output import OutputRelay
 from nbaccel.launch.payload import dumps_payload
 from nbaccel.launch.ray.actor import RankActor
-from nbaccel.launch.ray.cluster import Placement, RankLayout, RankSite, layout_ranks, place_bundles, require_ray
+from nbaccel.launch.ray.cluster import (
+    Placement,
+    RankLayout,
+    RankSite,
+    layout_ranks,
+    place_bundles,
+    require_ray,
+)
 from nbaccel.launch.ray.handles import RayRankHandle, RunPump
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.supervisor import Supervisor, SupervisorPolicy

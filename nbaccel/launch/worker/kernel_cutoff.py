@@ -27,8 +27,8 @@ import sys
 from types import ModuleType
 from typing import Any
 
-from nbaccel.launch.worker.import_hooks import when_imported
 from nbaccel.launch.worker.display import note_widget
+from nbaccel.launch.worker.import_hooks import when_imported
 
 __all__ = ["detach_from_kernel"]
 

@@ -29,17 +29,25 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-
 from nbaccel.environment import apply_environment, read_distributed_env
 from nbaccel.errors import PayloadPicklingError
 from nbaccel.identity import WorkerIdentity, clear_identity, set_identity
+from nbaccel.launch.frames import write_frame
+from nbaccel.launch.payload import dumps_by_reference_first, dumps_result
 from nbaccel.launch.worker.channel import close_channel, open_channel
 from nbaccel.launch.worker.console_tqdm import use_console_tqdm
-from nbaccel.launch.worker.descendants import become_subreaper, end_descendants, end_descendants_on_sigterm
-from nbaccel.launch.frames import write_frame
+from nbaccel.launch.worker.descendants import (
+    become_subreaper,
+    end_descendants,
+    end_descendants_on_sigterm,
+)
+from nbaccel.launch.worker.display import (
+    forward_displays,
+    route_figures,
+    show_open_figures,
+)
 from nbaccel.launch.worker.kernel_cutoff import detach_from_kernel
-from nbaccel.launch.payload import dumps_by_reference_first, dumps_result
-from nbaccel.launch.worker.display import forward_displays, route_figures, show_open_figures
+from nbaccel.rank_resets import reset_rank_state
 
 __all__ = ["FINISHED_WITHOUT_VALUE", "WorkerSpec", "describe_error", "die_with_parent", "report_error", "run_body",
            "run_worker"]
@@ -113,9 +121,7 @@ def _setup_process(spec: WorkerSpec) -> None:
     torch = sys.modules.get("torch")
     if torch is not None and "OMP_NUM_THREADS" in spec.env:  # the forked pool keeps the parent's size
         torch.set_num_threads(int(spec.env["OMP_NUM_THREADS"]))
-    state = sys.modules.get("nbaccel.state")
-    if state is not None:
-        state.reset_process_state()
+    reset_rank_state()  # the state the caller's modules keep (its Accelerator, ...) is not this worker's
     clear_identity()  # the parent's (a notebook's, or a launcher's own worker's) is not this worker's
     use_console_tqdm()  # a tqdm widget made here could not reach the frontend; text bars reach the panel
 

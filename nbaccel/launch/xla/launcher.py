@@ -54,14 +54,24 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from nbaccel.environment import DistributedEnv, WorkerSettings, apply_environment, worker_environment
+from nbaccel.environment import (
+    DistributedEnv,
+    WorkerSettings,
+    apply_environment,
+    worker_environment,
+)
 from nbaccel.identity import WorkerIdentity, current_identity
 from nbaccel.launch.handles import WorkerHandle
 from nbaccel.launch.output import OutputRelay, Stream
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.supervisor import Supervisor, SupervisorPolicy
 from nbaccel.launch.warmup import finish_warmup
-from nbaccel.launch.worker.process import WorkerSpec, die_with_parent, run_body, run_worker
+from nbaccel.launch.worker.process import (
+    WorkerSpec,
+    die_with_parent,
+    run_body,
+    run_worker,
+)
 
 __all__ = ["HOST_RANK", "LAUNCHER", "XlaLauncher", "current_replica"]
 

@@ -12,8 +12,19 @@ import subprocess
 import sys
 from collections.abc import Mapping
 
-from nbaccel.errors import ConfigError, EnvironmentStateError, LaunchError, MissingDependencyError
-from nbaccel.hardware import TPU_ENV_SIGNS, tpu_device_files, tpu_pci_device_ids, xla_installed, xla_runtime_initialized
+from nbaccel.errors import (
+    ConfigError,
+    EnvironmentStateError,
+    LaunchError,
+    MissingDependencyError,
+)
+from nbaccel.hardware import (
+    TPU_ENV_SIGNS,
+    tpu_device_files,
+    tpu_pci_device_ids,
+    xla_installed,
+    xla_runtime_initialized,
+)
 
 __all__ = ["check_xla_launch", "probe_replica_count", "xla_replica_count"]
 
