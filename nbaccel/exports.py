@@ -38,7 +38,7 @@ EXPORTS: dict[str, str] = {
     "AcceleratorState": "nbaccel.partial_state",
     "DistributedType": "nbaccel.distributed_type",
     "PartialState": "nbaccel.partial_state",
-    "ProcessState": "nbaccel.state",
+    "ProcessState": "nbaccel.process_state",
     # training (Accelerator)
     "AcceleratedOptimizer": "nbaccel.training.optimizer",
     "AcceleratedScheduler": "nbaccel.training.scheduler",

@@ -2,7 +2,7 @@
 
 A launcher's worker body resolves the identity once, when the worker (a process) or replica (a
 thread of torch_xla's host, several of which may share one process) starts, and sets it here;
-:class:`~nbaccel.state.ProcessState`, the cell program of ``%%accel_launch``, the collectives in
+:class:`~nbaccel.process_state.ProcessState`, the cell program of ``%%accel_launch``, the collectives in
 :mod:`nbaccel.ops` and the DeepSpeed path all read it back with :func:`current_identity`.
 Outside an nbaccel launch (a script under ``torchrun`` or ``accelerate launch``) the identity is
 read from torchrun's variables, through :mod:`nbaccel.environment`, the module that owns them.

@@ -60,7 +60,7 @@ def _carried(tensor: torch.Tensor) -> torch.Tensor:
     types = group_device_types()
     if not types or tensor.device.type in types:
         return tensor
-    from nbaccel.state import ProcessState
+    from nbaccel.process_state import ProcessState
 
     return tensor.to(ProcessState().device)
 
@@ -83,13 +83,13 @@ def _on_xla(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` on this replica's XLA device (CPU tensors are copied there for the collective)."""
     if tensor.device.type == "xla":
         return tensor
-    from nbaccel.state import ProcessState
+    from nbaccel.process_state import ProcessState
 
     return tensor.to(ProcessState().device)
 
 
 def _debug_enabled() -> bool:
-    from nbaccel.state import ProcessState
+    from nbaccel.process_state import ProcessState
 
     return bool(ProcessState().debug)  # Accelerate's PartialState().debug, settable at run time
 
@@ -182,7 +182,7 @@ def _as_items(obj: Any) -> list[Any]:
 
 
 def _xla_device_in_use() -> bool:
-    from nbaccel.state import ProcessState
+    from nbaccel.process_state import ProcessState
 
     return ProcessState().device.type == "xla"
 
@@ -327,7 +327,7 @@ def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list
     if _xla_device_in_use():
         import torch_xla.core.xla_model as xm
 
-        from nbaccel.state import ProcessState
+        from nbaccel.process_state import ProcessState
 
         mine = pickle.dumps(object_list) if ProcessState().process_index == from_process else b"-"
         # Not xm.mesh_reduce: it unpickles with torch.load, which (weights_only, torch >= 2.6) refuses bytes.

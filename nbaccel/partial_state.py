@@ -1,6 +1,6 @@
 """Accelerate's names for the process state: `PartialState` and `AcceleratorState` over `ProcessState`.
 
-Both are thin subclasses of :class:`~nbaccel.state.ProcessState`, so they share its one state
+Both are thin subclasses of :class:`~nbaccel.process_state.ProcessState`, so they share its one state
 per process (rank, world size, device, backend) and its attribute names, which are Accelerate's:
 ``num_processes``, ``process_index``, ``local_process_index``, ``device``, ``distributed_type``,
 ``backend``, ``is_main_process``, ``is_local_main_process``, ``is_last_process``,
@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from nbaccel.state import ProcessState, shared_state
+from nbaccel.process_state import ProcessState, shared_state
 from nbaccel.training.process_helpers import ProcessHelpers
 
 __all__ = ["AcceleratorState", "PartialState"]
@@ -36,7 +36,7 @@ class _Helpers(ProcessHelpers):
 class PartialState(ProcessState):
     """Accelerate's ``PartialState``: this process's place in the job, without training settings.
 
-    The same shared state as :class:`~nbaccel.state.ProcessState` (the first one made in a
+    The same shared state as :class:`~nbaccel.process_state.ProcessState` (the first one made in a
     process decides ``cpu``).
 
     Args:

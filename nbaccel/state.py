@@ -1,55 +1,42 @@
-"""`ProcessState`: who this process is in the job (rank, world, device, backend), read once.
+"""Accelerate's ``accelerate.state`` at nbaccel's path: the process state, its Accelerate names, the gradient state.
 
-The state comes from the environment a launcher set (torchrun's variables plus nbaccel's, see
-:mod:`nbaccel.environment`), so code in a worker needs no arguments. The process group is set up
-on demand and torn down cleanly (live DDP modules are collected first: destroying a gloo group
-under them can deadlock).
+Users write ``from accelerate.state import AcceleratorState, PartialState, GradientState``; the
+same line works with ``nbaccel.state``. This module only gathers names (and defines the one
+Accelerate helper no other module needs, :class:`ThreadLocalSharedDict`). Inside nbaccel, import
+from where each name lives: :mod:`nbaccel.process_state` (``ProcessState`` and the shared state
+of this process), :mod:`nbaccel.partial_state` (``PartialState``, ``AcceleratorState``),
+:mod:`nbaccel.training.gradient_state` (``GradientState``). Nothing inside nbaccel imports this
+module, so importing everything here plainly makes no cycle.
 
-A process keeps one shared state (as Accelerate's ``PartialState`` does) so that every
-``Accelerator`` in it agrees; launched workers drop whatever state they inherited through fork
-(:func:`reset_process_state`), so an ``Accelerator`` made in the notebook never leaks into them.
+Example:
+    >>> from nbaccel.state import AcceleratorState, PartialState, ProcessState
+    >>> issubclass(AcceleratorState, PartialState) and issubclass(PartialState, ProcessState)
+    True
 """
 
 from __future__ import annotations
 
-import gc
 import threading
-from datetime import timedelta
-from typing import Any
 
-import torch
+from nbaccel.device_backend import (
+    get_distributed_backend,
+    get_torch_accelerator_backend,
+)
+from nbaccel.introspection import do_nothing
+from nbaccel.partial_state import AcceleratorState, PartialState
+from nbaccel.process_state import (
+    CUDA_WITH_CPU_BACKEND,
+    ProcessState,
+    is_initialized,
+    reset_process_state,
+    shared_state,
+    wait_for_everyone,
+)
+from nbaccel.training.gradient_state import GradientState
 
-from nbaccel.distributed_type import DistributedType
-from nbaccel.environment import MixedPrecision, read_worker_settings
-from nbaccel.errors import ConfigError
-from nbaccel.hardware import cuda_device_count, tpu_detected
-from nbaccel.identity import WorkerIdentity, current_identity
-from nbaccel.rank_resets import register_rank_reset
-
-__all__ = ["AcceleratorState", "GradientState", "PartialState", "ProcessState", "ThreadLocalSharedDict",
+__all__ = ["AcceleratorState", "CUDA_WITH_CPU_BACKEND", "GradientState", "PartialState", "ProcessState",
+           "ThreadLocalSharedDict", "do_nothing", "get_distributed_backend", "get_torch_accelerator_backend",
            "is_initialized", "reset_process_state", "shared_state", "wait_for_everyone"]
-
-# Accelerate's ``accelerate.state`` holds these too. They build on this module, so they are loaded
-# on first use (an import here would be a cycle).
-_LATER = {"PartialState": "nbaccel.partial_state", "AcceleratorState": "nbaccel.partial_state",
-          "GradientState": "nbaccel.training.gradient_state", "do_nothing": "nbaccel.introspection",
-          "get_distributed_backend": "nbaccel.device_backend",
-          "get_torch_accelerator_backend": "nbaccel.device_backend"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LATER:
-        import importlib
-
-        return getattr(importlib.import_module(_LATER[name]), name)
-    raise AttributeError(f"module 'nbaccel.state' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LATER))
-
-
-CUDA_WITH_CPU_BACKEND = "cuda:nccl,cpu:gloo"
 
 
 class ThreadLocalSharedDict(threading.local):
@@ -75,226 +62,3 @@ class ThreadLocalSharedDict(threading.local):
 
     def __set__(self, obj: object, value: dict) -> None:
         self._storage = value
-
-
-def _fsdp_needs_cpu_collectives(settings: Any) -> bool:
-    """Accelerate's rule: an FSDP launch that offloads parameters or gathers full state dicts reduces CPU tensors."""
-    if settings.distributed_type != "FSDP":
-        return False
-    config = settings.fsdp_config
-    offload = str(config.get("fsdp_offload_params", False)).lower() in ("true", "1")
-    return offload or config.get("fsdp_state_dict_type", "FULL_STATE_DICT") == "FULL_STATE_DICT"
-
-
-_lock = threading.Lock()
-_shared: dict[str, Any] = {}
-# XLA replicas that run as threads of one process (TPU v2/v3, the CPU runtime) each get their own state.
-_per_replica: dict[int, dict[str, Any]] = {}
-
-
-def _state_dict(identity: WorkerIdentity | None) -> dict[str, Any]:
-    if identity is None or not identity.shares_process:
-        return _shared
-    with _lock:
-        return _per_replica.setdefault(identity.rank, {})
-
-
-class ProcessState:
-    """This process's place in the job.
-
-    All instances in one process share their state; the first one made decides ``cpu`` (a later
-    ``cpu=True`` while the state is on an accelerator is a :class:`~nbaccel.errors.ConfigError`). XLA
-    replicas that run as threads of one process each have their own (rank and world size from
-    their :class:`~nbaccel.identity.WorkerIdentity`, not from the shared environment).
-
-    Args:
-        cpu: run on CPU even where accelerators exist.
-        backend: the ``torch.distributed`` backend; default ``nccl`` on CUDA (``cuda:nccl,cpu:gloo``
-            when the job needs CPU collectives too), ``gloo`` on CPU.
-        timeout: collective timeout for the process group.
-        cpu_collectives: the job all-reduces CPU tensors on CUDA machines (FSDP2 with CPU offload:
-            ``clip_grad_norm_`` reduces CPU DTensors); also implied by a launch's FSDP settings, as in
-            Accelerate.
-
-    Raises:
-        ConfigError: ``cpu=True`` after this process's state was set up on another device.
-
-    Example:
-        >>> state = ProcessState()
-        >>> state.process_index, state.num_processes
-        (0, 1)
-    """
-
-    debug: bool = False  # Accelerate's PartialState().debug; set from the launch, settable at run time
-
-    def __init__(self, cpu: bool = False, backend: str | None = None,
-                 timeout: timedelta | None = None, cpu_collectives: bool = False) -> None:
-        identity = current_identity()  # the one answer to "which rank am I" (nbaccel.identity)
-        self.__dict__ = _state_dict(identity)
-        if self.__dict__.get("_initialized"):
-            if cpu and self.device.type != "cpu":
-                raise ConfigError(
-                    f"cpu=True was passed, but this process's state was already set up on {self.device} (by an "
-                    "earlier Accelerator or ProcessState) and a running process cannot change its device; cpu=True "
-                    "counts only in the first one made. Fix: restart the kernel and pass cpu=True to the first "
-                    "Accelerator, or run the training through notebook_launcher(..., use_cpu=True)",
-                    key="cpu", value=cpu, valid=f"False (the state is on {self.device})")
-            return
-        with _lock:
-            settings = read_worker_settings()
-            dist = identity
-            self.settings = settings
-            self.debug = settings.debug  # shape checks in collectives (NBACCEL_DEBUG / ACCELERATE_DEBUG_MODE)
-            self.use_cpu = bool(cpu or settings.use_cpu)
-            self.process_index = dist.rank if dist else 0
-            self.local_process_index = dist.local_rank if dist else 0
-            self.num_processes = dist.world_size if dist else 1
-            self.local_num_processes = dist.local_world_size if dist else 1
-            self.node_rank = dist.node_rank if dist else 0
-            self.mixed_precision: MixedPrecision = settings.mixed_precision
-            self.device = self._pick_device(settings.distributed_type)
-            self.backend = backend or self._pick_backend(cpu_collectives or _fsdp_needs_cpu_collectives(settings))
-            self.distributed_type: DistributedType = self._pick_type(settings.distributed_type)
-            self._timeout = timeout
-            self._initialized = True
-            if self.num_processes > 1 and self.backend != "xla":
-                self.init_process_group()
-
-    # ------------------------------------------------------------------ choices
-    def _pick_device(self, requested: str) -> torch.device:
-        if not self.use_cpu and (requested == "XLA" or (requested == "NO" and tpu_detected())):
-            import torch_xla
-
-            return torch_xla.device()
-        gpus = 0 if self.use_cpu else cuda_device_count()  # NVML: an Accelerator() in a notebook keeps fork safe
-        if gpus:
-            return torch.device("cuda", self.local_process_index % gpus)
-        return torch.device("cpu")
-
-    def _pick_backend(self, cpu_collectives: bool = False) -> str:
-        if self.device.type == "xla":
-            return "xla"
-        if self.device.type != "cuda":
-            return "gloo"
-        # Plain NCCL carries CUDA tensors only; CPU-offloaded FSDP2 reduces CPU DTensors (torch issue 148532).
-        return CUDA_WITH_CPU_BACKEND if cpu_collectives else "nccl"
-
-    def _pick_type(self, requested: str) -> DistributedType:
-        if self.device.type == "xla":
-            return DistributedType.XLA
-        if self.num_processes == 1:
-            return DistributedType.NO
-        if requested in ("FSDP", "DEEPSPEED"):
-            return DistributedType(requested)
-        return DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
-
-    # ------------------------------------------------------------------ flags
-    @property
-    def is_main_process(self) -> bool:
-        """``True`` on the process with global rank 0."""
-        return self.process_index == 0
-
-    @property
-    def is_local_main_process(self) -> bool:
-        """``True`` on the process with local rank 0 on its machine."""
-        return self.local_process_index == 0
-
-    @property
-    def is_last_process(self) -> bool:
-        """``True`` on the process with the highest global rank."""
-        return self.process_index == self.num_processes - 1
-
-    @property
-    def use_distributed(self) -> bool:
-        """Whether more than one process takes part."""
-        return self.num_processes > 1
-
-    # ------------------------------------------------------------------ process group
-    def init_process_group(self) -> None:
-        """Join the process group from the environment (``env://``); only make this rank's GPU current if joined already.
-
-        Whoever made an existing group (user code, a pool, a script's own ``init_process_group``),
-        this rank's current CUDA device is set from its local rank: otherwise every rank's stays
-        ``cuda:0``, and object collectives and NCCL's own buffers all land on GPU 0.
-        """
-        import torch.distributed as dist
-
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        if dist.is_initialized():
-            return
-        kwargs: dict[str, Any] = {"backend": self.backend, "rank": self.process_index,
-                                  "world_size": self.num_processes}
-        if self._timeout is not None:
-            kwargs["timeout"] = self._timeout
-        if self.device.type == "cuda":
-            kwargs["device_id"] = self.device
-        dist.init_process_group(**kwargs)
-
-    def destroy_process_group(self) -> None:
-        """Leave the process group, collecting dead DDP modules first (avoids a gloo teardown hang)."""
-        import torch.distributed as dist
-
-        gc.collect()
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-
-    def wait_for_everyone(self) -> None:
-        """Block until every process reaches this point."""
-        if self.num_processes > 1:
-            if self.device.type == "xla":
-                import torch_xla.core.xla_model as xm
-
-                xm.rendezvous("nbaccel.wait_for_everyone")
-            else:
-                import torch.distributed as dist
-
-                dist.barrier()
-
-    @classmethod
-    def _reset_state(cls) -> None:
-        """Forget this process's shared state, as Accelerate's ``PartialState._reset_state()`` does.
-
-        Test suites and libraries call it between cases; the next state made reads the environment
-        again. A joined process group stays joined (as in Accelerate).
-        """
-        reset_process_state()
-
-    def __repr__(self) -> str:
-        return (f"ProcessState(distributed_type={self.distributed_type!r}, process_index={self.process_index}, "
-                f"num_processes={self.num_processes}, device={self.device}, backend={self.backend!r}, "
-                f"mixed_precision={self.mixed_precision!r})")
-
-
-def shared_state() -> dict[str, Any]:
-    """The dict every state object of this process (or XLA replica thread) shares as its ``__dict__``.
-
-    Example:
-        >>> shared_state() is ProcessState().__dict__
-        True
-    """
-    return _state_dict(current_identity())
-
-
-def reset_process_state() -> None:
-    """Forget the shared state (called in a fresh worker, which must read its own environment)."""
-    _shared.clear()
-    _per_replica.clear()
-
-
-register_rank_reset("nbaccel.state", reset_process_state)
-
-
-def is_initialized() -> bool:
-    """Whether this process's state has been set up (by an ``Accelerator`` or a state object), as in Accelerate.
-
-    Example:
-        >>> reset_process_state(); is_initialized()
-        False
-    """
-    return bool(_state_dict(current_identity()).get("_initialized"))
-
-
-def wait_for_everyone() -> None:
-    """Accelerate's ``wait_for_everyone()``: block until every process of the job reaches this point."""
-    ProcessState().wait_for_everyone()

@@ -31,7 +31,7 @@ def copy_tensor_to_devices(tensor: torch.Tensor | None = None) -> torch.Tensor:
         >>> copy_tensor_to_devices(torch.tensor([1, 2]))   # one process: a copy
         tensor([1, 2])
     """
-    from nbaccel.state import ProcessState
+    from nbaccel.process_state import ProcessState
 
     state = ProcessState()
     described = (tuple(tensor.shape), tensor.dtype) if tensor is not None else None

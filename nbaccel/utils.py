@@ -158,12 +158,12 @@ from nbaccel.ops import (
     pad_across_processes,
     reduce,
 )
+from nbaccel.process_state import (
+    wait_for_everyone,
+)
 from nbaccel.progress_bars import tqdm
 from nbaccel.safe_load import (
     load,
-)
-from nbaccel.state import (
-    wait_for_everyone,
 )
 from nbaccel.tensor_copy import (
     copy_tensor_to_devices,

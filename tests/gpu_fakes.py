@@ -78,16 +78,16 @@ def fake_cuda_world(monkeypatch: Any, world_size: int = 2, rank: int = 0,
     the default group carries only ``group_device_types`` (plain NCCL: ``{"cuda"}``); the
     collectives change nothing (rank 0's values are everyone's) and log what they were given.
     """
-    from nbaccel import ops, state
+    from nbaccel import ops, process_state
     from nbaccel.environment import WorkerSettings
 
     log = CollectiveLog()
     monkeypatch.setattr(torch.Tensor, "to", _fake_to)
-    monkeypatch.setattr(state, "_shared", {
+    monkeypatch.setattr(process_state, "_shared", {
         "_initialized": True, "settings": WorkerSettings(distributed_type="MULTI_GPU"), "use_cpu": False,
         "process_index": rank, "local_process_index": rank, "num_processes": world_size,
         "local_num_processes": world_size, "node_rank": 0, "mixed_precision": "no", "device": CUDA0,
-        "backend": "nccl", "distributed_type": state.DistributedType.MULTI_GPU, "_timeout": None})
+        "backend": "nccl", "distributed_type": process_state.DistributedType.MULTI_GPU, "_timeout": None})
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: world_size)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)

@@ -1,7 +1,7 @@
 """`nbaccel test`: a short distributed sanity run with the configured setup, and a plain verdict.
 
 Every worker joins the process group the way ``Accelerator()`` would (through
-:class:`nbaccel.state.ProcessState`), checks that nbaccel's settings reached it, runs an
+:class:`nbaccel.process_state.ProcessState`), checks that nbaccel's settings reached it, runs an
 ``all_reduce`` and one DDP training step, and checks that every rank ends with the same weights.
 The last line says ``works`` or ``FAILED`` and why.
 """
@@ -66,7 +66,7 @@ def sanity_check() -> dict[str, Any]:
     import torch.distributed as dist
 
     from nbaccel.environment import read_worker_settings
-    from nbaccel.state import ProcessState
+    from nbaccel.process_state import ProcessState
 
     state = ProcessState()
     settings = read_worker_settings()

@@ -16,7 +16,7 @@ from torch.utils.hooks import RemovableHandle
 
 from nbaccel.errors import ConfigError
 from nbaccel.file_size import convert_file_size_to_int
-from nbaccel.state import ProcessState
+from nbaccel.process_state import ProcessState
 from nbaccel.training import checkpointing, state_loading, training_state
 from nbaccel.training.plugins import (
     FullyShardedDataParallelPlugin,

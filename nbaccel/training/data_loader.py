@@ -238,7 +238,7 @@ class DataLoaderDispatcher(DataLoaderShard):
                  split_batches: bool = False, even_batches: bool = True, **kwargs: Any) -> None:
         super().__init__(dataset, **kwargs)
         if num_processes is None or process_index is None:
-            from nbaccel.state import ProcessState
+            from nbaccel.process_state import ProcessState
 
             state = ProcessState()
             num_processes = state.num_processes if num_processes is None else num_processes

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from nbaccel.environment import apply_environment, single_process_environment
 from nbaccel.errors import ConfigError
 from nbaccel.identity import current_identity
-from nbaccel.state import ProcessState
+from nbaccel.process_state import ProcessState
 from nbaccel.training.gradient_state import GradientState
 from nbaccel.training.optimizer import AcceleratedOptimizer
 from nbaccel.training.prepared import PreparedObjects, is_prepared

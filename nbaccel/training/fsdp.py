@@ -131,7 +131,7 @@ def _check_group_carries_cpu() -> None:
     import torch.distributed as dist
 
     from nbaccel.ops import group_device_types
-    from nbaccel.state import CUDA_WITH_CPU_BACKEND
+    from nbaccel.process_state import CUDA_WITH_CPU_BACKEND
 
     if "cpu" in group_device_types():
         return

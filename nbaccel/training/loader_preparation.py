@@ -106,7 +106,7 @@ def prepare_data_loader(dataloader: DataLoader, device: torch.device | None = No
     """
     config = config_from_options(config, accelerate_options)
     if num_processes is None or process_index is None:
-        from nbaccel.state import ProcessState
+        from nbaccel.process_state import ProcessState
 
         state = ProcessState()
         num_processes = state.num_processes if num_processes is None else num_processes

@@ -125,7 +125,7 @@ def get_mixed_precision_context_manager(native_amp: bool = False, autocast_kwarg
     """
     if not native_amp:
         return contextlib.nullcontext()
-    from nbaccel.state import ProcessState
+    from nbaccel.process_state import ProcessState
 
     state = ProcessState()
     return autocast_context(state.mixed_precision, state.device, autocast_kwargs)

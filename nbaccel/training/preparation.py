@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from nbaccel.errors import ConfigError
-from nbaccel.state import ProcessState
+from nbaccel.process_state import ProcessState
 from nbaccel.training.gradient_state import GradientState
 from nbaccel.training.kwargs_handlers import (
     AutocastKwargs,

@@ -1,7 +1,7 @@
 """The Accelerator's per-process helpers: collectives, printing, barriers, and main-process decorators.
 
 Kept apart from :mod:`nbaccel.training.accelerator` so that module stays about training. Everything
-here needs only ``self.state`` (a :class:`~nbaccel.state.ProcessState`) and, for
+here needs only ``self.state`` (a :class:`~nbaccel.process_state.ProcessState`) and, for
 ``gather_for_metrics``, ``self.gradient_state``.
 """
 
@@ -17,7 +17,7 @@ import torch
 from nbaccel import ops
 from nbaccel.errors import ConfigError
 from nbaccel.nested_data import recursively_apply
-from nbaccel.state import ProcessState
+from nbaccel.process_state import ProcessState
 from nbaccel.training.gradient_state import GradientState
 
 __all__ = ["ProcessHelpers"]

@@ -53,7 +53,7 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
         True
     """
     if device_specific:
-        from nbaccel.state import ProcessState
+        from nbaccel.process_state import ProcessState
 
         seed += ProcessState().process_index
     _py_random.seed(seed)
@@ -178,7 +178,7 @@ def synchronize_rng_state(rng_type: RngType | str | enum.Enum, generator: torch.
 
 def _synchronize(rng_type: str, generator: torch.Generator | None) -> None:
     from nbaccel.ops import broadcast
-    from nbaccel.state import ProcessState
+    from nbaccel.process_state import ProcessState
 
     valid = get_args(RngType)
     if rng_type not in valid:

@@ -30,7 +30,7 @@ def save(obj: Any, f: str | os.PathLike, save_on_each_node: bool = False, safe_s
         >>> save({"w": torch.ones(1)}, path); torch.load(path)
         {'w': tensor([1.])}
     """
-    from nbaccel.state import ProcessState
+    from nbaccel.process_state import ProcessState
 
     state = ProcessState()
     if not (state.is_local_main_process if save_on_each_node else state.is_main_process):

@@ -23,8 +23,8 @@ import torch
 
 from nbaccel.errors import CheckpointError, CheckpointMismatchError
 from nbaccel.file_kinds import refuse_special
+from nbaccel.process_state import ProcessState
 from nbaccel.safe_load import load_state_file
-from nbaccel.state import ProcessState
 from nbaccel.training.checkpointing import (
     MARKER,
     check_fits,

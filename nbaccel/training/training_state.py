@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from nbaccel.errors import CheckpointError, ConfigError, UnsafeCheckpointError
-from nbaccel.state import ProcessState
+from nbaccel.process_state import ProcessState
 from nbaccel.training.checkpointing import (
     numbered_name,
     remove_checkpoint,

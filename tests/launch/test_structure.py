@@ -9,7 +9,7 @@ import nbaccel
 
 PACKAGE = Path(nbaccel.__file__).parent
 CHECKED = ("nbaccel.launch", "nbaccel.cli", "nbaccel.magics", "nbaccel.identity", "nbaccel.state", "nbaccel.ops",
-           "nbaccel.environment", "nbaccel.config")
+           "nbaccel.environment", "nbaccel.config", "nbaccel.process_state", "nbaccel.rank_resets")
 
 
 def _modules() -> dict[str, Path]:
@@ -61,7 +61,7 @@ def test_no_private_name_is_imported_across_modules():
 
 
 def test_the_state_asks_the_identity_not_a_launcher():
-    source = (PACKAGE / "state.py").read_text()
+    source = (PACKAGE / "process_state.py").read_text()
     assert "nbaccel.launch" not in source and "current_identity" in source
 
 

@@ -66,11 +66,11 @@ def test_a_group_that_carries_cpu_tensors_gets_them_unmoved(monkeypatch):
 @pytest.fixture
 def cuda_worker(monkeypatch):
     """Rank 0 of 2 on a machine with 2 (faked) GPUs; ``init_process_group`` records its arguments."""
-    from nbaccel import state
+    from nbaccel import process_state
 
     calls: list[dict] = []
-    monkeypatch.setattr(state, "_shared", {})
-    monkeypatch.setattr(state, "cuda_device_count", lambda: 2)
+    monkeypatch.setattr(process_state, "_shared", {})
+    monkeypatch.setattr(process_state, "cuda_device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: calls.append(kwargs))

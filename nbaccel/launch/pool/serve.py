@@ -141,11 +141,9 @@ def _load_task(payload: bytes) -> tuple[Callable[..., Any], tuple, dict]:
 
 def _join_group() -> str:
     """Join the process group now (once for the pool's life); returns this worker's device."""
-    from nbaccel.state import ProcessState
+    from nbaccel.rank_resets import join_rank_group
 
-    # The pool's group outlives any one task, and a later task's Accelerator(fsdp_plugin=...cpu_offload)
-    # reduces CPU shards: on GPUs it carries CPU tensors too (cuda:nccl,cpu:gloo), as Accelerate's FSDP jobs do.
-    return str(ProcessState(cpu_collectives=True).device)
+    return join_rank_group()  # the process state's join (with CPU collectives: the group outlives any one task)
 
 
 def serve(socket_path: str) -> None:

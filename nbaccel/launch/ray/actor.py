@@ -38,7 +38,7 @@ from nbaccel.launch.worker.display import (
     show_open_figures,
 )
 from nbaccel.launch.worker.process import run_body
-from nbaccel.rank_resets import reset_rank_state
+from nbaccel.rank_resets import join_rank_group, reset_rank_state
 
 __all__ = ["RankActor"]
 
@@ -177,11 +177,7 @@ class RankActor:
 
     def join_group(self) -> str:
         """Join the process group now (a pool's ranks, once for its life); returns this rank's device."""
-        from nbaccel.state import ProcessState
-
-        # The pool's group outlives any one task, and a later task's Accelerator(fsdp_plugin=...cpu_offload)
-        # reduces CPU shards: on GPUs it carries CPU tensors too (cuda:nccl,cpu:gloo), as Accelerate's FSDP jobs do.
-        return str(ProcessState(cpu_collectives=True).device)
+        return join_rank_group()  # the process state's join (with CPU collectives: the group outlives any one task)
 
     # ------------------------------------------------------------------ running
     def run(self, run_id: int, payload: bytes, rank: int, send_result: bool, cpu_results: bool = False) -> int:
