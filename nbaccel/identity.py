@@ -17,6 +17,7 @@ import threading
 from dataclasses import dataclass
 
 from nbaccel.environment import DistributedEnv, read_distributed_env
+from nbaccel.rank_resets import register_rank_reset
 
 __all__ = ["WorkerIdentity", "clear_identity", "current_identity", "set_identity"]
 
@@ -80,6 +81,9 @@ def clear_identity() -> None:
     global _process
     _process = None
     _thread.__dict__.clear()
+
+
+register_rank_reset("nbaccel.identity", clear_identity)  # a rank that starts afresh is nobody until its launcher says
 
 
 def current_identity() -> WorkerIdentity | None:

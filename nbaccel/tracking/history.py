@@ -13,7 +13,9 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-__all__ = ["RunHistory", "begin_run_history", "last_run_history", "metrics_table"]
+from nbaccel.rank_resets import register_rank_reset
+
+__all__ = ["RunHistory", "begin_run_history", "forget_run_history", "last_run_history", "metrics_table"]
 
 
 class RunHistory:
@@ -104,6 +106,23 @@ def metrics_table(records: list[dict[str, Any]], rows: int = 5) -> str:
 
 
 _last: RunHistory | None = None
+
+
+def forget_run_history() -> None:
+    """Forget the latest launch's history (:func:`last_run_history` is then empty), as a fresh process has none.
+
+    A launched rank calls it through :func:`nbaccel.rank_resets.reset_rank_state`: the notebook's
+    history, inherited through fork, is not the rank's (a launch the rank makes starts its own).
+
+    Example:
+        >>> forget_run_history(); last_run_history()
+        []
+    """
+    global _last
+    _last = None
+
+
+register_rank_reset("nbaccel.tracking.history", forget_run_history)
 
 
 def begin_run_history() -> RunHistory:

@@ -21,7 +21,9 @@ from nbaccel.tracking.values import scalar_or_text
 
 __all__ = ["MLflowTracker"]
 
-_chosen_uri: str | None = None  # mlflow's tracking URI is process-wide: remember the one set here
+# mlflow's tracking URI is process-wide: remember the one set here. A fresh rank keeps it (no rank reset):
+# it describes mlflow's own URI, which the rank inherited too; forgetting only this would make that URI the user's.
+_chosen_uri: str | None = None
 
 
 class MLflowTracker(GeneralTracker):

@@ -30,7 +30,7 @@ from typing import Any
 import cloudpickle
 
 from nbaccel.environment import apply_environment, read_distributed_env
-from nbaccel.identity import WorkerIdentity, clear_identity
+from nbaccel.identity import WorkerIdentity
 from nbaccel.launch.worker.console_tqdm import use_console_tqdm
 from nbaccel.launch.worker.display import (
     forward_displays,
@@ -170,8 +170,7 @@ class RankActor:
         torch = sys.modules.get("torch")
         if torch is not None and "OMP_NUM_THREADS" in env:
             torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-        reset_rank_state()
-        clear_identity()
+        reset_rank_state()  # the notebook's state and identity included (nbaccel.identity registers clear_identity)
         use_console_tqdm()
         self._prepared = True
 
