@@ -6,8 +6,8 @@ a member of the :class:`~nbaccel.errors.WorkerFailedError` family for failed wor
 :mod:`nbaccel.launch.failures`), :class:`~nbaccel.errors.LaunchTimeoutError`, or the caller's
 ``KeyboardInterrupt`` once every worker is stopped. Nothing it started outlives the call.
 
-Each launcher lives in its own module ``nbaccel.launch.<name>`` that defines ``LAUNCHER``;
-:mod:`nbaccel.launch.registry` finds it by the request's ``launcher`` name.
+Each launcher lives in its backend's subpackage, in ``nbaccel.launch.<name>.launcher``, which defines
+``LAUNCHER``; :mod:`nbaccel.launch.registry` finds it by the request's ``launcher`` name.
 """
 
 from __future__ import annotations
