@@ -83,7 +83,12 @@ class LocalPoolRanks:
             BaseException: what a launch raises (the root-cause failure, a timeout, the interrupt);
                 :attr:`lost` then says whether the ranks survived it.
         """
-        payload = dumps_payload(function, args, kwargs)
+        return self.run_payload(dumps_payload(function, args, kwargs), relay=relay, observer=observer,
+                                policy=policy, result_ranks=result_ranks)
+
+    def run_payload(self, payload: bytes, *, relay: OutputRelay, observer: LaunchObserver | None,
+                    policy: SupervisorPolicy, result_ranks: Collection[int] | None) -> dict[int, Any]:
+        """:meth:`run` with the cloudpickled ``(function, args, kwargs)`` made already."""
         handles = [TaskHandle.for_task(m) for m in self.members]
         with _interrupts_deferred():  # half a frame on a socket would break that rank's stream for good
             for member in self.members:
