@@ -44,6 +44,7 @@ __all__ = [
     "patch_environment",
     "read_distributed_env",
     "read_worker_settings",
+    "replace_environment",
     "settings_from_fields",
     "single_process_environment",
     "str_to_bool",
@@ -311,6 +312,13 @@ def single_process_environment() -> dict[str, str]:
 def apply_environment(values: Mapping[str, str]) -> None:
     """Set ``values`` in this process's environment (inside freshly started workers, and for a library that
     reads its switches from there, such as mlflow's file store)."""
+    os.environ.update(values)
+
+
+def replace_environment(values: Mapping[str, str]) -> None:
+    """Make this process's environment exactly ``values`` (a warm rank taking its caller's, as a fork would)."""
+    for name in [n for n in os.environ if n not in values]:
+        del os.environ[name]
     os.environ.update(values)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 
 import pytest
 
@@ -55,6 +56,9 @@ def _no_leftovers_between_tests():
 
     procs.BEFORE_THIS_TEST = set(procs.all_children())
     yield
+    warm = sys.modules.get("nbaccel.launch.pool.warm")
+    if warm is not None:  # the kept one-process rank is the test's own: each test starts without one
+        warm.close_warm_rank()
     left = [pid for pid in procs.all_children() if pid not in procs.BEFORE_THIS_TEST and _a_launch_leftover(pid)]
     procs.BEFORE_THIS_TEST = set()
     for pid in left:

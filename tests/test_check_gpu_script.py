@@ -124,7 +124,7 @@ def test_the_pinned_load_worker_finds_a_checkpoint_loaded_as_load_state_dict_loa
 
 
 def test_first_use_checks_run_their_code_on_a_cpu_machine(script):
-    """The fresh-process and config-default checks' programs run here and give the CPU answers."""
+    """The fresh-process, config-default and warm-rank checks' programs run here and give the CPU answers."""
     from gpu_checks import first_use_checks as first
 
     device, available, grad = first._last_json(first._python(first._FRESH))
@@ -132,8 +132,10 @@ def test_first_use_checks_run_their_code_on_a_cpu_machine(script):
     with tempfile.TemporaryDirectory() as folder:
         code, written = first._last_json(first._python(first._CONFIG, str(Path(folder) / "c.yaml")))
     assert code == 0 and written["use_cpu"] is True
+    runs, times, fresh = first._last_json(first._python(first._WARM))
+    assert len({pid for pid, _, _ in runs}) == 1 and {d for _, d, _ in runs} == {"cpu"} and fresh[0] != runs[0][0]
     names = [c.name for c in script.CHECKS]
-    assert names[:4] == ["fresh-process-launch", "config-default", "cupy-first", "notebooks"]
+    assert names[:5] == ["fresh-process-launch", "config-default", "cupy-first", "warm-one-gpu", "notebooks"]
 
 
 def test_the_streaming_checks_pass_on_cpu_so_a_gpu_session_can_run_them_as_they_are():

@@ -132,9 +132,6 @@ def test_only_the_environment_module_writes_os_environ():
 # through nbaccel.rank_resets (what a rank forgets, how it joins) and through observers.
 ABOVE_THE_LAUNCH_CORE = ("nbaccel.state", "nbaccel.partial_state", "nbaccel.process_state", "nbaccel.training",
                          "nbaccel.tracking", "nbaccel.widgets", "nbaccel.big_modeling")
-LAUNCH_CORE_EXCEPTIONS = {
-    "launch/supervisor.py: nbaccel.tracking.history",  # removed by the supervisor rewrite
-}
 
 
 def _imported_names(tree: ast.AST) -> list[str]:
@@ -163,12 +160,12 @@ def test_the_launch_core_does_not_import_the_pillars_above_it():
     for path in sorted((root / "launch").rglob("*.py")):
         offenders |= {f"{path.relative_to(root)}: {name}" for name in _imported_names(ast.parse(path.read_text()))
                       if _is_within(name, ABOVE_THE_LAUNCH_CORE)}
-    assert sorted(offenders - LAUNCH_CORE_EXCEPTIONS) == []
+    assert sorted(offenders) == []
 
 
 def test_the_launch_core_check_sees_every_way_of_importing():
     source = ("import nbaccel.training.fp8\nfrom nbaccel import state\nimport importlib\n"
-              "def f():\n    from nbaccel.tracking.history import begin_run_history\n"
+              "def f():\n    from nbaccel.tracking.history import last_run_history\n"
               "    importlib.import_module('nbaccel.widgets.status_panel')\n")
     found = [name for name in _imported_names(ast.parse(source)) if _is_within(name, ABOVE_THE_LAUNCH_CORE)]
     assert sorted(found) == ["nbaccel.state", "nbaccel.tracking.history", "nbaccel.training.fp8",

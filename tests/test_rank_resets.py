@@ -15,7 +15,7 @@ import nbaccel
 from nbaccel import process_state, rank_resets
 from nbaccel.identity import WorkerIdentity, current_identity, set_identity
 from nbaccel.rank_resets import join_rank_group, register_group_join, reset_rank_state
-from nbaccel.tracking import history
+from nbaccel.launch import run_log
 
 _RANK_1_OF_2 = WorkerIdentity(rank=1, local_rank=1, world_size=2, local_world_size=2, node_rank=0)
 
@@ -24,7 +24,7 @@ _RANK_1_OF_2 = WorkerIdentity(rank=1, local_rank=1, world_size=2, local_world_si
 def fresh_state(monkeypatch):
     """This test's own process state, identity and run history; the suite's are back afterwards."""
     monkeypatch.setattr(process_state, "_shared", {})
-    monkeypatch.setattr(history, "_last", None)
+    monkeypatch.setattr(run_log, "_last", None)
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NBACCEL_MIXED_PRECISION",
                  "ACCELERATE_MIXED_PRECISION", "NBACCEL_USE_CPU"):
         monkeypatch.delenv(name, raising=False)
@@ -61,14 +61,14 @@ def test_the_identity_registers_its_reset_when_imported_alone():
 
 
 def test_a_reset_forgets_the_notebooks_run_history(fresh_state):
-    history.begin_run_history().add(0, {"items": [{"step": 0, "time": 0.0, "loss": 1.0}]})
+    run_log.begin_run_log().add(0, {"items": [{"step": 0, "time": 0.0, "loss": 1.0}]})
     assert [r["loss"] for r in nbaccel.last_run_history()] == [1.0]
     reset_rank_state()
     assert nbaccel.last_run_history() == []
 
 
 def test_a_pool_rank_does_not_see_the_notebooks_run_history(fresh_state):
-    history.begin_run_history().add(0, {"items": [{"step": 0, "time": 0.0, "loss": 1.0}]})
+    run_log.begin_run_log().add(0, {"items": [{"step": 0, "time": 0.0, "loss": 1.0}]})
     with nbaccel.WorkerPool(num_processes=1, use_cpu=True, grace=1.0) as pool:
         assert pool.run(nbaccel.last_run_history) == []
     assert [r["loss"] for r in nbaccel.last_run_history()] == [1.0]  # the notebook keeps its own

@@ -158,7 +158,8 @@ def launch_function(function: Callable[..., Any], args: Sequence[Any], cfg: Laun
 
     port = cfg.main_process_port or (_DEFAULT_MULTI_NODE_PORT if cfg.num_machines > 1 else None)
     request = build_request(function, args, config=cfg, hang_timeout=None if cfg.num_machines > 1 else hang_timeout,
-                            return_all=return_all, rdzv_id=rdzv_id, use_port=port, warm_imports=warm_imports)
+                            return_all=return_all, rdzv_id=rdzv_id, use_port=port, warm_imports=warm_imports,
+                            fresh=True)  # a script runs once: nothing to keep warm
     with _sigterm_stops_workers():
         return launch(request)
 

@@ -1,4 +1,10 @@
-"""`WorkerHandle`: the launcher's view of one worker process, how it is polled and signalled."""
+"""`WorkerHandle`: the supervisor's view of one rank for one run: how it is read, polled and signalled.
+
+A handle's run ends when :meth:`WorkerHandle.poll` says so. For a process started for this run
+(the one-shot lifetime) that is the process's exit; other lifetimes subclass the handle: a Ray
+actor's run (:mod:`nbaccel.launch.ray.handles`) or one task on a rank kept warm
+(:mod:`nbaccel.launch.pool.task_handle`), whose run ends with its reply while the process lives on.
+"""
 
 from __future__ import annotations
 
@@ -36,6 +42,16 @@ class WorkerHandle:
     pidfd: int | None = None
     group: bool = False
     """The worker leads its own process group, which holds what it starts (subprocesses, loader workers)."""
+    task_fd: int | None = None
+    """A second frame channel of the run (a warm rank's task socket), read like ``ctl_fd``."""
+    task_frames: FrameReader = field(default_factory=FrameReader)
+    owns_fds: bool = True
+    """The run owns the descriptors: the supervisor closes them when it is done (a warm rank's stay open)."""
+    drain_wait: float = 0.05
+    """How long, once the run ended, to wait for more output (a grandchild may still hold a pipe)."""
+
+    def on_started(self) -> None:
+        """The rank said ``started`` (a handle that holds a signal until then sends it now)."""
 
     def open_exit_fd(self) -> int | None:
         """A descriptor that becomes readable when the worker exits (a pidfd), or ``None``: exits are polled."""

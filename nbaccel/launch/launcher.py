@@ -58,6 +58,7 @@ def notebook_launcher(
     observer: LaunchObserver | None = None,
     backend: LaunchBackend | None = None,
     ray_address: str | None = None,
+    fresh: bool = False,
 ) -> Any:
     """Run ``function(*args, **kwargs)`` on ``num_processes`` workers and return its result.
 
@@ -106,6 +107,12 @@ def notebook_launcher(
         ray_address: with ``backend="ray"``, the cluster: ``None`` uses this process's connection
             (``ray.init`` done already) or else starts a local instance; ``"auto"`` or
             ``"ray://host:10001"`` connect as Ray does.
+        fresh: with one process, start a new worker process for this launch. By default a
+            one-process launch on this machine runs on a rank nbaccel keeps warm for this
+            kernel (milliseconds instead of a new process and CUDA context each time), as a
+            fresh run: the caller's environment, RNG state and working directory, nbaccel's state
+            reset, GPU memory released after; see :mod:`nbaccel.launch.pool.warm` for what stays.
+            nbaccel's own option: Accelerate runs one process in the notebook itself.
 
     Returns:
         Rank 0's return value (moved to CPU), or ``{rank: value}`` when ``return_all``.
@@ -134,7 +141,7 @@ def notebook_launcher(
         max_restarts=max_restarts, monitor_interval=monitor_interval,
         log_line_prefix_template=log_line_prefix_template, num_processes=num_processes,
         mixed_precision=mixed_precision, use_cpu=use_cpu, machine_rank=node_rank, num_machines=num_nodes,
-        start_method=start_method, timeout=timeout, backend=backend, ray_address=ray_address)
+        start_method=start_method, timeout=timeout, backend=backend, ray_address=ray_address, fresh=fresh)
     if request.rendezvous is not None:  # several machines: the elastic agent restarts
         return launch(request)
     return run_with_restarts(lambda: launch(request), max_restarts)

@@ -14,9 +14,10 @@ from typing import Any
 
 import cloudpickle
 
-from nbaccel.errors import PayloadPicklingError
+from nbaccel.errors import LaunchError, PayloadPicklingError
 
-__all__ = ["dumps_by_reference_first", "dumps_payload", "dumps_result", "find_unpicklable", "loads", "to_cpu"]
+__all__ = ["dumps_by_reference_first", "dumps_payload", "dumps_result", "find_unpicklable", "load_result", "loads",
+           "to_cpu"]
 
 
 def to_cpu(value: Any) -> Any:
@@ -133,3 +134,17 @@ def dumps_result(value: Any) -> bytes:
 def loads(data: bytes) -> Any:
     """Unpickle what :func:`dumps_payload` or :func:`dumps_result` wrote (trusted, own children)."""
     return pickle.loads(data)
+
+
+def load_result(rank: int, data: bytes) -> Any:
+    """Unpickle rank ``rank``'s return value, or say plainly why it cannot live in this process."""
+    try:
+        return loads(data)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure gets the same explanation
+        missing = f" (module {exc.name!r} is not importable here)" if isinstance(exc, ImportError) and exc.name else ""
+        raise LaunchError(
+            f"rank {rank} finished, but its return value cannot be unpickled in this process{missing}: "
+            f"{type(exc).__name__}: {exc}. The workers ran to the end; only the value could not come back. "
+            "Fix: return plain data (numbers, strings, lists, dicts, tensors, numpy arrays), or import what "
+            "it is made of here before launching.") from exc
+

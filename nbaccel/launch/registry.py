@@ -9,6 +9,7 @@ launchers defined elsewhere are added with :func:`register_launcher`.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 from nbaccel.errors import ConfigError
@@ -16,16 +17,25 @@ from nbaccel.launch.base import Launcher
 from nbaccel.launch.preflight import say
 from nbaccel.launch.request import LaunchRequest
 
-__all__ = ["BUILTIN_LAUNCHERS", "available_launchers", "launch", "launcher_for", "register_launcher"]
+__all__ = ["BUILTIN_LAUNCHERS", "available_launchers", "before_each_launch", "launch", "launcher_for",
+           "register_launcher"]
 
 BUILTIN_LAUNCHERS: dict[str, str] = {
     "elastic": "nbaccel.launch.elastic.launcher",  # several machines: torch's elastic agent
     "local": "nbaccel.launch.local.launcher",  # this machine: forked or spawned workers
+    "warm": "nbaccel.launch.pool.warm",  # one process on this machine: the rank kept warm per kernel
     "ray": "nbaccel.launch.ray.launcher",  # Ray actors in a placement group
     "xla": "nbaccel.launch.xla.launcher",  # TPU cores through torch_xla.launch
 }
 """Launcher name -> the module holding it as ``LAUNCHER``."""
 _registered: dict[str, Launcher] = {}
+_before_launch: list[Callable[[LaunchRequest], None]] = []
+
+
+def before_each_launch(hook: Callable[[LaunchRequest], None]) -> None:
+    """Call ``hook(request)`` before every launch starts (a warm rank gives up a GPU a launch needs)."""
+    if hook not in _before_launch:
+        _before_launch.append(hook)
 
 
 def register_launcher(launcher: Launcher) -> None:
@@ -76,6 +86,8 @@ def launch(request: LaunchRequest) -> Any:
     """
     launcher = launcher_for(request.launcher)
     say(request.plan.note)
+    for hook in _before_launch:
+        hook(request)
     results = launcher.launch(request)
     if request.return_all:
         return results

@@ -161,6 +161,7 @@ def build_request(
     return_all: bool = False,
     observer: LaunchObserver | None = None,
     warm_imports: bool | None = None,
+    fresh: bool = False,
     master_addr: str | None = None,
     use_port: int | str | None = None,
     rdzv_backend: str | None = None,
@@ -180,12 +181,14 @@ def build_request(
         kwargs: its keyword arguments.
         config: the settings layered so far (file < session < flags); ``None``: the defaults.
         launcher: a launcher module's name, to choose one explicitly; ``None`` picks ``"ray"`` for
-            ``backend="ray"``, ``"elastic"`` for several machines, ``"xla"`` on XLA devices, else ``"local"``.
+            ``backend="ray"``, ``"elastic"`` for several machines, ``"xla"`` on XLA devices,
+            ``"warm"`` for one process on this machine (the rank kept warm, unless ``fresh``), else ``"local"``.
         hang_timeout: see :class:`LaunchRequest`.
         output_ranks: see :class:`LaunchRequest`.
         return_all: see :class:`LaunchRequest`.
         observer: see :class:`LaunchRequest`.
         warm_imports: see :class:`LaunchRequest`.
+        fresh: a one-process launch starts a new process instead of using the warm rank.
         master_addr: machine 0's address; wins over the config's ``main_process_ip``.
         use_port: the rendezvous port; wins over the config's ``main_process_port``.
         rdzv_backend: wins over the config's ``rdzv_backend`` (multi-machine).
@@ -228,6 +231,8 @@ def build_request(
         plan = plan_launch(cfg)
     if launcher is None:
         launcher = "elastic" if rendezvous is not None else "xla" if plan.device_kind == "xla" else "local"
+        if launcher == "local" and plan.num_processes == 1 and not fresh:
+            launcher = "warm"  # a repeated one-process launch: milliseconds on a kept rank, not a new process
     return LaunchRequest(
         function=function, args=tuple(args), kwargs=dict(kwargs or {}), config=cfg, plan=plan,
         launcher=launcher, hang_timeout=hang_timeout, output_ranks=_check_ranks(output_ranks, plan.num_processes),

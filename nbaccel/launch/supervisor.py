@@ -24,14 +24,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from nbaccel.errors import LaunchError, LaunchTimeoutError
+from nbaccel.errors import LaunchTimeoutError
 from nbaccel.launch.events import LaunchObserver, RankState
 from nbaccel.launch.failures import WorkerFailure, raise_failures
 from nbaccel.launch.frames import DISPLAY_MARK
 from nbaccel.launch.handles import WorkerHandle
 from nbaccel.launch.output import OutputRelay
-from nbaccel.launch.payload import loads
-from nbaccel.tracking.history import begin_run_history
+from nbaccel.launch.payload import load_result
+from nbaccel.launch.run_log import begin_run_log
 
 # What the supervisor itself sends when it stops ranks; any other death of a stopped rank is its own.
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGKILL, signal.SIGINT)
@@ -52,6 +52,9 @@ class SupervisorPolicy:
         grace: seconds between SIGTERM and SIGKILL when stopping workers.
         poll_interval: how often exits and deadlines are checked.
         host_name: how reports name the host process, where the ranks run inside one.
+        keep_alive: the ranks outlive the run (a pool's): stopping them cancels their task
+            (their handles carry that out, see :mod:`nbaccel.launch.pool.task_handle`), and reports
+            say so.
     """
 
     timeout: float | None = None
@@ -59,6 +62,7 @@ class SupervisorPolicy:
     grace: float = 3.0
     poll_interval: float = 0.05
     host_name: str = "the host process"
+    keep_alive: bool = False
 
 
 class Supervisor:
@@ -87,9 +91,12 @@ class Supervisor:
         self._selector = selectors.DefaultSelector()
         self._last_activity = time.monotonic()
         self._stopped: list[int] = []
-        self.history = begin_run_history()  # what workers pass to accelerator.log ("log" frames)
+        self.run_log = begin_run_log()  # what workers post with accelerator.log ("log" frames)
         for handle in self._handles:
-            for fd, kind in ((handle.ctl_fd, "ctl"), (handle.out_fd, "stdout"), (handle.err_fd, "stderr")):
+            channels = [(handle.ctl_fd, "ctl"), (handle.out_fd, "stdout"), (handle.err_fd, "stderr")]
+            if handle.task_fd is not None:
+                channels.append((handle.task_fd, "task"))
+            for fd, kind in channels:
                 os.set_blocking(fd, False)
                 self._selector.register(fd, selectors.EVENT_READ, (handle, kind))
             handle.pidfd = handle.open_exit_fd() if handle is host or host is None else None
@@ -118,7 +125,7 @@ class Supervisor:
         if failures:
             raise_failures(failures, len(self.workers), [r for r in self._stopped if self._is_rank(r)])
         # Ranks whose value was not asked for reported an empty result: only that they finished.
-        return {h.rank: _load_result(h.rank, h.result) for h in self.workers if h.result}
+        return {h.rank: load_result(h.rank, h.result) for h in self.workers if h.result}
 
     # ------------------------------------------------------------------ loop
     def _watch(self, started: float) -> list[WorkerFailure]:
@@ -168,13 +175,16 @@ class Supervisor:
             data = os.read(fd, _READ_SIZE)
         except BlockingIOError:
             return False
+        except OSError:  # a reset socket: the rank is gone; its exit says how
+            data = b""
         if not data:
             self._selector.unregister(fd)
-            os.close(fd)
+            if handle.owns_fds:
+                os.close(fd)
             return False
         self._last_activity = time.monotonic()
-        if kind == "ctl":
-            for message in handle.frames.feed(data):
+        if kind in ("ctl", "task"):
+            for message in (handle.frames if kind == "ctl" else handle.task_frames).feed(data):
                 self._on_message(handle, *message)
         elif kind == "stdout" and DISPLAY_MARK in data:
             while handle.ctl_fd in self._selector.get_map() and self._read(handle, "ctl", handle.ctl_fd):
@@ -189,7 +199,8 @@ class Supervisor:
         deadline = time.monotonic() + 2.0
         if handle.pidfd is not None:
             self._read(handle, "exit", handle.pidfd)
-        fds = [fd for fd in (handle.ctl_fd, handle.out_fd, handle.err_fd) if fd in self._selector.get_map()]
+        fds = [fd for fd in (handle.ctl_fd, handle.out_fd, handle.err_fd, handle.task_fd)
+               if fd is not None and fd in self._selector.get_map()]
         while fds and time.monotonic() < deadline:
             for fd in list(fds):
                 if fd not in self._selector.get_map():
@@ -200,7 +211,7 @@ class Supervisor:
                     # no data now; EOF will follow unless a grandchild still holds the pipe
                     ready = selectors.DefaultSelector()
                     ready.register(fd, selectors.EVENT_READ)
-                    if not ready.select(0.05):
+                    if not ready.select(handle.drain_wait):
                         fds.remove(fd)
                     ready.close()
         self.relay.flush_rank(handle.rank)
@@ -213,6 +224,7 @@ class Supervisor:
             handle.pid = body.get("pid", handle.pid)  # a replica reports its own process (inside the host)
             handle.started_at = body["time"]
             self._set_state(handle, "running")
+            handle.on_started()
         elif kind == "result":
             handle.result = body
             handle.result_at = time.monotonic()
@@ -222,7 +234,7 @@ class Supervisor:
             self.relay.queue_display(handle.rank, kind, body)  # type: ignore[arg-type]
         elif kind == "log":
             on_log = getattr(self.observer, "on_log", None)  # optional in the observer protocol
-            for record in self.history.add(handle.rank, body):
+            for record in self.run_log.add(handle.rank, body):
                 if on_log is not None:
                     on_log(handle.rank, record)
 
@@ -305,7 +317,8 @@ class Supervisor:
     def _check_deadlines(self, now: float, started: float) -> None:
         timeout, hang_timeout = self.policy.timeout, self.policy.hang_timeout
         if timeout is not None and now - started > timeout:
-            self._raise_stuck("timeout", f"the launch ran past timeout={timeout:g}s")
+            run = "run" if self.policy.keep_alive else "launch"
+            self._raise_stuck("timeout", f"the {run} ran past timeout={timeout:g}s")
         finished = [h for h in self.workers if h.exited]
         if (hang_timeout is not None and finished and len(finished) < len(self.workers)
                 and now - self._last_activity > hang_timeout):
@@ -317,8 +330,9 @@ class Supervisor:
         stacks = self.dump_stacks()
         self._stop_all(interrupted=False)
         shown = "\n".join(f"--- rank {r} ---\n{text}" for r, text in sorted(stacks.items()))
+        stopped = "the run was cancelled in every rank" if self.policy.keep_alive else "every worker was stopped"
         raise LaunchTimeoutError(
-            f"{what}; every worker was stopped. Python stacks of the ranks that were still running:\n{shown}\n"
+            f"{what}; {stopped}. Python stacks of the ranks that were still running:\n{shown}\n"
             "Fix: look for a collective (all_reduce, barrier, gather) that only some ranks reach, or "
             "raise timeout=/hang_timeout= if the work is just slow.", stacks=stacks, reason=reason)
 
@@ -379,22 +393,10 @@ class Supervisor:
     def _close(self) -> None:
         for key in list(self._selector.get_map().values()):
             self._selector.unregister(key.fd)
-            try:
-                os.close(key.fd)
-            except OSError:
-                pass
+            handle, kind = key.data
+            if handle.owns_fds or kind == "exit":  # a warm rank's pipes and socket outlive the run
+                try:
+                    os.close(key.fd)
+                except OSError:
+                    pass
         self._selector.close()
-
-
-def _load_result(rank: int, data: bytes) -> Any:
-    """Unpickle rank ``rank``'s return value, or say plainly why it cannot live in this process."""
-    try:
-        return loads(data)
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure gets the same explanation
-        missing = f" (module {exc.name!r} is not importable here)" if isinstance(exc, ImportError) and exc.name else ""
-        raise LaunchError(
-            f"rank {rank} finished, but its return value cannot be unpickled in this process{missing}: "
-            f"{type(exc).__name__}: {exc}. The workers ran to the end; only the value could not come back. "
-            "Fix: return plain data (numbers, strings, lists, dicts, tensors, numpy arrays), or import what "
-            "it is made of here before launching.") from exc
-

@@ -122,6 +122,8 @@ class AccelMagics(Magics):
               help="live status panel: a widget, plain text at the end, or none (default: auto)")
     @argument("--persist", action="store_true",
               help="run on the warm workers of %%accel_workers start, in a namespace per rank that lasts between cells")
+    @argument("--fresh", action="store_true",
+              help="one process: start a new worker instead of the rank kept warm for this kernel")
     @cell_magic
     def accel_launch(self, line: str, cell: str) -> Any:
         """Run this cell on several worker processes, like ``notebook_launcher`` would run a function.
@@ -206,7 +208,7 @@ class AccelMagics(Magics):
         try:
             return build_request(run_cell_program, (program,), config=config, output_ranks=args.ranks,
                                  return_all=args.all_ranks, hang_timeout=args.hang_timeout,
-                                 rdzv_endpoint=args.rdzv_endpoint, warm_imports=warm)
+                                 rdzv_endpoint=args.rdzv_endpoint, warm_imports=warm, fresh=args.fresh)
         except (ConfigError, EnvironmentStateError, MissingDependencyError) as exc:
             raise _usage(exc) from None
 

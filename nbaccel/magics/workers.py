@@ -24,7 +24,7 @@ __all__ = ["NotebookPool", "defined_names", "format_status", "launch_flags_given
 # %%accel_launch flags that say how workers start: a persisted cell runs on workers started already.
 _LAUNCH_FLAGS = {"num_processes": None, "mixed_precision": None, "cpu": None, "config_file": None,
                  "start_method": None, "timeout": None, "hang_timeout": 120.0, "port": None, "num_nodes": None,
-                 "node_rank": None, "rdzv_endpoint": "", "backend": None, "ray_address": None}
+                 "node_rank": None, "rdzv_endpoint": "", "backend": None, "ray_address": None, "fresh": False}
 
 _START_HINT = "%accel_workers start -n 2   (add --cpu, --mixed_precision, ... as for %%accel_launch)"
 
@@ -44,9 +44,16 @@ def _megabytes(size: int | None) -> str:
 
 
 def format_status(pool: WorkerPool | None, names: list[str] | None = None) -> str:
-    """The text ``%accel_workers`` prints: one line per rank, then the defined names."""
+    """The text ``%accel_workers`` prints: one line per rank, then the defined names, then the warm one-process rank."""
+    from nbaccel.launch.pool.warm import IDLE_CLOSE_SECONDS, warm_rank_info
+
+    warm = warm_rank_info()
+    warm_line = "" if warm is None else (
+        f"\nnbaccel: one-process launches run on a warm rank: pid {warm.pid} ({warm.device}, {warm.start_method}), "
+        f"{warm.runs} run{'s' if warm.runs != 1 else ''}, idle {warm.idle_seconds:.0f}s (closed after "
+        f"{IDLE_CLOSE_SECONDS:.0f}s idle, or by %accel_workers stop; --fresh skips it)")
     if pool is None:
-        return f"nbaccel: no warm workers. Start them with: {_START_HINT}"
+        return f"nbaccel: no warm workers. Start them with: {_START_HINT}{warm_line}"
     state = "alive" if pool.alive else "dead (restart it: %accel_workers restart)"
     lines = [f"nbaccel: {pool.num_processes} warm worker{'s' if pool.num_processes != 1 else ''} "
              f"({pool.start_method}), {state}",
@@ -56,7 +63,7 @@ def format_status(pool: WorkerPool | None, names: list[str] | None = None) -> st
                      f"{_megabytes(info.memory_bytes)}")
     if names is not None:
         lines.append("defined (rank 0): " + (", ".join(names) if names else "nothing yet"))
-    return "\n".join(lines)
+    return "\n".join(lines) + warm_line
 
 
 class NotebookPool:
@@ -82,8 +89,11 @@ class NotebookPool:
         return self.pool
 
     def stop(self) -> bool:
-        """Close the pool; whether there was one."""
-        had = self.pool is not None
+        """Close the pool and the warm one-process rank; whether there was either."""
+        from nbaccel.launch.pool.warm import close_warm_rank
+
+        had = close_warm_rank()
+        had = self.pool is not None or had
         if self.pool is not None:
             self.pool.close()
             self.pool = None

@@ -1,7 +1,7 @@
 """The launching side of the notebook tracker: the logged records of a launch, kept as they arrive.
 
-The supervisor hands every ``log`` frame from a worker to the launch's :class:`RunHistory`; the
-status panel draws from the same records. After the launch (or while it runs, from another
+The supervisor keeps every ``log`` frame from a worker in the run's
+:class:`~nbaccel.launch.run_log.RunLog` and hands each record to the status panel's live chart. After the launch (or while it runs, from another
 thread), :func:`last_run_history` returns them as a list of dicts, one per ``accelerator.log``
 call, each with its ``step`` (ready for ``pandas.DataFrame(...)``).
 
@@ -10,21 +10,15 @@ This is one record per process: the latest launch's history replaces the one bef
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
-from nbaccel.rank_resets import register_rank_reset
+from nbaccel.launch.run_log import RunLog, last_run_log
 
-__all__ = ["RunHistory", "begin_run_history", "forget_run_history", "last_run_history", "metrics_table"]
+__all__ = ["RunHistory", "last_run_history", "metrics_table"]
 
 
-class RunHistory:
-    """The records one launch's workers logged, in arrival order.
-
-    Attributes:
-        records: ``{"step": int, "time": float, <metric>: value, ...}`` dicts.
-        project: the project name given to ``init_trackers`` (``None`` before it).
-        config: the configuration given to ``init_trackers``.
+class RunHistory(RunLog):
+    """The records one launch's workers logged, in arrival order, with the views the live chart draws.
 
     Example:
         >>> history = RunHistory()
@@ -33,28 +27,6 @@ class RunHistory:
         >>> history.series("loss")
         ([0], [1.0])
     """
-
-    def __init__(self) -> None:
-        self.records: list[dict[str, Any]] = []
-        self.project: str | None = None
-        self.config: dict[str, Any] = {}
-        self._lock = threading.Lock()
-
-    def add(self, rank: int, body: dict[str, Any]) -> list[dict[str, Any]]:
-        """Take one ``log`` frame's body from ``rank``; return the records it carried (a batch, or none)."""
-        if "project" in body:
-            self.project = body["project"]
-        if "config" in body:
-            self.config = dict(body["config"])
-        records = list(body.get("items", ()))
-        with self._lock:
-            self.records += records
-        return records
-
-    def snapshot(self) -> list[dict[str, Any]]:
-        """A copy of the records so far (safe to read while the launch still adds to them)."""
-        with self._lock:
-            return [dict(r) for r in self.records]
 
     def metric_names(self) -> list[str]:
         """The numeric metrics logged, in first-seen order."""
@@ -105,33 +77,6 @@ def metrics_table(records: list[dict[str, Any]], rows: int = 5) -> str:
     return "\n".join(lines)
 
 
-_last: RunHistory | None = None
-
-
-def forget_run_history() -> None:
-    """Forget the latest launch's history (:func:`last_run_history` is then empty), as a fresh process has none.
-
-    A launched rank calls it through :func:`nbaccel.rank_resets.reset_rank_state`: the notebook's
-    history, inherited through fork, is not the rank's (a launch the rank makes starts its own).
-
-    Example:
-        >>> forget_run_history(); last_run_history()
-        []
-    """
-    global _last
-    _last = None
-
-
-register_rank_reset("nbaccel.tracking.history", forget_run_history)
-
-
-def begin_run_history() -> RunHistory:
-    """A fresh history for the launch that is starting; it becomes :func:`last_run_history`'s."""
-    global _last
-    _last = RunHistory()
-    return _last
-
-
 def last_run_history() -> list[dict[str, Any]]:
     """What the latest launch's workers passed to ``accelerator.log`` (main process), one dict per call.
 
@@ -143,4 +88,5 @@ def last_run_history() -> list[dict[str, Any]]:
         >>> notebook_launcher(train, num_processes=2)   # doctest: +SKIP
         >>> import pandas; pandas.DataFrame(nbaccel.last_run_history()).plot(x="step", y="loss")   # doctest: +SKIP
     """
-    return _last.snapshot() if _last is not None else []
+    log = last_run_log()
+    return log.snapshot() if log is not None else []

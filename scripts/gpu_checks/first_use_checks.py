@@ -5,6 +5,9 @@
 - ``config-default``: ``nbaccel config --default`` writes a GPU config.
 - ``cupy-first``: CuPy initializing CUDA first makes the launch spawn (named in its note), and
   the launch still works (skipped where CuPy is not installed).
+- ``warm-one-gpu``: repeated one-process launches reuse the warm rank on ``cuda:0`` (same pid),
+  each starts with no GPU memory of the last one allocated, and a launch takes milliseconds
+  after the first; ``fresh=True`` still starts a new process.
 - ``notebooks``: every notebook but the TPU and Ray ones runs headless, top to bottom, unchanged
   (skipped where nbclient / ipykernel are missing: see ENV.md for bringing them).
 
@@ -111,6 +114,41 @@ def _cupy(gpus: int) -> str:
     expect(reason is not None and "CuPy" in reason, f"reason {reason!r}")
     expect("starting workers with spawn, not fork" in note and device == "cuda:0", f"note {note!r}, device {device}")
     return f"CuPy first: {reason}; the launch spawned and ran on {device}"
+
+
+_WARM = r"""
+import json, os, time
+from nbaccel import notebook_launcher
+
+def step(size):
+    import torch
+    from nbaccel import Accelerator
+    acc = Accelerator()
+    before = torch.cuda.memory_allocated()
+    model = acc.prepare(torch.nn.Linear(size, size))
+    loss = model(torch.ones(8, size, device=acc.device)).sum()
+    acc.backward(loss)
+    return [os.getpid(), str(acc.device), before]
+
+times, runs = [], []
+for _ in range(6):
+    start = time.perf_counter()
+    runs.append(notebook_launcher(step, (1024,), num_processes=1))
+    times.append(time.perf_counter() - start)
+fresh = notebook_launcher(step, (1024,), num_processes=1, fresh=True)
+print(json.dumps([runs, times, fresh]))
+"""
+
+
+@check("warm-one-gpu")
+def _warm(gpus: int) -> str:
+    runs, times, fresh = _last_json(_python(_WARM))
+    pids = {pid for pid, _, _ in runs}
+    expect(len(pids) == 1 and all(device == "cuda:0" for _, device, _ in runs), f"runs {runs}")
+    expect(all(before == 0 for _, _, before in runs), f"GPU memory left by an earlier launch: {runs}")
+    expect(fresh[0] not in pids and fresh[1] == "cuda:0", f"fresh run {fresh}")
+    later = sorted(times[1:])[len(times[1:]) // 2]
+    return f"6 launches on one warm rank (pid {pids.pop()}): first {times[0]:.3f}s, then median {later * 1000:.1f} ms"
 
 
 _NOTEBOOKS = ("01_quickstart", "02_training", "03_big_model_inference", "05_scripts_and_cli", "06_warm_workers")

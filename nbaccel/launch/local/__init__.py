@@ -1,10 +1,5 @@
 """The local backend: ranks as this machine's processes, forked or spawned, watched by the supervisor."""
 
-from nbaccel.launch.local.launcher import (
-    LAUNCHER,
-    LocalLauncher,
-    local_environments,
-    request_relay,
-)
+from nbaccel.launch.local.launcher import LAUNCHER, LocalLauncher, local_environments
 
-__all__ = ["LAUNCHER", "LocalLauncher", "local_environments", "request_relay"]
+__all__ = ["LAUNCHER", "LocalLauncher", "local_environments"]

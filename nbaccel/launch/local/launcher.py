@@ -15,12 +15,11 @@ from typing import Any
 from nbaccel.environment import DistributedEnv, worker_environment
 from nbaccel.launch.handles import discard_workers
 from nbaccel.launch.local.starter import SpawnFiles, start_forked, start_spawned
-from nbaccel.launch.output import OutputRelay
 from nbaccel.launch.payload import dumps_payload
 from nbaccel.launch.reaper import group_reaper
+from nbaccel.launch.relay import request_relay
 from nbaccel.launch.rendezvous import LoopbackStore
 from nbaccel.launch.request import LaunchRequest
-from nbaccel.launch.rich_output import CellPublisher
 from nbaccel.launch.supervisor import Supervisor, SupervisorPolicy
 from nbaccel.launch.warmup import (
     finish_warmup,
@@ -30,7 +29,7 @@ from nbaccel.launch.warmup import (
     used_names,
 )
 
-__all__ = ["LAUNCHER", "LocalLauncher", "local_environments", "request_relay"]
+__all__ = ["LAUNCHER", "LocalLauncher", "local_environments"]
 
 
 class LocalLauncher:
@@ -94,15 +93,6 @@ class LocalLauncher:
                 store.close()
             if files is not None:
                 files.remove()
-
-
-def request_relay(request: LaunchRequest) -> OutputRelay:
-    """Where a launch's output goes: the cell (labelled per rank), the observer, displays of the chosen ranks."""
-    observer = request.observer
-    return OutputRelay(show=request.output_ranks, on_line=observer.on_output if observer is not None else None,
-                       on_display=CellPublisher(), display_ranks=request.output_ranks or (0,),
-                       on_progress=getattr(observer, "on_progress", None),  # optional in the protocol
-                       show_redraws=not getattr(observer, "shows_progress", False))
 
 
 def local_environments(request: LaunchRequest, store: LoopbackStore | None) -> list[dict[str, str]]:

@@ -11,9 +11,11 @@ the first to end (each caller gets its own result), and only the values asked fo
 
 ::
 
-    WorkerPool(...) ─► build_request (the options of notebook_launcher) ─► start_pool
-       run(fn) ─► run_task ─► "task" frame to every rank ─► run_body in each ─► replies
-       close() / restart() / interpreter exit ─► PoolProcesses.shutdown
+    WorkerPool(...) ─► build_request (the options of notebook_launcher) ─► the backend's ranks:
+                       LocalPoolRanks (this machine, launch/pool/local_ranks.py) or RayPoolRanks
+       run(fn) ─► ranks.run ─► one Supervisor per run, as a launch has (keep-alive policy):
+                  output, displays, figures, accelerator.log, progress, observer, timeout, watchdog
+       close() / restart() / interpreter exit ─► ranks.shutdown()
 
 What always holds: after a run returns or raises, the pool is either alive with every rank
 waiting, or dead with every worker gone; a dead or closed pool refuses to run
@@ -27,25 +29,23 @@ workers started and removes the pool's folder when the owner is killed.
 from __future__ import annotations
 
 import dataclasses
-import signal
+import importlib
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from nbaccel.config import LaunchBackend, LaunchConfig, StartMethod
 from nbaccel.environment import MixedPrecision
-from nbaccel.errors import ConfigError, WorkerPoolError
+from nbaccel.errors import ConfigError, LaunchTimeoutError, WorkerPoolError
 from nbaccel.launch.events import LaunchObserver
 from nbaccel.launch.output import OutputRelay
-from nbaccel.launch.payload import dumps_payload
-from nbaccel.launch.pool.run_task import TaskOutcome, run_task
-from nbaccel.launch.pool.start import PoolProcesses, start_pool
+from nbaccel.launch.pool.warm import release_warm_devices
 from nbaccel.launch.preflight import say
-from nbaccel.launch.ray.pool import RayPoolRanks
+from nbaccel.launch.relay import request_relay
 from nbaccel.launch.request import LaunchRequest, build_request
+from nbaccel.launch.supervisor import SupervisorPolicy
 
 __all__ = ["WorkerInfo", "WorkerPool"]
 
@@ -69,14 +69,29 @@ class WorkerInfo:
     memory_bytes: int | None
 
 
-def _resident_bytes(pid: int) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return None
+class PoolRanks(Protocol):
+    """What a pool holds on each backend: live ranks that run task after task."""
+
+    lost: str
+
+    def dead(self) -> str: ...
+    def workers(self) -> list[tuple[int, int, bool, str, int | None]]: ...
+    def run(self, function: Callable[..., Any], args: Any, kwargs: Mapping[str, Any], *, relay: OutputRelay,
+            observer: LaunchObserver | None, policy: SupervisorPolicy,
+            result_ranks: Collection[int] | None) -> dict[int, Any]: ...
+    def shutdown(self) -> None: ...
+
+
+POOL_BACKENDS: dict[str, str] = {
+    "local": "nbaccel.launch.pool.local_ranks:LocalPoolRanks",  # this machine's processes
+    "ray": "nbaccel.launch.ray.pool:RayPoolRanks",  # Ray actors in a placement group
+}
+"""Backend name -> the class (``module:name``) whose ``start(request, start_timeout)`` starts a pool's ranks."""
+
+
+def _start_ranks(request: LaunchRequest, start_timeout: float) -> PoolRanks:
+    module, name = POOL_BACKENDS[request.config.backend].split(":")
+    return getattr(importlib.import_module(module), name).start(request, start_timeout)
 
 
 def _pool_placeholder() -> None:
@@ -100,6 +115,9 @@ class WorkerPool:
         use_cpu: run on CPU processes even where GPUs exist.
         output_ranks: show only these ranks' output.
         timeout: cancel a run after this many seconds (raises ``LaunchTimeoutError``; the pool stays).
+        hang_timeout: when some ranks have finished a run and the rest print nothing for this many
+            seconds, dump their stacks and cancel the run, as ``notebook_launcher`` does; ``None``
+            disables the watchdog.
         grace: seconds a cancelled rank has to stop before it is killed (and the pool with it).
         start_timeout: seconds the workers have to start and join the process group.
         config: a :class:`LaunchConfig` supplying every value not given here.
@@ -124,7 +142,8 @@ class WorkerPool:
     def __init__(self, num_processes: int | None = None, mixed_precision: MixedPrecision | None = None,
                  use_port: int | str | None = None, *, start_method: StartMethod | None = None,
                  use_cpu: bool | None = None, output_ranks: Iterable[int] | int | None = None,
-                 timeout: float | None = None, grace: float = 3.0, start_timeout: float = 300.0,
+                 timeout: float | None = None, hang_timeout: float | None = 120.0, grace: float = 3.0,
+                 start_timeout: float = 300.0,
                  config: LaunchConfig | None = None, backend: LaunchBackend | None = None,
                  ray_address: str | None = None) -> None:
         for key, value, example in (("grace", grace, 3.0), ("start_timeout", start_timeout, 300.0)):
@@ -134,12 +153,12 @@ class WorkerPool:
         self._request = build_request(
             _pool_placeholder, config=config, output_ranks=output_ranks, use_port=use_port, launcher="pool",
             num_processes=num_processes, mixed_precision=mixed_precision, use_cpu=use_cpu,
-            start_method=start_method, timeout=timeout, backend=backend, ray_address=ray_address)
+            start_method=start_method, timeout=timeout, hang_timeout=hang_timeout, backend=backend,
+            ray_address=ray_address)
         _refuse_unsupported(self._request)
         self.grace = grace
         self.start_timeout = start_timeout
-        self._processes: PoolProcesses | None = None
-        self._ray: RayPoolRanks | None = None
+        self._ranks: PoolRanks | None = None
         self._finalizer: weakref.finalize | None = None
         self._dead = ""
         self._closed = False
@@ -150,14 +169,10 @@ class WorkerPool:
     # ------------------------------------------------------------------ lifecycle
     def _start(self) -> None:
         say(self._request.plan.note)
-        if self._request.config.backend == "ray":
-            ranks = RayPoolRanks(self._request, self.start_timeout)
-            self._ray, self._dead, self._closed = ranks, "", False
-            self._finalizer = weakref.finalize(self, ranks.shutdown)
-            return
-        processes = start_pool(self._request, self.start_timeout)
-        self._processes, self._dead, self._closed = processes, "", False
-        self._finalizer = weakref.finalize(self, processes.shutdown)  # also at interpreter exit
+        release_warm_devices(self._request)  # a warm one-process rank gives its GPU up to the pool
+        ranks = _start_ranks(self._request, self.start_timeout)
+        self._ranks, self._dead, self._closed = ranks, "", False
+        self._finalizer = weakref.finalize(self, ranks.shutdown)  # also at interpreter exit
 
     def close(self) -> None:
         """Stop every worker and free what the pool holds; safe to call again.
@@ -168,8 +183,8 @@ class WorkerPool:
         """
         self._closed = True
         if self._finalizer is not None:
-            self._finalizer()  # runs processes.shutdown once
-        self._processes = self._ray = None
+            self._finalizer()  # runs ranks.shutdown once
+        self._ranks = None
 
     def restart(self) -> None:
         """Stop the workers (alive or dead) and start fresh ones with the same options.
@@ -201,46 +216,30 @@ class WorkerPool:
         """Whether the pool can run tasks: started, not closed, and no worker died."""
         if self._closed or self._dead:
             return False
-        if self._ray is not None:
-            return not self._ray.dead()
-        if self._processes is None:
-            return False
-        return not any(m.handle.poll() for m in self._processes.members)
+        return self._ranks is not None and not self._ranks.dead()
 
     def workers(self) -> list[WorkerInfo]:
         """Each worker's rank, pid, liveness, device and resident memory (empty once closed).
 
         On Ray, ``pid`` is the actor's process on its node, and the memory is what the actor reports.
         """
-        if self._ray is not None:
-            return [WorkerInfo(*row) for row in self._ray.workers()]
-        if self._processes is None:
-            return []
-        return [WorkerInfo(rank=m.rank, pid=m.handle.pid, alive=not m.handle.poll(), device=m.device,
-                           memory_bytes=None if m.handle.exited else _resident_bytes(m.handle.pid))
-                for m in self._processes.members]
+        return [WorkerInfo(*row) for row in self._ranks.workers()] if self._ranks is not None else []
 
     @property
     def pids(self) -> list[int]:
         """The workers' process ids, by rank."""
         return [w.pid for w in self.workers()]
 
-    def _usable(self) -> PoolProcesses | RayPoolRanks:
-        if self._closed or (self._processes is None and self._ray is None):
+    def _usable(self) -> PoolRanks:
+        if self._closed or self._ranks is None:
             raise WorkerPoolError("this WorkerPool was closed, so it runs nothing. Fix: pool.restart() to start "
                                   "fresh workers, or create a new WorkerPool.", state="closed", reason="close()")
-        if self._ray is not None:
-            self._dead = self._dead or self._ray.dead()
-        elif not self._dead:
-            died = [m for m in self._processes.members if m.handle.poll()]
-            if died:
-                self._dead = "; ".join(_idle_death(m.rank, m.handle.pid, m.handle.exitcode, m.handle.signal)
-                                       for m in died)
+        self._dead = self._dead or self._ranks.dead()
         if self._dead:
             raise WorkerPoolError(f"this WorkerPool is dead: {self._dead}. Its process group is gone with it. Fix: "
                                   "pool.restart() (or %accel_workers restart), then load your state again.",
                                   state="dead", reason=self._dead)
-        return self._ray if self._ray is not None else self._processes
+        return self._ranks
 
     # ------------------------------------------------------------------ running
     def run(self, function: Callable[..., Any], *args: Any, return_all: bool = False, **kwargs: Any) -> Any:
@@ -312,55 +311,44 @@ class WorkerPool:
                 self._runner = None
 
     def _dispatch_now(self, function: Callable[..., Any], args: Any, kwargs: Mapping[str, Any],
-                      output_ranks: Any, observer: Any, result_ranks: set[int] | None) -> dict[int, Any]:
-        processes = self._usable()
-        if isinstance(processes, RayPoolRanks):
-            return self._dispatch_ray(processes, function, args, kwargs, output_ranks, observer, result_ranks)
-        payload = dumps_payload(function, args, kwargs)
-        processes.channels.relay = OutputRelay(show=output_ranks,
-                                               on_line=observer.on_output if observer is not None else None)
-        outcome = TaskOutcome()
+                      output_ranks: Any, observer: LaunchObserver | None,
+                      result_ranks: set[int] | None) -> dict[int, Any]:
+        ranks = self._usable()
+        request = dataclasses.replace(self._request, output_ranks=output_ranks, observer=observer)
+        policy = SupervisorPolicy(timeout=self._request.config.timeout, hang_timeout=self._request.hang_timeout,
+                                  grace=self.grace, keep_alive=True)
+        if observer is not None:
+            observer.on_launch(list(range(self.num_processes)), "pool")
+        ok = False
         try:
-            return run_task(processes.channels, processes.members, payload, observer=observer, grace=self.grace,
-                            timeout=self._request.config.timeout, outcome=outcome, result_ranks=result_ranks)
+            results = ranks.run(function, args, kwargs, relay=request_relay(request), observer=observer,
+                                policy=policy, result_ranks=result_ranks)
+            ok = True
+            return results
+        except KeyboardInterrupt:
+            raise KeyboardInterrupt(f"interrupted{self._after_failure(ranks)}") from None
+        except LaunchTimeoutError as exc:
+            raise LaunchTimeoutError(f"{exc}{self._after_failure(ranks)}", stacks=exc.stacks,
+                                     reason=exc.reason) from None
         except Exception as exc:
-            if outcome.dead:
-                exc.add_note(f"[nbaccel] the WorkerPool is dead ({outcome.dead}); every worker was stopped. "
+            if ranks.lost:
+                exc.add_note(f"[nbaccel] the WorkerPool is dead ({ranks.lost}); every worker was stopped. "
                              "Fix: pool.restart() (or %accel_workers restart).")
             raise
         finally:
-            if outcome.dead:
-                self._dead = outcome.dead
-                processes.kill()
+            self._dead = self._dead or ranks.lost
+            if observer is not None:
+                observer.on_end(ok)
 
-    def _dispatch_ray(self, ranks: RayPoolRanks, function: Callable[..., Any], args: Any, kwargs: Mapping[str, Any],
-                      output_ranks: Any, observer: Any, result_ranks: set[int] | None) -> dict[int, Any]:
-        try:
-            return ranks.run(function, args, kwargs, output_ranks, observer, grace=self.grace,
-                             timeout=self._request.config.timeout, return_all=result_ranks is None)
-        except Exception as exc:
-            if ranks.ranks.lost:
-                exc.add_note(f"[nbaccel] the WorkerPool is dead ({ranks.ranks.lost}); its actors were stopped. "
-                             "Fix: pool.restart() (or %accel_workers restart).")
-            raise
-        finally:
-            if ranks.ranks.lost:
-                self._dead = ranks.ranks.lost
-                ranks.shutdown()
+    @staticmethod
+    def _after_failure(ranks: PoolRanks) -> str:
+        if ranks.lost:
+            return f"; {ranks.lost}, so the pool is dead: restart it"
+        return "; the running task was cancelled in every rank and the pool is still up"
 
     def __repr__(self) -> str:
         state = "alive" if self.alive else "closed" if self._closed else "dead"
         return f"WorkerPool(num_processes={self.num_processes}, start_method={self.start_method!r}, {state})"
-
-
-def _idle_death(rank: int, pid: int, exitcode: int | None, signum: int | None) -> str:
-    """Why an idle worker is gone, in words: its exit code or signal, and who sends that signal."""
-    if signum is None:
-        return f"rank {rank} (pid {pid}) exited with code {exitcode} while idle"
-    name = signal.Signals(signum).name if signum in signal.Signals._value2member_map_ else str(signum)
-    why = " (sent by the kernel's OOM killer, by someone's kill -9, or because the process that owns the pool " \
-          "is ending)" if signum == signal.SIGKILL else ""
-    return f"rank {rank} (pid {pid}) was killed by {name} while idle{why}"
 
 
 def _refuse_unsupported(request: LaunchRequest) -> None:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from nbaccel.launch.local.launcher import request_relay
 from nbaccel.launch.ray.ranks import RayRanks
+from nbaccel.launch.relay import request_relay
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.supervisor import SupervisorPolicy
 

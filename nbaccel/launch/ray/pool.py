@@ -17,12 +17,11 @@ long native call (``time.sleep(600)``, a collective waiting for a rank that left
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from nbaccel.launch.events import LaunchObserver
-from nbaccel.launch.local.launcher import request_relay
+from nbaccel.launch.output import OutputRelay
 from nbaccel.launch.ray.cluster import require_ray
 from nbaccel.launch.ray.ranks import RayRanks
 from nbaccel.launch.request import LaunchRequest
@@ -61,25 +60,23 @@ class RayPoolRanks:
             out.append((member.rank, member.site.pid, member.rank not in gone, member.device, memory))
         return out
 
-    def run(self, function: Callable[..., Any], args: Any, kwargs: Mapping[str, Any], output_ranks: Any,
-            observer: LaunchObserver | None, *, grace: float, timeout: float | None,
-            return_all: bool = True) -> dict[int, Any]:
-        """Run ``function`` on every rank; every rank's value (rank 0's alone unless ``return_all``), moved to CPU.
+    @property
+    def lost(self) -> str:
+        """Why the ranks cannot run any more (an actor died or was killed), or ``""``."""
+        return self.ranks.lost
+
+    def run(self, function: Callable[..., Any], args: Any, kwargs: Mapping[str, Any], *, relay: OutputRelay,
+            observer: LaunchObserver | None, policy: SupervisorPolicy,
+            result_ranks: Collection[int] | None) -> dict[int, Any]:
+        """Run ``function`` on every rank; ``{rank: value}`` of ``result_ranks`` (all when ``None``), moved to CPU.
 
         Raises:
-            KeyboardInterrupt: the caller was interrupted; its message says whether the pool lives.
-            BaseException: what a launch raises (the root-cause failure, a timeout).
+            BaseException: what a launch raises (the root-cause failure, a timeout, the interrupt);
+                :attr:`lost` then says whether the actors survived it.
         """
-        request = dataclasses.replace(self._request, output_ranks=output_ranks, observer=observer)
-        policy = SupervisorPolicy(timeout=timeout, hang_timeout=None, grace=grace)
-        try:
-            return self.ranks.run(function, args, kwargs, relay=request_relay(request), observer=observer,
-                                  policy=policy, return_all=return_all, cpu_results=True)
-        except KeyboardInterrupt:
-            lost = self.ranks.lost
-            state = f"; {lost}, so the pool is dead: restart it" if lost else \
-                "; the run was cancelled in every rank and the pool is alive"
-            raise KeyboardInterrupt(f"interrupted{state}") from None
+        results = self.ranks.run(function, args, kwargs, relay=relay, observer=observer, policy=policy,
+                                 return_all=result_ranks is None or set(result_ranks) != {0}, cpu_results=True)
+        return results if result_ranks is None else {r: v for r, v in results.items() if r in result_ranks}
 
     def shutdown(self) -> None:
         """Kill the actors and remove the placement group."""

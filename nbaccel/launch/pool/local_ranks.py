@@ -1,0 +1,159 @@
+"""A pool's ranks on this machine: started once, each run supervised as a launch is, kept between runs.
+
+::
+
+    LocalPoolRanks.start(request) ─► start_pool (processes, sockets, store; every rank "ready")
+    ranks.run(fn) ─► "task" frame to every rank ─► TaskHandle × N ─► Supervisor(policy) ─► {rank: result}
+    after a run: a rank that died (or was killed for not stopping) ends the pool: every rank is killed
+    ranks.shutdown() ─► PoolProcesses.shutdown
+
+The Ray counterpart is :class:`~nbaccel.launch.ray.pool.RayPoolRanks`; both are what
+:class:`~nbaccel.launch.pool.WorkerPool` holds, behind the same five methods.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Callable, Collection, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from nbaccel.launch.events import LaunchObserver
+from nbaccel.launch.frames import write_frame
+from nbaccel.launch.output import OutputRelay
+from nbaccel.launch.payload import dumps_payload
+from nbaccel.launch.pool.channels import PoolMember
+from nbaccel.launch.pool.start import PoolProcesses, start_pool
+from nbaccel.launch.pool.task_handle import TaskHandle
+from nbaccel.launch.request import LaunchRequest
+from nbaccel.launch.supervisor import Supervisor, SupervisorPolicy
+
+__all__ = ["LocalPoolRanks", "describe_exit"]
+
+
+class LocalPoolRanks:
+    """The local side of a :class:`~nbaccel.launch.pool.WorkerPool` (see the module docstring).
+
+    Attributes:
+        lost: why the ranks cannot run any more (``""``: they can).
+    """
+
+    def __init__(self, processes: PoolProcesses) -> None:
+        self.processes = processes
+        self.lost = ""
+
+    @classmethod
+    def start(cls, request: LaunchRequest, start_timeout: float) -> LocalPoolRanks:
+        """Start ``request.num_processes`` ranks and wait until each joined the process group.
+
+        Raises:
+            WorkerFailedError: a rank failed while starting (nothing is left running).
+            LaunchError: the ranks did not start within ``start_timeout`` (nothing is left running).
+        """
+        return cls(start_pool(request, start_timeout))
+
+    @property
+    def members(self) -> list[PoolMember]:
+        """The ranks, by rank."""
+        return self.processes.members
+
+    def dead(self) -> str:
+        """Why the pool cannot run (a rank's process is gone, even while idle), or ``""``."""
+        if not self.lost:
+            died = [m for m in self.members if m.handle.poll()]
+            if died:
+                self.lost = "; ".join(describe_exit(m, "while idle") for m in died)
+        return self.lost
+
+    def workers(self) -> list[tuple[int, int, bool, str, int | None]]:
+        """``(rank, pid, alive, device, resident bytes)`` per rank."""
+        return [(m.rank, m.handle.pid, not m.handle.poll(), m.device,
+                 None if m.handle.exited else _resident_bytes(m.handle.pid)) for m in self.members]
+
+    def run(self, function: Callable[..., Any], args: Any, kwargs: Mapping[str, Any], *, relay: OutputRelay,
+            observer: LaunchObserver | None, policy: SupervisorPolicy,
+            result_ranks: Collection[int] | None) -> dict[int, Any]:
+        """Run ``function`` on every rank; ``{rank: value}`` of ``result_ranks`` (all when ``None``).
+
+        Raises:
+            PayloadPicklingError: the function or an argument cannot be sent (nothing ran).
+            BaseException: what a launch raises (the root-cause failure, a timeout, the interrupt);
+                :attr:`lost` then says whether the ranks survived it.
+        """
+        return self.run_payload(dumps_payload(function, args, kwargs), relay=relay, observer=observer,
+                                policy=policy, result_ranks=result_ranks)
+
+    def run_payload(self, payload: bytes, *, relay: OutputRelay, observer: LaunchObserver | None,
+                    policy: SupervisorPolicy, result_ranks: Collection[int] | None) -> dict[int, Any]:
+        """:meth:`run` with the cloudpickled ``(function, args, kwargs)`` made already."""
+        handles = [TaskHandle.for_task(m) for m in self.members]
+        with _interrupts_deferred():  # half a frame on a socket would break that rank's stream for good
+            for member in self.members:
+                _send_task(member, payload, result_ranks is None or member.rank in result_ranks)
+        try:
+            return Supervisor(handles, relay, observer, policy=policy).run()
+        finally:
+            gone = [h for h in handles if h.member.handle.exited]
+            if gone:
+                killed = [h.rank for h in gone if h.killed]
+                reasons = [describe_exit(h.member) for h in gone if not h.killed]
+                if killed:
+                    reasons.insert(0, f"ranks {killed} did not stop within {policy.grace:g}s of being cancelled "
+                                      "and were killed")
+                self.lost = "; ".join(reasons)
+                self.processes.kill()  # the process group is broken: no rank may stay
+
+    def shutdown(self) -> None:
+        """End every rank and what it started; free the port and the folder (safe to call again)."""
+        self.processes.shutdown()
+
+
+def describe_exit(member: PoolMember, when: str = "") -> str:
+    """How ``member``'s process ended, in words: its exit code or signal, and who sends that signal."""
+    handle, suffix = member.handle, f" {when}" if when else ""
+    if handle.signal is None:
+        return f"rank {member.rank} (pid {handle.pid}) exited with code {handle.exitcode}{suffix}"
+    name = signal.Signals(handle.signal).name if handle.signal in signal.Signals._value2member_map_ \
+        else str(handle.signal)
+    why = " (sent by the kernel's OOM killer, by someone's kill -9, or because the process that owns the pool " \
+          "is ending)" if handle.signal == signal.SIGKILL else ""
+    return f"rank {member.rank} (pid {handle.pid}) was killed by {name}{suffix}{why}"
+
+
+def _send_task(member: PoolMember, payload: bytes, send_result: bool) -> None:
+    """Write one task frame whole: the socket is non-blocking for the supervisor, blocking for this write."""
+    fd = member.sock.fileno()  # type: ignore[union-attr]
+    os.set_blocking(fd, True)  # an idle rank reads at once; a payload larger than the buffer waits for it
+    try:
+        write_frame(fd, "task", (payload, send_result))
+    finally:
+        os.set_blocking(fd, False)
+
+
+def _resident_bytes(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """Hold a ``SIGINT`` that lands inside the block until it ends (main thread only; elsewhere none arrive)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught and previous is not signal.SIG_IGN:
+            raise KeyboardInterrupt

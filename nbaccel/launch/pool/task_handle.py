@@ -1,0 +1,100 @@
+"""`TaskHandle`: one task on a rank kept warm, as the supervisor sees it (the keep-alive lifetime).
+
+A launch's ranks end with their run: their handle's run is over when the process exits. A warm
+rank's process outlives the task, so its handle reads the rank's pipes and task socket for one
+task and says the run is over when the rank replied (``result`` or ``error``), or when its
+process died. Everything else is the supervisor's, as for a launch: output, displays, figures,
+log records, progress, the observer, the timeout, the hang watchdog and the interrupt. What
+"stop" means changes with the lifetime:
+
+=================  ==========================================  =====================================
+supervisor sends   a one-shot rank (``WorkerHandle``)           a warm rank (``TaskHandle``)
+=================  ==========================================  =====================================
+``SIGTERM``        the process ends                             ``SIGINT``: ``KeyboardInterrupt`` in
+                                                                the task; the rank replies and waits
+``SIGKILL``        the process group is killed                  the same: the rank is gone, and the
+                                                                pool (its process group) with it
+``SIGUSR1``        the Python stacks are dumped (faulthandler)  the same
+=================  ==========================================  =====================================
+
+A cancel sent before the rank said ``started`` waits for it: until then the task is not armed,
+and an interrupt would be lost (see :mod:`nbaccel.launch.pool.serve`).
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+
+from nbaccel.launch.handles import WorkerHandle, open_pidfd
+from nbaccel.launch.pool.channels import PoolMember
+
+__all__ = ["TaskHandle"]
+
+
+@dataclass
+class TaskHandle(WorkerHandle):
+    """One task of pool member ``member``: ended by the rank's reply or its death (see the module docstring)."""
+
+    member: PoolMember = field(default=None)  # type: ignore[assignment]
+    cancel_pending: bool = False
+    killed: bool = False
+    """The supervisor killed the rank (it did not stop when cancelled): the rank is gone."""
+
+    @classmethod
+    def for_task(cls, member: PoolMember) -> TaskHandle:
+        """The handle of the task about to be sent to ``member`` (its descriptors stay the pool's)."""
+        process = member.handle
+        assert member.sock is not None, "a pool member gets tasks only once it connected"
+        return cls(rank=member.rank, pid=process.pid, ctl_fd=process.ctl_fd, out_fd=process.out_fd,
+                   err_fd=process.err_fd, frames=process.frames, group=process.group, task_fd=member.sock.fileno(),
+                   task_frames=member.frames, owns_fds=False, drain_wait=0.0, member=member)
+
+    def open_exit_fd(self) -> int | None:
+        """A pidfd of the rank's process, for this task only (the supervisor closes it)."""
+        return None if self.member.handle.exited else open_pidfd(self.pid)
+
+    def poll(self) -> bool:
+        """Whether the task is over: the rank replied, or its process died (then the exit status is its)."""
+        if self.exited:
+            return True
+        process = self.member.handle
+        if self.result is None and self.error is None and not process.poll():
+            return False
+        if process.exited:
+            self.exitcode, self.signal = process.exitcode, process.signal
+            self.error = self.error or process.error
+        else:
+            self.exitcode = 0
+        self.exited = True
+        return True
+
+    def send(self, sig: int) -> None:
+        """Carry ``sig`` to the rank as the table in the module docstring says."""
+        if self.exited or self.member.handle.exited:
+            return
+        if sig in (signal.SIGTERM, signal.SIGINT):
+            if self.started_at is None:
+                self.cancel_pending = True  # sent when the rank says "started"
+                return
+            sig = signal.SIGINT
+        self.member.handle.send(sig)
+
+    def send_tree(self, sig: int) -> None:
+        """``SIGKILL`` ends the rank with what it started; other signals go to the rank alone."""
+        if sig == signal.SIGKILL:
+            self.killed = self.killed or not self.member.handle.exited
+            self.member.handle.send_tree(sig)
+        else:
+            self.send(sig)
+
+    def on_started(self) -> None:
+        """Deliver a cancel that arrived before the task was armed."""
+        if self.cancel_pending:
+            self.cancel_pending = False
+            self.member.handle.send(signal.SIGINT)
+
+    def kill_leftovers(self) -> None:
+        """A rank that died leaves its process group behind; a live rank keeps what it started."""
+        if self.member.handle.exited:
+            self.member.handle.kill_leftovers()

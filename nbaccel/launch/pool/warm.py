@@ -1,0 +1,239 @@
+"""Warm one-process ranks: a repeated one-process launch runs on a rank kept per kernel, and sees a fresh run.
+
+On one GPU (Colab), every ``notebook_launcher(fn, num_processes=1)`` used to fork a worker that
+set CUDA up again: 0.8 s, against Accelerate's in-process call of 0.03 s. The ``"warm"`` launcher
+keeps one rank (a one-member pool, :mod:`nbaccel.launch.pool.local_ranks`) per kernel and per
+settings, and runs each launch on it as a fresh run (:mod:`nbaccel.launch.pool.fresh_task`),
+supervised as every launch is (output, displays, figures, logs, progress, timeout, interrupt).
+
+::
+
+    build_request: one process, this machine, not fresh=True ─► launcher "warm"
+    WarmLauncher.launch ─► payload pickles? no ─► the local launcher (a fork needs no pickling)
+                        ─► the kept rank: same settings, alive, no user module changed since it
+                           started? else close it and start a new one
+                        ─► run_fresh(caller snapshot, fn) on it ─► result; any failure closes it
+
+The rank is closed after any failure or interrupt (a CUDA error sticks to its context), when a
+user module it may have imported changed on disk, after :data:`IDLE_CLOSE_SECONDS` unused, when
+another launch or a pool needs its GPU, at ``%accel_workers stop``, and at interpreter exit.
+``fresh=True`` (``%%accel_launch --fresh``) runs in a new process instead. Where this differs from
+a fresh process on purpose: the function travels by pickling, as under spawn, so a cell reaches
+the notebook names it uses by name (not ``globals()["x"]``), and what it changes in imported
+modules stays in the rank until the rank closes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import sysconfig
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nbaccel.errors import PayloadPicklingError
+from nbaccel.launch.local.launcher import LAUNCHER as LOCAL_LAUNCHER
+from nbaccel.launch.local.launcher import local_environments
+from nbaccel.launch.payload import dumps_payload
+from nbaccel.launch.pool.fresh_task import run_fresh, snapshot_caller
+from nbaccel.launch.pool.local_ranks import LocalPoolRanks
+from nbaccel.launch.registry import before_each_launch
+from nbaccel.launch.relay import request_relay
+from nbaccel.launch.request import LaunchRequest
+from nbaccel.launch.supervisor import SupervisorPolicy
+from nbaccel.launch.warmup import import_used_exports, may_build_ddp, used_names
+
+__all__ = ["IDLE_CLOSE_SECONDS", "LAUNCHER", "WarmLauncher", "WarmRankInfo", "close_warm_rank", "release_warm_devices",
+           "warm_rank_info"]
+
+IDLE_CLOSE_SECONDS = 300.0
+"""A warm rank unused this long is closed (its memory, and its GPU context, go back)."""
+START_TIMEOUT = 300.0
+
+
+@dataclass(frozen=True)
+class WarmRankInfo:
+    """The kept rank, as ``%accel_workers`` shows it.
+
+    Attributes:
+        pid: its process.
+        device: ``"cpu"`` or ``"cuda:0"``.
+        start_method: ``"fork"`` or ``"spawn"``.
+        idle_seconds: since its last run ended.
+        runs: launches it ran.
+    """
+
+    pid: int
+    device: str
+    start_method: str
+    idle_seconds: float
+    runs: int
+
+
+@dataclass
+class _WarmRank:
+    key: tuple[Any, ...]
+    ranks: LocalPoolRanks
+    device_kind: str
+    start_method: str
+    started_at: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.monotonic)
+    runs: int = 0
+    timer: threading.Timer | None = None
+    finalizer: weakref.finalize | None = None
+
+    def close(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.finalizer is not None:
+            self.finalizer()  # shuts the rank down once (also at interpreter exit)
+
+
+_lock = threading.RLock()  # guards _warm; held for a whole run, so the idle timer never closes a busy rank
+_warm: _WarmRank | None = None
+
+
+class WarmLauncher:
+    """Runs a one-process request on the kept rank (see the module docstring)."""
+
+    name = "warm"
+
+    def launch(self, request: LaunchRequest) -> dict[int, Any]:
+        """Run ``request`` as a fresh run on the kept rank; a payload that cannot be pickled forks instead."""
+        rank_env = local_environments(request, None)[0]
+        try:
+            payload = dumps_payload(run_fresh, (snapshot_caller(rank_env), request.function, request.args,
+                                                dict(request.kwargs)), {})
+        except PayloadPicklingError:
+            return LOCAL_LAUNCHER.launch(request)  # a fork reaches the caller's objects without pickling
+        observer = request.observer
+        with _lock:
+            warm = _kept_rank(request, rank_env)
+            if observer is not None:
+                observer.on_launch([0], "warm")
+            ok = False
+            try:
+                policy = SupervisorPolicy(timeout=request.config.timeout, hang_timeout=request.hang_timeout)
+                results = warm.ranks.run_payload(payload, relay=request_relay(request), observer=observer,
+                                                 policy=policy, result_ranks=None)
+                ok = True
+                return results
+            finally:
+                warm.runs += 1
+                if not ok:
+                    _close_locked()  # a failure may leave the rank unusable (a CUDA error sticks to its context)
+                else:
+                    _arm_idle_timer(warm)
+                if observer is not None:
+                    observer.on_end(ok)
+
+
+def _kept_rank(request: LaunchRequest, rank_env: dict[str, str]) -> _WarmRank:
+    """The kept rank for ``request``'s settings: reused when still good, else started anew (lock held)."""
+    global _warm
+    key = (request.plan.start_method, request.plan.device_kind, request.plan.visible_gpus,
+           tuple(sorted(rank_env.items())))
+    stale = _warm is not None and (_warm.key != key or _warm.ranks.dead() or _modules_changed(_warm.started_at))
+    if stale:
+        _close_locked()
+    if _warm is None:
+        function = request.function
+        warm_imports = request.warm_imports if request.warm_imports is not None else may_build_ddp(function)
+        if request.plan.start_method == "fork":
+            import_used_exports(used_names(function))  # the rank starts with them, as a launch's worker would
+        started = LocalPoolRanks.start(dataclasses.replace(request, warm_imports=warm_imports), START_TIMEOUT)
+        _warm = _WarmRank(key=key, ranks=started, device_kind=request.plan.device_kind,
+                          start_method=request.plan.start_method)
+        _warm.finalizer = weakref.finalize(_warm, started.shutdown)
+    if _warm.timer is not None:
+        _warm.timer.cancel()
+    return _warm
+
+
+def _arm_idle_timer(warm: _WarmRank) -> None:
+    warm.last_used = time.monotonic()
+    warm.timer = threading.Timer(IDLE_CLOSE_SECONDS, _close_if_idle, (warm,))
+    warm.timer.daemon = True
+    warm.timer.start()
+
+
+def _close_if_idle(warm: _WarmRank) -> None:
+    with _lock:
+        if _warm is warm and time.monotonic() - warm.last_used >= IDLE_CLOSE_SECONDS - 0.5:
+            _close_locked()
+
+
+def _close_locked() -> None:
+    global _warm
+    warm, _warm = _warm, None
+    if warm is not None:
+        warm.close()
+
+
+def close_warm_rank() -> bool:
+    """Close the kept rank, if there is one (``%accel_workers stop``); whether there was one."""
+    with _lock:
+        had = _warm is not None
+        _close_locked()
+        return had
+
+
+def warm_rank_info() -> WarmRankInfo | None:
+    """The kept rank, or ``None``."""
+    warm = _warm
+    if warm is None or warm.ranks.dead():
+        return None
+    member = warm.ranks.members[0]
+    return WarmRankInfo(pid=member.handle.pid, device=member.device, start_method=warm.start_method,
+                        idle_seconds=time.monotonic() - warm.last_used, runs=warm.runs)
+
+
+def release_warm_devices(request: LaunchRequest) -> None:
+    """Close the kept rank when ``request`` (another launch, or a pool) will use the GPUs it holds."""
+    if request.launcher == "warm" or _warm is None:
+        return
+    if _warm.device_kind == "cuda" and request.plan.device_kind == "cuda":
+        with _lock:
+            if _warm is not None and _warm.device_kind == "cuda":
+                _close_locked()
+
+
+def _library_roots() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, str(Path(__file__).resolve().parents[2]),  # nbaccel
+             *(paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths)}
+    roots = {r for r in roots if r}
+    return tuple({os.path.join(form, "") for r in roots for form in (os.path.abspath(r), os.path.realpath(r))})
+
+
+_LIBRARIES = _library_roots()
+_user_files: dict[str, bool] = {}  # a module's file -> whether it is the user's (not Python's, a package's, nbaccel's)
+
+
+def _modules_changed(since: float) -> bool:
+    """Whether a module of the user's (outside Python, the environment's packages and nbaccel) changed on disk."""
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if not isinstance(path, str):
+            continue
+        mine = _user_files.get(path)
+        if mine is None:
+            mine = _user_files[path] = not (path.startswith(_LIBRARIES)  # realpath only where the path says nothing
+                                            or os.path.realpath(path).startswith(_LIBRARIES))
+        if not mine:
+            continue
+        try:
+            if os.stat(path).st_mtime > since:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+before_each_launch(release_warm_devices)
+LAUNCHER = WarmLauncher()

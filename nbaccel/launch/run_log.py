@@ -1,0 +1,85 @@
+"""What the ranks of the latest run posted for their caller with ``accelerator.log``, kept as it arrives.
+
+The supervisor adds every ``log`` frame a rank sends (:mod:`nbaccel.launch.worker.channel`) to the
+run's :class:`RunLog` and hands each record to the observer's ``on_log`` (the live chart). The
+tracking pillar reads it back (:func:`nbaccel.last_run_history`); the launch core knows nothing of
+trackers. One log per process: each run's replaces the one before it.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from nbaccel.rank_resets import register_rank_reset
+
+__all__ = ["RunLog", "begin_run_log", "forget_run_log", "last_run_log"]
+
+
+class RunLog:
+    """The records one run's ranks logged, in arrival order.
+
+    Attributes:
+        records: ``{"step": int, "time": float, <metric>: value, ...}`` dicts.
+        project: the project name given to ``init_trackers`` (``None`` before it).
+        config: the configuration given to ``init_trackers``.
+
+    Example:
+        >>> log = RunLog()
+        >>> log.add(0, {"items": [{"step": 0, "time": 0.0, "loss": 1.0}]})[0]["loss"]
+        1.0
+    """
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+        self.project: str | None = None
+        self.config: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def add(self, rank: int, body: dict[str, Any]) -> list[dict[str, Any]]:
+        """Take one ``log`` frame's body from ``rank``; return the records it carried (a batch, or none)."""
+        if "project" in body:
+            self.project = body["project"]
+        if "config" in body:
+            self.config = dict(body["config"])
+        records = list(body.get("items", ()))
+        with self._lock:
+            self.records += records
+        return records
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """A copy of the records so far (safe to read while the run still adds to them)."""
+        with self._lock:
+            return [dict(r) for r in self.records]
+
+
+_last: RunLog | None = None
+
+
+def begin_run_log() -> RunLog:
+    """A fresh log for the run that is starting; it becomes :func:`last_run_log`'s."""
+    global _last
+    _last = RunLog()
+    return _last
+
+
+def last_run_log() -> RunLog | None:
+    """The latest run's log (``None`` before any run in this process)."""
+    return _last
+
+
+def forget_run_log() -> None:
+    """Forget the latest run's log, as a fresh process has none (``nbaccel.last_run_history()`` is then empty).
+
+    A rank calls it through :func:`nbaccel.rank_resets.reset_rank_state`: the caller's log,
+    inherited through fork, is not the rank's (a launch the rank makes starts its own).
+
+    Example:
+        >>> forget_run_log(); last_run_log() is None
+        True
+    """
+    global _last
+    _last = None
+
+
+register_rank_reset("nbaccel.launch.run_log", forget_run_log)
