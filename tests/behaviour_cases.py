@@ -44,12 +44,15 @@ class Variant:
         keeps_state: what a run leaves in its ranks (modules, ``worker_namespace()``, nbaccel's
             state) is there for the next run, on purpose (a pool).
         forks_caller: each run starts from a copy of the caller (its RNG state included).
+        keeps_modules: what a run changes in imported modules' globals stays for the next run (a
+            pool; the warm one-process rank, as documented in ``nbaccel.launch.pool.warm``).
     """
 
     name = ""
     num_processes = 2
     keeps_state = False
     forks_caller = True
+    keeps_modules = False
 
     def run(self, function: Callable[..., Any], *args: Any, observer: Any = None, return_all: bool = False,
             output_ranks: list[int] | None = None) -> Any:
@@ -429,10 +432,8 @@ def test_what_a_run_leaves_in_its_process_is_gone_unless_a_pool_keeps_it(runner)
     token = f"left-{time.monotonic_ns()}"
     runner.run(leave_in_process, token)
     module_global, environment = runner.run(read_process_leftovers)
-    if runner.keeps_state:
-        assert module_global == token  # a pool's workers keep their imported modules
-    else:
-        assert (module_global, environment) == (None, None)
+    assert module_global == (token if runner.keeps_modules else None)  # a pool's workers keep their modules
+    assert environment == (token if runner.keeps_state else None)
 
 
 def test_a_notebook_global_set_by_one_run_is_not_seen_by_the_next(runner):

@@ -14,6 +14,7 @@ with the rank's label, and the text/plain part starts with it.
 
 from __future__ import annotations
 
+import base64
 import html
 import sys
 import uuid
@@ -37,18 +38,23 @@ def label_bundle(data: dict[str, Any], rank: int) -> dict[str, Any]:
     Example:
         >>> label_bundle({"text/plain": "42"}, 1)["text/plain"]
         '[rank1]: 42'
+        >>> label_bundle({"image/png": b"PNG"}, 0)["image/png"]
+        'UE5H'
     """
     label = f"[rank{rank}]"
+    labelled = dict(data)
+    for mime in _IMAGES:  # a worker's matplotlib formatter gives raw bytes; a bundle carries base64 text
+        if isinstance(labelled.get(mime), (bytes, bytearray)):
+            labelled[mime] = base64.b64encode(labelled[mime]).decode("ascii")
     body = data.get("text/html")
     if body is None:
-        image = next((mime for mime in _IMAGES if mime in data), None)
+        image = next((mime for mime in _IMAGES if mime in labelled), None)
         if image is not None:
-            body = f'<img src="data:{image};base64,{data[image]}"/>'
+            body = f'<img src="data:{image};base64,{labelled[image]}"/>'
         elif "image/svg+xml" in data:
             body = data["image/svg+xml"]
         else:
             body = f"<pre>{html.escape(str(data.get('text/plain', '')))}</pre>"
-    labelled = dict(data)
     labelled["text/html"] = f'<div style="font-family:monospace;opacity:0.7">{label}</div>{body}'
     labelled["text/plain"] = f"{label}: {data.get('text/plain', '')}"
     return labelled

@@ -53,6 +53,7 @@ class Pool(Variant):
 
     keeps_state = True
     forks_caller = False
+    keeps_modules = True
 
     def __init__(self, name: str, pool: WorkerPool) -> None:
         self.name, self.pool, self.num_processes = name, pool, pool.num_processes
@@ -89,6 +90,7 @@ def runner(request):
             yield Pool("pool", pool)
     elif request.param == "warm1":
         warm = Launch("warm1", 1, leaves_nothing=False)
+        warm.keeps_modules = True  # the kept rank's imported modules stay (nbaccel.launch.pool.warm)
         assert warm.run(answer) == 42  # the warm rank, where there is one, starts here
         yield warm
     else:

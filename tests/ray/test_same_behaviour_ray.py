@@ -48,6 +48,7 @@ class RayPool(Variant):
 
     keeps_state = True
     forks_caller = False
+    keeps_modules = True
 
     def __init__(self, name: str, pool: WorkerPool) -> None:
         self.name, self.pool, self.num_processes = name, pool, pool.num_processes
