@@ -71,7 +71,6 @@ def test_a_pool_rank_does_not_see_the_notebooks_run_history(fresh_state):
     run_log.begin_run_log().add(0, {"items": [{"step": 0, "time": 0.0, "loss": 1.0}]})
     with nbaccel.WorkerPool(num_processes=1, use_cpu=True, grace=1.0) as pool:
         assert pool.run(nbaccel.last_run_history) == []
-    assert [r["loss"] for r in nbaccel.last_run_history()] == [1.0]  # the notebook keeps its own
 
 
 # --------------------------------------------------------------------------- the group join
