@@ -257,10 +257,10 @@ class StoreGuard:
 
     def close(self) -> None:
         """Stop relaying and close every socket (the store itself is closed by its owner)."""
-        if self._thread is not None:
+        if self._thread is not None and self._thread.ident is not None:  # an interrupt can land inside start()
             os.write(self._wake_w, b"x")
             self._thread.join(timeout=5)
-            self._thread = None
+        self._thread = None
         for sock in (self.front, self.real):
             sock.close()
         for fd in (self._wake_r, self._wake_w):

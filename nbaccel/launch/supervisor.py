@@ -93,10 +93,8 @@ class Supervisor:
         self._stopped: list[int] = []
         self.run_log = begin_run_log()  # what workers post with accelerator.log ("log" frames)
         for handle in self._handles:
-            channels = [(handle.ctl_fd, "ctl"), (handle.out_fd, "stdout"), (handle.err_fd, "stderr")]
-            if handle.task_fd is not None:
-                channels.append((handle.task_fd, "task"))
-            for fd, kind in channels:
+            task = [(handle.task_fd, "task")] if handle.task_fd is not None else []
+            for fd, kind in [(handle.ctl_fd, "ctl"), (handle.out_fd, "stdout"), (handle.err_fd, "stderr"), *task]:
                 os.set_blocking(fd, False)
                 self._selector.register(fd, selectors.EVENT_READ, (handle, kind))
             handle.pidfd = handle.open_exit_fd() if handle is host or host is None else None
@@ -317,8 +315,8 @@ class Supervisor:
     def _check_deadlines(self, now: float, started: float) -> None:
         timeout, hang_timeout = self.policy.timeout, self.policy.hang_timeout
         if timeout is not None and now - started > timeout:
-            run = "run" if self.policy.keep_alive else "launch"
-            self._raise_stuck("timeout", f"the {run} ran past timeout={timeout:g}s")
+            what = "run" if self.policy.keep_alive else "launch"
+            self._raise_stuck("timeout", f"the {what} ran past timeout={timeout:g}s")
         finished = [h for h in self.workers if h.exited]
         if (hang_timeout is not None and finished and len(finished) < len(self.workers)
                 and now - self._last_activity > hang_timeout):

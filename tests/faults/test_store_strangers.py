@@ -119,3 +119,22 @@ def test_a_process_that_reached_the_store_before_it_was_locked_stops_the_launch(
         early.kill()
         early.wait()
         guard.close()
+
+
+def test_an_interrupt_inside_the_guard_start_leaves_close_working(monkeypatch):
+    """SIGINT can land while the relay thread is being started (seen once in a background-job run): the
+    launch's cleanup must then close the store, not fail with 'cannot join thread before it is started'."""
+    import threading
+
+    from nbaccel.launch.store_guard import StoreGuard
+
+    def interrupted_start(self):
+        raise KeyboardInterrupt
+
+    guard = StoreGuard()
+    monkeypatch.setattr(threading.Thread, "start", interrupted_start)
+    with pytest.raises(KeyboardInterrupt):
+        guard.start(lambda fd: os.close(fd), [os.getpid()])
+    monkeypatch.undo()
+    guard.close()
+    assert guard.front.fileno() == -1 and guard.real.fileno() == -1

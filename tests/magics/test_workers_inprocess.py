@@ -96,3 +96,21 @@ def test_restart_without_workers_and_bad_start_flags_are_usage_errors(ip):
 def test_persist_refuses_ranks_the_workers_lack(workers):
     with pytest.raises(UsageError, match="output_ranks"):
         workers.run_cell_magic("accel_launch", "--persist --ranks 5", "1")
+
+
+def test_one_process_cells_reuse_the_warm_rank_which_the_status_shows_and_stop_closes(ip, capsys):
+    first = run(ip, "%%accel_launch -n 1 --cpu\nimport os\nos.getpid()")
+    first.raise_error()
+    again = run(ip, "%%accel_launch -n 1 --cpu\nimport os\nos.getpid()")
+    again.raise_error()
+    fresh = run(ip, "%%accel_launch -n 1 --cpu --fresh\nimport os\nos.getpid()")
+    fresh.raise_error()
+    assert again.result == first.result != fresh.result
+    capsys.readouterr()
+    ip.run_line_magic("accel_workers", "")
+    shown = capsys.readouterr().out
+    assert f"warm rank: pid {first.result} (cpu, fork), 2 runs" in shown and "--fresh" in shown
+    ip.run_line_magic("accel_workers", "stop")
+    assert "warm workers stopped" in capsys.readouterr().out
+    ip.run_line_magic("accel_workers", "")
+    assert "warm rank" not in capsys.readouterr().out and not os.path.exists(f"/proc/{first.result}/status")

@@ -87,19 +87,25 @@ def test_ranks_that_ignore_the_interrupt_are_killed_and_the_pool_says_it_is_dead
         doomed.close()
 
 
-def _rank_1_raises_while_rank_0_waits_in_a_collective():
+def _rank_1_raises_while_rank_0_waits_in_a_collective(marker_dir):
+    import time
+
     import torch
     import torch.distributed as dist
-    if os.environ["RANK"] == "1":
+    if os.environ["RANK"] == "1":  # rank 0 is in the collective (not merely cancelled before it) when this raises
+        while not os.path.exists(os.path.join(marker_dir, "in-collective")):
+            time.sleep(0.01)
+        time.sleep(0.3)
         raise ValueError("bad shape on rank 1")
+    open(os.path.join(marker_dir, "in-collective"), "w").close()
     dist.all_reduce(torch.ones(1))
 
 
-def test_a_failure_that_leaves_a_rank_stuck_in_a_collective_ends_the_pool():
+def test_a_failure_that_leaves_a_rank_stuck_in_a_collective_ends_the_pool(tmp_path):
     stuck = WorkerPool(num_processes=2, use_cpu=True, grace=0.5)
     try:
         with pytest.raises(ValueError) as info:
-            stuck.run(_rank_1_raises_while_rank_0_waits_in_a_collective)
+            stuck.run(_rank_1_raises_while_rank_0_waits_in_a_collective, str(tmp_path))
         assert info.value.failures[0].rank == 1
         assert any("WorkerPool is dead" in note and "restart" in note for note in info.value.__notes__)
         assert not stuck.alive

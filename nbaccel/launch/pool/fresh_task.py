@@ -10,12 +10,13 @@ before the function runs and clears what the function left after it returns:
 - before: environment (the caller's, plus the rank's settings), cwd, ``sys.path``; nbaccel's
   per-process state (:func:`~nbaccel.rank_resets.reset_rank_state`), the persisted namespace;
   NumPy's and torch's generators as the caller's (torch's CUDA ones seeded as a fork's would be),
-  Python's ``random`` reseeded from the OS (as Python does in every forked child); torch's default dtype, grad mode, determinism and TF32/cuDNN switches.
+  Python's ``random`` reseeded from the OS (as Python does in every forked child); torch's default
+  dtype, grad mode, determinism and TF32/cuDNN switches.
 - after: open figures shown (as a launch's worker does when it ends) and closed; a process group
   the function made destroyed; the namespace emptied; garbage collected; cached GPU memory freed.
 
-What this cannot undo, a fresh process would not have either way: changes a function makes to
-imported modules' globals (monkeypatching) stay in the rank. ``fresh=True`` runs in a new process.
+What this does not undo: changes a function makes to imported modules' globals (monkeypatching)
+stay in the rank until it is replaced. ``fresh=True`` runs in a new process.
 """
 
 from __future__ import annotations

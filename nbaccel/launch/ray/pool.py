@@ -33,9 +33,18 @@ __all__ = ["RayPoolRanks"]
 class RayPoolRanks:
     """The Ray side of a :class:`~nbaccel.launch.pool.worker_pool.WorkerPool` (see the module docstring)."""
 
-    def __init__(self, request: LaunchRequest, start_timeout: float) -> None:
-        self._request = request
-        self.ranks = RayRanks.start(request, start_timeout=start_timeout, join_group=True)
+    def __init__(self, ranks: RayRanks) -> None:
+        self.ranks = ranks
+
+    @classmethod
+    def start(cls, request: LaunchRequest, start_timeout: float) -> RayPoolRanks:
+        """Start the rank actors; each joins the process group once, for the pool's life.
+
+        Raises:
+            MissingDependencyError: Ray is not installed.
+            LaunchError: the actors did not start within ``start_timeout`` (nothing is left running).
+        """
+        return cls(RayRanks.start(request, start_timeout=start_timeout, join_group=True))
 
     def dead(self) -> str:
         """Why the pool cannot run (a rank's actor is gone), or ``""``."""
