@@ -7,20 +7,21 @@ stops everything (SIGTERM, then SIGKILL after a grace period) before re-raising 
 happens, no worker outlives :meth:`Supervisor.run`.
 
 What varies between launchers is configuration, not subclassing: a :class:`SupervisorPolicy`
-(timeouts, grace period) and, where the ranks run inside another process that nbaccel started
-(torch_xla's host process), that ``host`` handle: its output is shown under its own label, its
-exit ends every rank that had not reported, and stack dumps are asked of it. How one process is
-polled and signalled is its :class:`WorkerHandle`'s business.
+(timeouts, grace period, whether ranks outlive the run) and, where the ranks run inside another
+process that nbaccel started (torch_xla's host process), that ``host`` handle. How one rank is
+read, polled and signalled for this run is its :class:`WorkerHandle`'s business: a process started
+for the run, a Ray actor's call, or one task on a rank kept warm (docs/architecture.md, Lifetimes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import selectors
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -102,8 +103,10 @@ class Supervisor:
                 self._selector.register(handle.pidfd, selectors.EVENT_READ, (handle, "exit"))
 
     # ------------------------------------------------------------------ public
-    def run(self) -> dict[int, Any]:
-        """Watch the workers; return ``{rank: result}`` or raise the root-cause failure.
+    def run(self, start: Callable[[], None] | None = None) -> dict[int, Any]:
+        """Call ``start()`` (handing ranks their work), watch them; ``{rank: result}`` or the root-cause failure.
+
+        An interrupt that lands while ``start`` runs, or right after it, stops the ranks like any other.
 
         Raises:
             KeyboardInterrupt: the caller was interrupted; every worker has been stopped.
@@ -112,6 +115,8 @@ class Supervisor:
         """
         started = time.monotonic()
         try:
+            if start is not None:
+                start()
             failures = self._watch(started)
         except BaseException:
             self._stop_all(interrupted=True)
@@ -121,7 +126,8 @@ class Supervisor:
             self._close()
             self.relay.flush()  # every line is out before the result or the failure
         if failures:
-            raise_failures(failures, len(self.workers), [r for r in self._stopped if self._is_rank(r)])
+            stopped = [r for r in self._stopped if self.host is None or r != self.host.rank]
+            raise_failures(failures, len(self.workers), stopped)
         # Ranks whose value was not asked for reported an empty result: only that they finished.
         return {h.rank: load_result(h.rank, h.result) for h in self.workers if h.result}
 
@@ -213,9 +219,6 @@ class Supervisor:
                         fds.remove(fd)
                     ready.close()
         self.relay.flush_rank(handle.rank)
-
-    def _is_rank(self, rank: int) -> bool:
-        return self.host is None or rank != self.host.rank
 
     def _on_message(self, handle: WorkerHandle, kind: str, body: Any) -> None:
         if kind == "started":
@@ -377,9 +380,8 @@ class Supervisor:
         self._kill_remaining()
 
     def _kill_remaining(self) -> None:
-        for handle in self._handles:
-            if not handle.exited:
-                handle.send_tree(signal.SIGKILL)
+        for handle in [h for h in self._handles if not h.exited]:
+            handle.send_tree(signal.SIGKILL)
         for handle in self._handles:
             while not handle.poll():
                 time.sleep(0.005)
@@ -393,8 +395,6 @@ class Supervisor:
             self._selector.unregister(key.fd)
             handle, kind = key.data
             if handle.owns_fds or kind == "exit":  # a warm rank's pipes and socket outlive the run
-                try:
+                with contextlib.suppress(OSError):
                     os.close(key.fd)
-                except OSError:
-                    pass
         self._selector.close()

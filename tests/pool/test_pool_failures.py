@@ -171,3 +171,27 @@ def test_a_rank_that_dies_while_being_cancelled_ends_the_pool_and_says_so(tmp_pa
         assert "pool is dead" in str(info.value) and not fragile.alive
     finally:
         fragile.close()
+
+
+def test_an_interrupt_right_after_the_task_is_sent_still_cancels_it(pool, tmp_path, monkeypatch):
+    """The interrupt lands between sending the task and watching it (seen under load): the ranks are cancelled,
+    not left running a task whose replies the next run would read."""
+    from nbaccel.launch.pool import local_ranks
+
+    sent = []
+    real_send = local_ranks._send_task
+
+    def send_then_interrupt(member, payload, send_result):
+        real_send(member, payload, send_result)
+        sent.append(member.rank)
+        if len(sent) == pool.num_processes:
+            wait_for(lambda: len([n for n in os.listdir(tmp_path) if n.startswith("running")]) == 2, 30)
+            os.kill(os.getpid(), signal.SIGINT)  # held until the last frame is out, then raised
+
+    monkeypatch.setattr(local_ranks, "_send_task", send_then_interrupt)
+    with pytest.raises(KeyboardInterrupt) as info:
+        pool.run(sleep_until_cancelled, str(tmp_path))
+    monkeypatch.undo()
+    assert "pool is still up" in str(info.value)
+    assert {"cancelled-0", "cancelled-1"} <= set(os.listdir(tmp_path))
+    assert pool.run(lambda: 7) == 7

@@ -90,11 +90,14 @@ class LocalPoolRanks:
                     policy: SupervisorPolicy, result_ranks: Collection[int] | None) -> dict[int, Any]:
         """:meth:`run` with the cloudpickled ``(function, args, kwargs)`` made already."""
         handles = [TaskHandle.for_task(m) for m in self.members]
-        with _interrupts_deferred():  # half a frame on a socket would break that rank's stream for good
-            for member in self.members:
-                _send_task(member, payload, result_ranks is None or member.rank in result_ranks)
+
+        def send_tasks() -> None:  # inside the supervisor's run: an interrupt from here on cancels the task
+            with _interrupts_deferred():  # half a frame on a socket would break that rank's stream for good
+                for member in self.members:
+                    _send_task(member, payload, result_ranks is None or member.rank in result_ranks)
+
         try:
-            return Supervisor(handles, relay, observer, policy=policy).run()
+            return Supervisor(handles, relay, observer, policy=policy).run(start=send_tasks)
         finally:
             gone = [h for h in handles if h.member.handle.exited]
             if gone:
