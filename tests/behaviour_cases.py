@@ -29,6 +29,7 @@ import pytest
 
 import nbaccel
 from nbaccel import LaunchTimeoutError, WorkerFailedError
+from tests.pool.helpers import wait_for as wait_until
 
 WAIT = 30.0
 """Seconds any wait in these tests may take: generous, for a machine shared with other suites."""
@@ -101,18 +102,42 @@ class Recorder:
         return [e[1:] for e in self.events if e[0] == kind]
 
 
+class PoolVariant(Variant):
+    """A warm pool (local, or Ray's with ``backend="ray"``): the same ranks for every run, and what a run leaves stays."""
+
+    keeps_state = True
+    forks_caller = False
+    keeps_modules = True
+
+    def __init__(self, name: str, pool: nbaccel.WorkerPool) -> None:
+        self.name, self.pool, self.num_processes = name, pool, pool.num_processes
+
+    def run(self, function: Callable[..., Any], *args: Any, observer: Any = None, return_all: bool = False,
+            output_ranks: list[int] | None = None) -> Any:
+        if observer is None and output_ranks is None:  # the user's way
+            return self.pool.run(function, *args, return_all=return_all)
+        results = self.pool.launch(self.pool.request(function, args, observer=observer, return_all=return_all,
+                                                     output_ranks=output_ranks))
+        return results if return_all else results.get(0)
+
+    @contextlib.contextmanager
+    def with_timeout(self, seconds: float) -> Iterator[Variant]:
+        backend = "ray" if self.pool.start_method == "ray" else "local"
+        with nbaccel.WorkerPool(num_processes=self.num_processes, use_cpu=True, timeout=seconds,
+                                backend=backend) as timed:
+            yield PoolVariant(self.name, timed)
+
+    def check_after_interrupt(self, pids: list[int]) -> None:
+        assert self.pool.alive and sorted(self.pool.pids) == sorted(pids)  # the same ranks, still up
+
+
 # ---------------------------------------------------------------------------- what the ranks run
 def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = WAIT) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
+    return wait_until(predicate, timeout)
 
 
 def answer() -> int:

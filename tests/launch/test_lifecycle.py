@@ -14,6 +14,7 @@ import pytest
 
 from nbaccel import LaunchError, LaunchTimeoutError, notebook_launcher
 
+from ..pool.helpers import wait_for
 from .procs import alive, children, handlers, listening, open_fds, socket_inodes
 
 PY = sys.executable
@@ -25,13 +26,6 @@ def _script(tmp_path: Path, body: str) -> Path:
     return path
 
 
-def _wait_for(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 SLEEPERS = """
@@ -55,7 +49,7 @@ def _start_sleepers(tmp_path: Path) -> tuple[subprocess.Popen, Path, list[int]]:
     pid_dir.mkdir()
     proc = subprocess.Popen([PY, str(_script(tmp_path, SLEEPERS)), str(pid_dir)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-    assert _wait_for(lambda: len(os.listdir(pid_dir)) == 3, 60), proc.communicate(timeout=5)
+    assert wait_for(lambda: len(os.listdir(pid_dir)) == 3, 60), proc.communicate(timeout=5)
     return proc, pid_dir, [int(p) for p in os.listdir(pid_dir)]
 
 
@@ -68,14 +62,14 @@ def test_sigint_to_the_process_group_stops_every_worker_and_is_an_interrupt(tmp_
     assert "INTERRUPTED" in out and "RETURNED" not in out, err
     # Killed workers the launcher has not reaped yet are re-parented when it exits; on a loaded machine
     # the last one can take a moment to go (the same few seconds the SIGKILL test allows).
-    assert _wait_for(lambda: not any(alive(p) for p in pids), 5), [p for p in pids if alive(p)]
+    assert wait_for(lambda: not any(alive(p) for p in pids), 5), [p for p in pids if alive(p)]
 
 
 def test_sigkill_of_the_parent_takes_the_workers_with_it(tmp_path):
     proc, _, pids = _start_sleepers(tmp_path)
     proc.kill()
     proc.wait()
-    assert _wait_for(lambda: not any(alive(p) for p in pids), 5), [p for p in pids if alive(p)]
+    assert wait_for(lambda: not any(alive(p) for p in pids), 5), [p for p in pids if alive(p)]
 
 
 def test_sigkill_of_a_spawning_parent_leaves_no_temp_folder(tmp_path):
@@ -88,11 +82,11 @@ def test_sigkill_of_a_spawning_parent_leaves_no_temp_folder(tmp_path):
     proc = subprocess.Popen([PY, str(_script(tmp_path, body)), str(pid_dir)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env={**os.environ, "TMPDIR": str(own_tmp)})
-    assert _wait_for(lambda: len(os.listdir(pid_dir)) == 3, 90), proc.communicate(timeout=5)
+    assert wait_for(lambda: len(os.listdir(pid_dir)) == 3, 90), proc.communicate(timeout=5)
     pids = [int(p) for p in os.listdir(pid_dir)]
     proc.kill()
     proc.wait()
-    assert _wait_for(lambda: not any(alive(p) for p in pids), 5), [p for p in pids if alive(p)]
+    assert wait_for(lambda: not any(alive(p) for p in pids), 5), [p for p in pids if alive(p)]
     assert list(own_tmp.iterdir()) == []
 
 

@@ -20,7 +20,13 @@ import pytest
 
 from nbaccel import WorkerPool, notebook_launcher
 from tests.behaviour_cases import *  # noqa: F403 - the behaviours, run here against this file's variants
-from tests.behaviour_cases import Variant, answer, kernel_like_shell, wait_for
+from tests.behaviour_cases import (
+    PoolVariant,
+    Variant,
+    answer,
+    kernel_like_shell,
+    wait_for,
+)
 
 from .procs import alive, children
 
@@ -48,33 +54,6 @@ class Launch(Variant):
             assert children() == []
 
 
-class Pool(Variant):
-    """A warm pool: the same workers for every run, and what a run leaves stays."""
-
-    keeps_state = True
-    forks_caller = False
-    keeps_modules = True
-
-    def __init__(self, name: str, pool: WorkerPool) -> None:
-        self.name, self.pool, self.num_processes = name, pool, pool.num_processes
-
-    def run(self, function: Callable[..., Any], *args: Any, observer: Any = None, return_all: bool = False,
-            output_ranks: list[int] | None = None) -> Any:
-        if observer is None and output_ranks is None:  # the user's way
-            return self.pool.run(function, *args, return_all=return_all)
-        results = self.pool.launch(self.pool.request(function, args, observer=observer, return_all=return_all,
-                                                     output_ranks=output_ranks))
-        return results if return_all else results.get(0)
-
-    @contextlib.contextmanager
-    def with_timeout(self, seconds: float) -> Iterator[Variant]:
-        with WorkerPool(num_processes=self.num_processes, use_cpu=True, timeout=seconds) as timed:
-            yield Pool(self.name, timed)
-
-    def check_after_interrupt(self, pids: list[int]) -> None:
-        assert self.pool.alive and sorted(self.pool.pids) == sorted(pids)  # the same workers, still up
-
-
 def _has_fresh_option() -> bool:
     return "fresh" in inspect.signature(notebook_launcher).parameters
 
@@ -87,7 +66,7 @@ def runner(request):
         yield Launch("oneshot", 2)
     elif request.param == "pool":
         with WorkerPool(num_processes=2, use_cpu=True) as pool:
-            yield Pool("pool", pool)
+            yield PoolVariant("pool", pool)
     elif request.param == "warm1":
         warm = Launch("warm1", 1, leaves_nothing=False)
         warm.keeps_modules = True  # the kept rank's imported modules stay (nbaccel.launch.pool.warm)
@@ -102,6 +81,6 @@ def runner(request):
 @pytest.fixture(autouse=True)
 def _a_pool_broken_by_an_earlier_test_is_restarted(runner):
     """One broken pool fails the test that broke it, not every test after it."""
-    if isinstance(runner, Pool) and not runner.pool.alive:
+    if isinstance(runner, PoolVariant) and not runner.pool.alive:
         runner.pool.restart()
     yield

@@ -18,7 +18,7 @@ import pytest
 
 from nbaccel import WorkerPool, notebook_launcher
 from tests.behaviour_cases import *  # noqa: F403 - the behaviours, run here against this file's variants
-from tests.behaviour_cases import Variant, kernel_like_shell
+from tests.behaviour_cases import PoolVariant, Variant, kernel_like_shell
 from tests.ray.conftest import wait_until_clean
 
 
@@ -43,33 +43,6 @@ class RayLaunch(Variant):
         assert wait_until_clean() == ([], [])  # no actor, no placement group left on the cluster
 
 
-class RayPool(Variant):
-    """A pool of rank actors: the same actors for every run, and what a run leaves stays."""
-
-    keeps_state = True
-    forks_caller = False
-    keeps_modules = True
-
-    def __init__(self, name: str, pool: WorkerPool) -> None:
-        self.name, self.pool, self.num_processes = name, pool, pool.num_processes
-
-    def run(self, function: Callable[..., Any], *args: Any, observer: Any = None, return_all: bool = False,
-            output_ranks: list[int] | None = None) -> Any:
-        if observer is None and output_ranks is None:  # the user's way
-            return self.pool.run(function, *args, return_all=return_all)
-        results = self.pool.launch(self.pool.request(function, args, observer=observer, return_all=return_all,
-                                                     output_ranks=output_ranks))
-        return results if return_all else results.get(0)
-
-    @contextlib.contextmanager
-    def with_timeout(self, seconds: float) -> Iterator[Variant]:
-        with WorkerPool(self.num_processes, use_cpu=True, backend="ray", timeout=seconds) as timed:
-            yield RayPool(self.name, timed)
-
-    def check_after_interrupt(self, pids: list[int]) -> None:
-        assert self.pool.alive and sorted(self.pool.pids) == sorted(pids)  # the same actors, still up
-
-
 @pytest.fixture(scope="module", params=["ray_oneshot", "ray_pool"])
 def runner(request, ray_cluster):
     kernel_like_shell()
@@ -77,13 +50,13 @@ def runner(request, ray_cluster):
         yield RayLaunch("ray_oneshot", 2)
     else:
         with WorkerPool(2, use_cpu=True, backend="ray") as pool:
-            yield RayPool("ray_pool", pool)
+            yield PoolVariant("ray_pool", pool)
         assert wait_until_clean() == ([], [])
 
 
 @pytest.fixture(autouse=True)
 def _a_pool_broken_by_an_earlier_test_is_restarted(runner):
     """One broken pool fails the test that broke it, not every test after it."""
-    if isinstance(runner, RayPool) and not runner.pool.alive:
+    if isinstance(runner, PoolVariant) and not runner.pool.alive:
         runner.pool.restart()
     yield
