@@ -7,7 +7,7 @@ a launch hosts sits behind a guard:
 ::
 
     rank (torch's TCPStore client) ──► front 127.0.0.1:P  (MASTER_PORT; any local process can connect)
-                                         │  checked on connect, from /proc/net/tcp: the connecting
+                                         │  checked on connect, asking the kernel (sock_diag): the connecting
                                          │  socket must belong to this user and to one of the
                                          │  launch's own worker processes; anything else is closed
                                          ▼  relayed by one thread
@@ -17,8 +17,8 @@ a launch hosts sits behind a guard:
 
 What always holds once :meth:`StoreGuard.start` returned: every connection the real store
 serves is the store's own (made before the filter, and checked to be ours) or one the relay made
-for a checked rank. Where ``/proc/net/tcp`` is missing (not Linux) the front cannot check, and
-accepts (said in SECURITY.md).
+for a checked rank. Where the kernel answers neither by netlink nor in ``/proc/net/tcp`` (not
+Linux) the front cannot check, and accepts (said in SECURITY.md).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import socket
 import struct
 import threading
 from collections.abc import Callable, Collection
-from pathlib import Path
 
 from nbaccel.errors import LaunchError
+from nbaccel.launch.loopback_sockets import loopback_sockets
 
 __all__ = ["StoreGuard"]
 
@@ -57,40 +57,6 @@ def _attach_filter(sock: socket.socket, ports: Collection[int]) -> None:
     code = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *ins) for ins in program))
     sock.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER,
                     struct.pack("HxxxxxxQ", len(program), ctypes.addressof(code)))  # copied by the kernel
-
-
-# 127.0.0.1 as /proc/net/tcp writes it, and as /proc/net/tcp6 writes it for an IPv6 socket talking
-# IPv4 (torch's TCPStore client opens its sockets that way: ::ffff:127.0.0.1).
-_LOOPBACK_HEX = (b"0000000000000000FFFF00000100007F", b"0100007F")
-
-
-def _sockets(local_port: int, remote_port: int | None = None) -> list[tuple[int, int, int, int]] | None:
-    """``(remote port, uid, inode, state)`` of the loopback TCP sockets bound to ``local_port``
-    (and connected to ``remote_port``), or ``None`` without ``/proc/net/tcp``.
-
-    The tables are searched for the address text rather than parsed line by line: they hold every
-    socket of the machine's network namespace, and the check runs once per connecting rank.
-    """
-    found, tables = [], 0
-    for name in ("/proc/net/tcp6", "/proc/net/tcp"):
-        try:
-            data = Path(name).read_bytes()
-        except OSError:
-            continue
-        tables += 1
-        for loop in _LOOPBACK_HEX:
-            needle = b"%s:%04X %s:" % (loop, local_port, loop)
-            if remote_port is not None:
-                needle += b"%04X " % remote_port
-            at = data.find(needle)
-            while at >= 0:
-                fields = data[at:data.find(b"\n", at)].split()  # local, remote, st, queues, timer, retr, uid, to, inode
-                found.append((int(fields[1].rsplit(b":", 1)[1], 16), int(fields[6]), int(fields[8]),
-                              int(fields[2], 16)))
-                at = data.find(needle, at + 1)
-        if remote_port is not None and found:  # one connection: found in the first table, done
-            break
-    return found if tables else None
 
 
 def _socket_inodes(pid: int) -> set[int]:
@@ -163,7 +129,7 @@ class StoreGuard:
         return store
 
     def _refuse_strangers(self) -> None:
-        served = _sockets(self.real_port)
+        served = loopback_sockets(self.real_port)
         if served is None:
             return
         own = _socket_inodes(os.getpid())
@@ -171,7 +137,7 @@ class StoreGuard:
         for client_port, _, _, state in served:
             if state != 1:  # not ESTABLISHED: the listener itself, or a closing socket
                 continue
-            client = _sockets(client_port, self.real_port) or []
+            client = loopback_sockets(client_port, self.real_port) or []
             if not any(inode in own for _, _, inode, _ in client):
                 strangers.append(client_port)
         if strangers:
@@ -182,11 +148,11 @@ class StoreGuard:
 
     def _check(self, peer_port: int) -> str:
         """Why the connection from ``peer_port`` is refused, or ``""``."""
-        rows = _sockets(peer_port, self.port)
+        rows = loopback_sockets(peer_port, self.port)
         if rows is None:
             return ""
         if not rows:
-            return "its socket is not in /proc/net/tcp"
+            return "the kernel lists no such socket"
         _, uid, inode, _ = rows[0]
         if uid != os.getuid():
             return f"it belongs to uid {uid}"
