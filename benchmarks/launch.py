@@ -13,13 +13,21 @@ same run: a trivial function's first launch (goal <= 1.0x Accelerate's), a funct
 function's first and second launches (goals <= 0.5x and <= 0.25x). The machine's load average
 is printed with the figures: CPU time here is shared.
 
+Then a repeated one-process launch of a small training function (an ``Accelerator``, a two-layer
+model prepared with its optimizer, 5 steps), each variant in a fresh process: its first call, and
+its warm steady state (the median of calls 3 to ``--calls``), against Accelerate's
+``notebook_launcher``, which runs a one-process function in the calling process (goal: steady
+state <= 2x Accelerate's). Rows: ``nbaccel (default)``, and ``nbaccel fresh=True`` where
+``notebook_launcher`` takes ``fresh`` (a new process for every launch).
+
 Run: ``.venv/bin/python benchmarks/launch.py`` (needs ``pip install accelerate`` for its column);
-``--only-first`` runs only the fresh-process table.
+``--only-first`` runs only the fresh-process tables.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import socket
@@ -30,6 +38,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -90,6 +99,92 @@ def gather_accelerate() -> int:
     return int(accelerator.gather(torch.ones(1, device=accelerator.device)).sum())
 
 
+def small_train_nbaccel() -> float:
+    """A small training function (what a notebook re-runs while trying things), with nbaccel."""
+    from nbaccel import Accelerator
+
+    return _small_train(Accelerator(cpu=True))
+
+
+def small_train_accelerate() -> float:
+    """The same function, with Accelerate's Accelerator."""
+    from accelerate import Accelerator
+
+    return _small_train(Accelerator(cpu=True))
+
+
+def _small_train(accelerator: Any, steps: int = 5) -> float:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    for _ in range(steps):
+        loss = model(torch.randn(16, 32, device=accelerator.device)).pow(2).mean()
+        optimizer.zero_grad()
+        accelerator.backward(loss)
+        optimizer.step()
+    return float(loss.detach())
+
+
+ONE_PROCESS_VARIANTS = ("nbaccel (default)", "nbaccel fresh=True", "accelerate")
+
+
+def _one_process_variants() -> list[str]:
+    """The rows this install can run: ``fresh=True`` only where ``notebook_launcher`` takes it."""
+    from nbaccel import notebook_launcher
+
+    variants = list(ONE_PROCESS_VARIANTS)
+    if "fresh" not in inspect.signature(notebook_launcher).parameters:
+        variants.remove("nbaccel fresh=True")
+    return variants
+
+
+def _child_repeated(variant: str, calls: int) -> None:
+    """In a fresh interpreter: time ``calls`` one-process launches of the small training function."""
+    if variant == "accelerate":
+        from accelerate import notebook_launcher as acc_launch
+
+        def run() -> None:
+            acc_launch(small_train_accelerate, num_processes=1)
+    else:
+        from nbaccel import notebook_launcher as nb_launch
+
+        extra = {"fresh": True} if variant == "nbaccel fresh=True" else {}
+
+        def run() -> None:
+            nb_launch(small_train_nbaccel, num_processes=1, use_cpu=True, **extra)
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    print(json.dumps({"first": times[0], "steady": statistics.median(times[2:])}))
+
+
+def one_process_launches(repeat: int, calls: int) -> None:
+    """The repeated one-process table: each variant in a new interpreter per round, variants interleaved."""
+    variants = _one_process_variants()
+    got: dict[str, list[dict[str, float] | None]] = {variant: [] for variant in variants}
+    for round_index in range(repeat):
+        for variant in variants[round_index % len(variants):] + variants[:round_index % len(variants)]:
+            got[variant].append(_fresh_run("repeated", variant, calls))
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"\nrepeated one-process launches of a small training function, CPU (median [min..max] of {repeat} "
+          f"fresh processes; steady = each process's median of calls 3-{calls}; ratio = row / accelerate, "
+          f"pairwise by round; load average {load})")
+    print(f"{'launcher':20} {'first call (s)':>22} {'steady state (s)':>24} {'ratio first':>18} {'ratio steady':>20}")
+    peer = got["accelerate"]
+    for variant in variants:
+        runs = [(ours, theirs) for ours, theirs in zip(got[variant], peer) if ours and theirs]
+        if not runs:
+            continue
+        first, steady = [r["first"] for r, _ in runs], [r["steady"] for r, _ in runs]
+        ratio_first = [a["first"] / b["first"] for a, b in runs]
+        ratio_steady = [a["steady"] / b["steady"] for a, b in runs]
+        print(f"{variant:20} {_spread(first):>22} {_spread(steady, 4):>24} {_spread(ratio_first, 1):>18} "
+              f"{_spread(ratio_steady, 1):>20}")
+    print("goal: nbaccel (default) steady state <= 2x accelerate")
+
+
 def _child(launcher: str, function_name: str, n: int) -> None:
     """In a fresh interpreter: time the first and the second launch of one function."""
     function = {"trivial": trivial, "ddp": ddp_train,
@@ -110,6 +205,23 @@ def _child(launcher: str, function_name: str, n: int) -> None:
     start = time.perf_counter()
     run()
     print(json.dumps({"first": first, "second": time.perf_counter() - start}))
+
+
+def compile_bytecode() -> str:
+    """Byte-compile nbaccel's modules where they are imported from, as installing a package does.
+
+    Accelerate's modules were compiled when pip installed them; a source checkout run with
+    ``PYTHONDONTWRITEBYTECODE=1`` (as on this machine) would otherwise compile every nbaccel
+    module again in every fresh process, 60-110 ms of a first launch here, which no installed
+    copy pays. Returns the line saying so.
+    """
+    import compileall
+
+    import nbaccel
+
+    root = Path(nbaccel.__file__).parent
+    compileall.compile_dir(root, quiet=1)
+    return f"bytecode: nbaccel's compiled in {root}/**/__pycache__ (Accelerate's by pip, at install)"
 
 
 def first_launches(n: int, repeat: int) -> None:
@@ -140,7 +252,10 @@ def first_launches(n: int, repeat: int) -> None:
 
 
 def _fresh_run(launcher: str, fn: str, n: int, timeout: float = 300) -> dict[str, float] | None:
-    """One fresh-process measurement; ``None`` when it hung past ``timeout`` (its whole group is killed)."""
+    """One fresh-process measurement; ``None`` when it hung past ``timeout`` (its whole group is killed).
+
+    ``launcher`` ``"repeated"`` runs :func:`_child_repeated` (``fn`` the variant, ``n`` the calls).
+    """
     child = subprocess.Popen([sys.executable, __file__, "--child", launcher, fn, str(n)], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
                              start_new_session=True)
@@ -236,10 +351,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--processes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--only-first", action="store_true", help="only the fresh-process first-launch table")
+    parser.add_argument("--calls", type=int, default=12, help="launches per process in the one-process table")
+    parser.add_argument("--only-first", action="store_true",
+                        help="only the fresh-process tables (first launches, repeated one-process launches)")
     parser.add_argument("--child", nargs=3, metavar=("LAUNCHER", "FUNCTION", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
+        if args.child[0] == "repeated":
+            return _child_repeated(args.child[1], int(args.child[2]))
         return _child(args.child[0], args.child[1], int(args.child[2]))
     try:
         import accelerate  # noqa: F401
@@ -247,7 +366,9 @@ def main() -> None:
         print("accelerate not installed: its column is skipped (pip install accelerate)", file=sys.stderr)
         LAUNCHERS.pop("accelerate notebook_launcher")
     else:
+        print(compile_bytecode())
         first_launches(4, args.repeat)
+        one_process_launches(args.repeat, args.calls)
     if args.only_first:
         return
     for launch in LAUNCHERS.values():  # warm-up: first-use imports are not launch overhead
