@@ -118,3 +118,34 @@ def test_forked_workers_find_the_nbaccel_names_they_use_imported_and_the_callers
     assert before is False and state["imported"] is True
     assert state["frozen"] > 1000 and caller_frozen == 0
     assert gc.get_freeze_count() == 0
+
+
+def test_the_used_names_are_imported_with_the_collector_held_off_and_left_as_it_was(tmp_path, monkeypatch):
+    """A full collection in the caller walks every object it holds (70-80 ms with torch): none runs in the import."""
+    import gc
+    import sys
+
+    from nbaccel.exports import EXPORTS
+    from nbaccel.launch.warmup import import_used_exports
+
+    (tmp_path / "nbaccel_probe_export.py").write_text(
+        "cycles = []\nfor _ in range(50_000):\n    item = []\n    item.append(item)\n    cycles.append(item)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(EXPORTS, "ProbeExport", "nbaccel_probe_export")
+    collections = []
+
+    def note(phase, info):
+        collections.append(info["generation"])
+
+    gc.callbacks.append(note)
+    try:
+        for enabled in (True, False):
+            sys.modules.pop("nbaccel_probe_export", None)
+            (gc.enable if enabled else gc.disable)()
+            import_used_exports(["ProbeExport"])
+            assert "nbaccel_probe_export" in sys.modules and collections == []
+            assert gc.isenabled() is enabled
+    finally:
+        gc.callbacks.remove(note)
+        gc.enable()
+        sys.modules.pop("nbaccel_probe_export", None)
