@@ -178,10 +178,14 @@ def _teardown() -> None:
 
 
 def _host_only(dist: Any) -> bool:
-    """Whether every process group is gloo's and no GPU was touched (no collective can still be running on one)."""
-    cuda = sys.modules.get("torch.cuda")
-    if cuda is not None and cuda.is_initialized():
+    """Whether every process group is gloo's and no device runtime started (no collective can be running on a device)."""
+    if "torch_xla" in sys.modules:  # XLA runs its work lazily: some may still be queued
         return False
+    torch = sys.modules["torch"]
+    for device in ("cuda", "xpu"):
+        started = getattr(getattr(torch, device, None), "is_initialized", None)
+        if started is not None and started():
+            return False
     try:
         groups = list(dist.distributed_c10d._world.pg_map)
         return all(dist.get_backend(group) == "gloo" for group in groups)
