@@ -178,7 +178,7 @@ def _teardown() -> None:
 
 
 def _host_only(dist: Any) -> bool:
-    """Whether every process group is gloo's and no device runtime started (no collective can be running on a device)."""
+    """Whether every group is gloo's and no device runtime started (no collective can be running on a device)."""
     if "torch_xla" in sys.modules:  # XLA runs its work lazily: some may still be queued
         return False
     torch = sys.modules["torch"]
