@@ -244,3 +244,6 @@ def _wait_ready(processes: PoolProcesses, deadline: float, start_timeout: float)
     while not all(m.ready for m in processes.members):
         _check_deadline(processes, deadline, start_timeout)
         _check_starting(processes, 0.05)
+    # Each worker's body said "started" (for serve itself) on its control pipe before it connected:
+    # read it now, or the first task's supervisor would take it for the task's own start.
+    _check_starting(processes, 0)
