@@ -19,10 +19,16 @@ _HEADER = struct.Struct("!Q")
 DISPLAY_MARK = b"\x00nbaccel:display\x00"  # under PIPE_BUF, so one write() puts it in the pipe whole
 
 
+_ONE_WRITE = 1 << 20
+
+
 def write_frame(fd: int, kind: str, body: Any) -> None:
     """Write one ``(kind, body)`` message to ``fd`` (blocking until it is all written)."""
     payload = pickle.dumps((kind, body), protocol=pickle.HIGHEST_PROTOCOL)
-    for part in (_HEADER.pack(len(payload)), payload):  # no header+payload concatenation: one copy less
+    header = _HEADER.pack(len(payload))
+    # A small frame goes out in one write (one wake-up of the reader); a large one is not copied to join them.
+    parts = (header + payload,) if len(payload) <= _ONE_WRITE else (header, payload)
+    for part in parts:
         view = memoryview(part)
         while view:
             written = os.write(fd, view)

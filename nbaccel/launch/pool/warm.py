@@ -84,12 +84,11 @@ class _WarmRank:
     started_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
     runs: int = 0
-    timer: threading.Timer | None = None
+    closed: threading.Event = field(default_factory=threading.Event)
     finalizer: weakref.finalize | None = None
 
     def close(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
+        self.closed.set()  # its idle watcher ends
         if self.finalizer is not None:
             self.finalizer()  # shuts the rank down once (also at interpreter exit)
 
@@ -125,10 +124,9 @@ class WarmLauncher:
                 return results
             finally:
                 warm.runs += 1
+                warm.last_used = time.monotonic()
                 if not ok:
                     _close_locked()  # a failure may leave the rank unusable (a CUDA error sticks to its context)
-                else:
-                    _arm_idle_timer(warm)
                 if observer is not None:
                     observer.on_end(ok)
 
@@ -150,22 +148,19 @@ def _kept_rank(request: LaunchRequest, rank_env: dict[str, str]) -> _WarmRank:
         _warm = _WarmRank(key=key, ranks=started, device_kind=request.plan.device_kind,
                           start_method=request.plan.start_method)
         _warm.finalizer = weakref.finalize(_warm, started.shutdown)
-    if _warm.timer is not None:
-        _warm.timer.cancel()
+        threading.Thread(target=_watch_idle, args=(_warm,), name="nbaccel-warm-idle", daemon=True).start()
     return _warm
 
 
-def _arm_idle_timer(warm: _WarmRank) -> None:
-    warm.last_used = time.monotonic()
-    warm.timer = threading.Timer(IDLE_CLOSE_SECONDS, _close_if_idle, (warm,))
-    warm.timer.daemon = True
-    warm.timer.start()
-
-
-def _close_if_idle(warm: _WarmRank) -> None:
-    with _lock:
-        if _warm is warm and time.monotonic() - warm.last_used >= IDLE_CLOSE_SECONDS - 0.5:
-            _close_locked()
+def _watch_idle(warm: _WarmRank) -> None:
+    """Close ``warm`` once it has been idle :data:`IDLE_CLOSE_SECONDS` (one thread per kept rank, none per launch)."""
+    while not warm.closed.wait(max(0.05, warm.last_used + IDLE_CLOSE_SECONDS - time.monotonic())):
+        with _lock:  # held for a whole run: a busy rank is never idle here
+            if _warm is not warm:
+                return
+            if time.monotonic() - warm.last_used >= IDLE_CLOSE_SECONDS:
+                _close_locked()
+                return
 
 
 def _close_locked() -> None:
@@ -213,20 +208,32 @@ def _library_roots() -> tuple[str, ...]:
 
 _LIBRARIES = _library_roots()
 _user_files: dict[str, bool] = {}  # a module's file -> whether it is the user's (not Python's, a package's, nbaccel's)
+_user_paths: tuple[int, list[str]] = (-1, [])  # (len(sys.modules) when listed, the user's module files then)
+
+
+def _user_module_files() -> list[str]:
+    """The files of the user's imported modules, listed again only when a module was imported or dropped."""
+    global _user_paths
+    count = len(sys.modules)
+    if _user_paths[0] != count:
+        paths = []
+        for module in list(sys.modules.values()):
+            path = getattr(module, "__file__", None)
+            if not isinstance(path, str):
+                continue
+            mine = _user_files.get(path)
+            if mine is None:  # realpath only where the path itself says nothing
+                mine = _user_files[path] = not (path.startswith(_LIBRARIES)
+                                                or os.path.realpath(path).startswith(_LIBRARIES))
+            if mine:
+                paths.append(path)
+        _user_paths = (count, paths)
+    return _user_paths[1]
 
 
 def _modules_changed(since: float) -> bool:
     """Whether a module of the user's (outside Python, the environment's packages and nbaccel) changed on disk."""
-    for module in list(sys.modules.values()):
-        path = getattr(module, "__file__", None)
-        if not isinstance(path, str):
-            continue
-        mine = _user_files.get(path)
-        if mine is None:
-            mine = _user_files[path] = not (path.startswith(_LIBRARIES)  # realpath only where the path says nothing
-                                            or os.path.realpath(path).startswith(_LIBRARIES))
-        if not mine:
-            continue
+    for path in _user_module_files():
         try:
             if os.stat(path).st_mtime > since:
                 return True
