@@ -185,3 +185,11 @@ def test_a_launch_that_needs_the_gpu_takes_it_from_a_warm_gpu_rank():
     gpu_plan = cpu_request.plan.__class__(**{**cpu_request.plan.__dict__, "device_kind": "cuda"})
     warm.release_warm_devices(cpu_request.__class__(**{**cpu_request.__dict__, "plan": gpu_plan}))
     assert warm.warm_rank_info() is None and wait_for(lambda: not alive(pid), 10)
+
+
+def test_a_spawned_warm_rank_is_kept_too():
+    """Where fork is unsafe (CUDA in use in the notebook), the kept rank is spawned once, then reused."""
+    first = _launch(_pid, start_method="spawn")
+    assert _launch(_pid, start_method="spawn") == first
+    assert warm.warm_rank_info().start_method == "spawn"  # type: ignore[union-attr]
+    assert _launch(_pid) != first  # other settings (fork): another rank
