@@ -31,8 +31,8 @@ import types
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-__all__ = ["finish_warmup", "import_used_exports", "may_build_ddp", "source_names", "start_warmup", "used_names",
-           "warmed_up"]
+__all__ = ["finish_warmup", "import_used_exports", "may_build_ddp", "prepare_to_fork", "source_names", "start_warmup",
+           "used_names", "warmed_up"]
 
 # Names whose presence in a function (or the functions it calls) suggests it builds a DDP/FSDP model.
 _DDP_NAMES = frozenset({
@@ -191,6 +191,19 @@ def import_used_exports(used: Iterable[str]) -> None:
     finally:
         if collecting:
             gc.enable()
+
+
+def prepare_to_fork(function: Callable[..., Any], warm_imports: bool | None = None) -> None:
+    """Get the caller ready to fork workers that will run ``function``.
+
+    Import ``torch._dynamo`` first when ``warm_imports`` says so (``None``: when ``function``
+    looks like it builds a model), and the public nbaccel names it uses. Then wait for any
+    background import, because no fork may happen in the middle of one.
+    """
+    if may_build_ddp(function) if warm_imports is None else warm_imports:
+        start_warmup()
+    import_used_exports(used_names(function))
+    finish_warmup()
 
 
 if hasattr(os, "register_at_fork"):

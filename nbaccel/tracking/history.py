@@ -1,8 +1,9 @@
 """The launching side of the notebook tracker: the logged records of a launch, kept as they arrive.
 
 The supervisor keeps every ``log`` frame from a worker in the run's
-:class:`~nbaccel.launch.run_log.RunLog` and hands each record to the status panel's live chart. After the launch (or while it runs, from another
-thread), :func:`last_run_history` returns them as a list of dicts, one per ``accelerator.log``
+:class:`~nbaccel.launch.run_log.RunLog` and hands each record to the status panel's live chart;
+the helpers here are the chart's views of the records. After the launch (or while it runs, from
+another thread), :func:`last_run_history` returns them as a list of dicts, one per ``accelerator.log``
 call, each with its ``step`` (ready for ``pandas.DataFrame(...)``).
 
 This is one record per process: the latest launch's history replaces the one before it.
@@ -12,29 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from nbaccel.launch.run_log import RunLog, last_run_log
+from nbaccel.launch.run_log import last_run_log
 
-__all__ = ["RunHistory", "last_run_history", "metrics_table"]
-
-
-class RunHistory(RunLog):
-    """The records one launch's workers logged, in arrival order, with the views the live chart draws.
-
-    Example:
-        >>> history = RunHistory()
-        >>> history.add(0, {"items": [{"step": 0, "time": 0.0, "loss": 1.0}]})[0]["loss"]
-        1.0
-        >>> history.series("loss")
-        ([0], [1.0])
-    """
-
-    def metric_names(self) -> list[str]:
-        """The numeric metrics logged, in first-seen order."""
-        return metric_names(self.snapshot())
-
-    def series(self, name: str) -> tuple[list[int], list[float]]:
-        """``(steps, values)`` of metric ``name``."""
-        return series(self.snapshot(), name)
+__all__ = ["last_run_history", "metric_names", "metrics_table", "series"]
 
 
 def metric_names(records: list[dict[str, Any]]) -> list[str]:

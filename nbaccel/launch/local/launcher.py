@@ -21,13 +21,7 @@ from nbaccel.launch.relay import request_relay
 from nbaccel.launch.rendezvous import LoopbackStore
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.supervisor import Supervisor, SupervisorPolicy
-from nbaccel.launch.warmup import (
-    finish_warmup,
-    import_used_exports,
-    may_build_ddp,
-    start_warmup,
-    used_names,
-)
+from nbaccel.launch.warmup import finish_warmup, prepare_to_fork
 
 __all__ = ["LAUNCHER", "LocalLauncher", "local_environments"]
 
@@ -43,13 +37,11 @@ class LocalLauncher:
         n = plan.num_processes
         function, args, kwargs = request.function, request.args, request.kwargs
         payload = dumps_payload(function, args, kwargs) if plan.start_method == "spawn" else None  # fail early
-        if payload is None and (may_build_ddp(function) if request.warm_imports is None else request.warm_imports):
-            start_warmup()
+        # Before anything else starts: no import may run beside the rendezvous store's threads.
         if payload is None:
-            import_used_exports(used_names(function))
-        # Joined before anything else starts: the import must not run beside the rendezvous store's
-        # threads, and no fork may happen in the middle of an import.
-        finish_warmup()
+            prepare_to_fork(function, request.warm_imports)
+        else:
+            finish_warmup()  # a cell's background warm-up, if one runs
         reaper = group_reaper()  # before the store's thread exists: it forks
         observer = request.observer
         store = LoopbackStore(port=request.config.main_process_port or 0) if n > 1 else None

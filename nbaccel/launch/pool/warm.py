@@ -46,7 +46,7 @@ from nbaccel.launch.registry import before_each_launch
 from nbaccel.launch.relay import request_relay
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.supervisor import SupervisorPolicy
-from nbaccel.launch.warmup import import_used_exports, may_build_ddp, used_names
+from nbaccel.launch.warmup import prepare_to_fork
 
 __all__ = ["IDLE_CLOSE_SECONDS", "LAUNCHER", "WarmLauncher", "WarmRankInfo", "close_warm_rank", "release_warm_devices",
            "warm_rank_info"]
@@ -140,11 +140,9 @@ def _kept_rank(request: LaunchRequest, rank_env: dict[str, str]) -> _WarmRank:
     if stale:
         _close_locked()
     if _warm is None:
-        function = request.function
-        warm_imports = request.warm_imports if request.warm_imports is not None else may_build_ddp(function)
-        if request.plan.start_method == "fork":
-            import_used_exports(used_names(function))  # the rank starts with them, as a launch's worker would
-        started = LocalPoolRanks.start(dataclasses.replace(request, warm_imports=warm_imports), START_TIMEOUT)
+        if request.plan.start_method == "fork":  # the rank starts with what a launch's worker would
+            prepare_to_fork(request.function, request.warm_imports)
+        started = LocalPoolRanks.start(dataclasses.replace(request, warm_imports=False), START_TIMEOUT)
         _warm = _WarmRank(key=key, ranks=started, device_kind=request.plan.device_kind,
                           start_method=request.plan.start_method)
         _warm.finalizer = weakref.finalize(_warm, started.shutdown)
