@@ -188,6 +188,23 @@ def test_a_task_that_cannot_be_rebuilt_in_the_workers_fails_and_the_pool_stays(p
     assert pool.alive and pool.run(lambda: 2) == 2
 
 
+def test_a_task_that_does_not_load_reports_why_even_with_a_cancel_pending(monkeypatch):
+    """Each rank says why the payload did not load, even when the owner's cancel already reached it.
+
+    The owner cancels the other ranks as soon as the first rank reports; a rank that had not yet
+    entered the task used to report that cancel (an interrupt) instead of its own load error.
+    """
+    import cloudpickle
+
+    from nbaccel.launch.pool import serve
+
+    function, args, kwargs = serve._load_task(cloudpickle.dumps((print, (LoadsNowhere(),), {})))
+    monkeypatch.setattr(serve, "_armed", True)
+    monkeypatch.setattr(serve, "_pending", True)  # a cancel arrived between "started" and the call
+    with pytest.raises(ValueError, match="cannot be rebuilt"):
+        function(*args, **kwargs)
+
+
 def test_a_request_for_ranks_the_pool_lacks_is_refused(pool):
     with pytest.raises(ConfigError) as info:
         pool.request(print, output_ranks=[0, 5])

@@ -130,13 +130,19 @@ def _next_message(sock: socket.socket, reader: FrameReader, pending: list[tuple[
 
 
 def _load_task(payload: bytes) -> tuple[Callable[..., Any], tuple, dict]:
-    """The task's ``(function, args, kwargs)``; a payload that does not load becomes a task that raises why."""
+    """The task's ``(function, args, kwargs)``, its function made cancellable.
+
+    A payload that does not load becomes a task that raises why, and that no cancel can pre-empt:
+    every rank fails to load the same payload, and each says so (under load, the owner's cancel
+    after the first rank's report used to turn the others' reports into interrupts).
+    """
     try:
-        return cloudpickle.loads(payload)
+        function, args, kwargs = cloudpickle.loads(payload)
     except BaseException as exc:  # noqa: BLE001 - reported like the function's own failure, the pool stays
         def fail(_exc: BaseException = exc) -> None:
             raise _exc
         return fail, (), {}
+    return _cancellable_call(function), args, kwargs
 
 
 def _join_group() -> str:
@@ -173,6 +179,6 @@ def serve(socket_path: str) -> None:
         signal.signal(signal.SIGINT, _on_sigint)  # an earlier task may have installed its own handler
         _armed = True
         try:
-            run_body(fd, rank, identity, _cancellable_call(function), args, kwargs, send_result=send_result)
+            run_body(fd, rank, identity, function, args, kwargs, send_result=send_result)
         finally:
             _armed = _pending = False
