@@ -59,7 +59,9 @@ def test_a_run_past_the_timeout_is_cancelled_and_the_pool_stays(tmp_path):
     with WorkerPool(num_processes=2, use_cpu=True, timeout=1.0) as timed:
         with pytest.raises(LaunchTimeoutError) as info:
             timed.run(sleep_until_cancelled, str(tmp_path))
-        assert info.value.reason == "timeout" and "still up" in str(info.value)
+        message = str(info.value)
+        assert info.value.reason == "timeout" and message.endswith("The pool is still up.")
+        assert message.count("cancelled in every rank") == 1, message  # said once, before the stacks
         assert {"cancelled-0", "cancelled-1"} <= set(os.listdir(tmp_path))
         assert timed.alive and timed.run(lambda: 6) == 6
 

@@ -328,8 +328,9 @@ class WorkerPool:
         except KeyboardInterrupt:
             raise KeyboardInterrupt(f"interrupted{self._after_failure(ranks)}") from None
         except LaunchTimeoutError as exc:
-            raise LaunchTimeoutError(f"{exc}{self._after_failure(ranks)}", stacks=exc.stacks,
-                                     reason=exc.reason) from None
+            # The supervisor's words already say the run was cancelled; the pool adds only its own state.
+            pool_state = f"The pool is dead ({ranks.lost}): restart it." if ranks.lost else "The pool is still up."
+            raise LaunchTimeoutError(f"{exc}\n{pool_state}", stacks=exc.stacks, reason=exc.reason) from None
         except Exception as exc:
             if ranks.lost:
                 exc.add_note(f"[nbaccel] the WorkerPool is dead ({ranks.lost}); every worker was stopped. "
