@@ -31,7 +31,7 @@ from typing import Any, NoReturn
 
 from nbaccel.environment import apply_environment, read_distributed_env
 from nbaccel.errors import PayloadPicklingError
-from nbaccel.identity import WorkerIdentity, clear_identity, set_identity
+from nbaccel.identity import WorkerIdentity, set_identity
 from nbaccel.launch.frames import write_frame
 from nbaccel.launch.payload import dumps_by_reference_first, dumps_result
 from nbaccel.launch.worker.channel import close_channel, open_channel
@@ -121,8 +121,9 @@ def _setup_process(spec: WorkerSpec) -> None:
     torch = sys.modules.get("torch")
     if torch is not None and "OMP_NUM_THREADS" in spec.env:  # the forked pool keeps the parent's size
         torch.set_num_threads(int(spec.env["OMP_NUM_THREADS"]))
-    reset_rank_state()  # the state the caller's modules keep (its Accelerator, ...) is not this worker's
-    clear_identity()  # the parent's (a notebook's, or a launcher's own worker's) is not this worker's
+    # The state the caller's modules keep (its Accelerator, ...) and the caller's identity (a notebook's,
+    # or a launcher's own worker's: nbaccel.identity registers clear_identity) are not this worker's.
+    reset_rank_state()
     use_console_tqdm()  # a tqdm widget made here could not reach the frontend; text bars reach the panel
 
 
