@@ -18,7 +18,7 @@ from nbaccel.launch.preflight import say
 from nbaccel.launch.request import LaunchRequest
 
 __all__ = ["BUILTIN_LAUNCHERS", "available_launchers", "before_each_launch", "launch", "launcher_for",
-           "register_launcher"]
+           "register_launcher", "run_before_launch"]
 
 BUILTIN_LAUNCHERS: dict[str, str] = {
     "elastic": "nbaccel.launch.elastic.launcher",  # several machines: torch's elastic agent
@@ -36,6 +36,12 @@ def before_each_launch(hook: Callable[[LaunchRequest], None]) -> None:
     """Call ``hook(request)`` before every launch starts (a warm rank gives up a GPU a launch needs)."""
     if hook not in _before_launch:
         _before_launch.append(hook)
+
+
+def run_before_launch(request: LaunchRequest) -> None:
+    """Call every :func:`before_each_launch` hook for ``request`` (a launch here; a pool before it starts)."""
+    for hook in _before_launch:
+        hook(request)
 
 
 def register_launcher(launcher: Launcher) -> None:
@@ -86,8 +92,7 @@ def launch(request: LaunchRequest) -> Any:
     """
     launcher = launcher_for(request.launcher)
     say(request.plan.note)
-    for hook in _before_launch:
-        hook(request)
+    run_before_launch(request)
     results = launcher.launch(request)
     if request.return_all:
         return results

@@ -41,8 +41,8 @@ from nbaccel.environment import MixedPrecision
 from nbaccel.errors import ConfigError, LaunchTimeoutError, WorkerPoolError
 from nbaccel.launch.events import LaunchObserver
 from nbaccel.launch.output import OutputRelay
-from nbaccel.launch.pool.warm import release_warm_devices
 from nbaccel.launch.preflight import say
+from nbaccel.launch.registry import run_before_launch
 from nbaccel.launch.relay import request_relay
 from nbaccel.launch.request import LaunchRequest, build_request
 from nbaccel.launch.supervisor import SupervisorPolicy
@@ -169,7 +169,7 @@ class WorkerPool:
     # ------------------------------------------------------------------ lifecycle
     def _start(self) -> None:
         say(self._request.plan.note)
-        release_warm_devices(self._request)  # a warm one-process rank gives its GPU up to the pool
+        run_before_launch(self._request)  # as a launch does: a warm one-process rank gives its GPU up
         ranks = _start_ranks(self._request, self.start_timeout)
         self._ranks, self._dead, self._closed = ranks, "", False
         self._finalizer = weakref.finalize(self, ranks.shutdown)  # also at interpreter exit
