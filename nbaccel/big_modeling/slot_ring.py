@@ -12,7 +12,8 @@ calls in the tests). What always holds:
   the slot's last ``free`` (on CUDA: the copy stream waits for the compute stream's event).
 - The order is the order the groups are acquired in: each group's successor is the group
   acquired after it last time (re-learned whenever it changes); a group never followed yet is
-  guessed to be followed by the next index (registration order). Acquiring ``g`` brings the
+  guessed to be followed by the next index not run yet in this pass (registration order), or,
+  when all have run, by the group the passes start with. Acquiring ``g`` brings the
   groups that follow it into the other slots, up to ``slots - 1`` of them and no more than
   ``ahead_bytes`` on their way, so the copies run while ``g`` computes, and the first groups of
   the next call are already in place when the last group of this one runs (the ring wraps).
@@ -97,6 +98,7 @@ class SlotRing:
         self.first: int | None = None  # the group a pass starts with (the first ever acquired)
         self.last: int | None = None  # the group acquired last (top-level)
         self.passes = 0  # passes started
+        self.seen: set[int] = set()  # groups acquired in the current pass
         self.current = PassStats()  # the pass running now
         self.previous: PassStats | None = None  # the last complete pass
 
@@ -151,6 +153,8 @@ class SlotRing:
             if self.passes > 1:
                 self.previous = self.current
             self.current = PassStats()
+            self.seen = set()
+        self.seen.add(group)
         self.current.acquired += 1
         self.last = group
 
@@ -173,12 +177,21 @@ class SlotRing:
         on_the_way, nxt = 0, group
         while len(window) < depth and (self.ahead_bytes is None or on_the_way < self.ahead_bytes):
             learned = self.after[nxt]
-            nxt = learned if learned is not None else (nxt + 1) % self.groups
+            nxt = learned if learned is not None else self._guess(nxt, {group, *window})
             if nxt == group or nxt in window:
                 break  # a cycle shorter than the window: everything in it is on its way
             window.append(nxt)
             on_the_way += self.sizes[nxt]
         return window
+
+    def _guess(self, group: int, ahead: set[int]) -> int:
+        """The successor of a group never followed yet: the next index not run in this pass (nor
+        already ``ahead``), else the group passes start with (the ring wraps)."""
+        for j in range(1, self.groups):
+            nxt = (group + j) % self.groups
+            if nxt not in self.seen and nxt not in ahead:
+                return nxt
+        return self.first if self.first is not None else (group + 1) % self.groups
 
     def _prefetch(self, group: int) -> None:
         window = self.upcoming(group)

@@ -97,7 +97,9 @@ class StreamedOffload:
 
     def __init__(self, device: torch.device, groups: Sequence[list[Member]],
                  slots: int = OFFLOAD_SLOTS) -> None:
-        sizes = [_layout(members) for members in groups]
+        for members in groups:
+            _layout(members)
+        sizes = [sum(m.nbytes for m in members) for members in groups]  # the bytes that cross
         self.engine = SlotEngine(device, groups, slots)
         self.ring = SlotRing(len(groups), slots, self.engine, sizes=sizes,
                              ahead_bytes=AHEAD_LAYERS * max(sizes))
