@@ -100,3 +100,18 @@ def test_the_report_after_a_forward_says_what_crossed_and_where_the_time_went() 
     assert 0 < report.copy_wait_s <= report.forward_s and report.achieved_bytes_per_s > 0
     text = str(report)
     assert "MiB moved" in text and "bus n/a" in text and "copy wait" in text and "compute" in text
+
+
+def test_the_report_says_why_when_there_is_nothing_to_report() -> None:
+    from nbaccel.errors import EnvironmentStateError
+
+    plain = cpu_offload(_llama().eval(), "cpu")  # offloaded, but not streaming (no GPU here)
+    with pytest.raises(EnvironmentStateError, match="streams no offloaded weights") as info:
+        offload_report(plain)
+    assert "Fix:" in str(info.value)
+    _, model = _pair(_llama)
+    with pytest.raises(EnvironmentStateError, match="has not run an offloaded forward"):
+        offload_report(model)
+    model(torch.zeros(1, 3, dtype=torch.long))  # gradients enabled: the plain way, nothing streamed
+    with pytest.raises(EnvironmentStateError, match="has not run an offloaded forward"):
+        offload_report(model)
