@@ -30,6 +30,7 @@ from nbaccel.big_modeling.pinned_slabs import ALIGN
 __all__ = ["READERS", "Member", "PassClock", "SlotEngine"]
 
 READERS = 4  # threads reading disk (or pageable RAM) into the staging ring
+_RELEASED = object()  # a slot released since its last copy, its free event not recorded yet
 
 
 @dataclass
@@ -59,6 +60,7 @@ class PassClock:
     """
 
     cuda: bool
+    device: torch.device | None = None  # the CUDA device whose current stream is timed
     start: Any = None
     end: Any = None
     waits: list[tuple[Any, Any]] = field(default_factory=list)
@@ -68,8 +70,17 @@ class PassClock:
         if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
         return event
+
+    def stop(self) -> None:
+        """The pass ends here so far (on CUDA one event, recorded again at each release)."""
+        if not self.cuda:
+            self.end = time.perf_counter()
+            return
+        if self.end is None:
+            self.end = torch.cuda.Event(enable_timing=True)
+        self.end.record(torch.cuda.current_stream(self.device))
 
     def seconds(self) -> tuple[float, float] | None:
         """``(span, copy wait)`` in seconds, or ``None`` before the pass ran."""
@@ -111,10 +122,11 @@ class SlotEngine:
         self.ready: list[Any] = [None] * slots  # event: the last copy into the slot is done
         self.freed: list[Any] = [None] * slots  # event: the last use of the slot is done
         self.staged: list[Any] = [None] * slots  # event: the last copy out of staging is done
+        self.waited: list[Any] = [None] * slots  # (ready event, stream) a compute stream waits for
         self.jobs: list[Future | None] = [None] * slots
         self.pool = ThreadPoolExecutor(readers, thread_name_prefix="nbaccel-offload-read") \
             if staged else None
-        self.clock = PassClock(self.cuda)
+        self.clock = PassClock(self.cuda, device)
 
     def _views(self, slot: int, members: list[Member]) -> dict[str, torch.Tensor]:
         base = slot * self.slot_bytes
@@ -128,6 +140,12 @@ class SlotEngine:
     def copy_in(self, slot: int, group: int) -> None:
         """Bring ``group`` into ``slot`` after the slot's last use: directly, or on a reader."""
         self._join(slot)  # a copy into this slot still being issued (or interrupted) goes first
+        if self.freed[slot] is _RELEASED:
+            # Recorded now rather than at each release (a block's every submodule releases): the
+            # compute queued so far includes the slot's last use, and the group about to compute
+            # is never the one evicted, so waiting for it costs no overlap.
+            self.freed[slot] = torch.cuda.Event()
+            self.freed[slot].record(torch.cuda.current_stream(self.device))
         freed = self.freed[slot]
         if any(m.direct is None and m.nbytes for m in self.groups[group]):
             self.jobs[slot] = self.pool.submit(self._staged_copy, slot, group, freed)
@@ -137,17 +155,21 @@ class SlotEngine:
     def use(self, slot: int) -> None:
         """Make the current stream wait for the slot's last copy (no host wait)."""
         self._join(slot)
-        if self.cuda and self.ready[slot] is not None:
-            before = self.clock.mark()
-            torch.cuda.current_stream(self.device).wait_event(self.ready[slot])
-            self.clock.waits.append((before, self.clock.mark()))
+        if not self.cuda or self.ready[slot] is None:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        if self.waited[slot] == (self.ready[slot], stream):
+            return  # this stream already waits for that copy (another submodule of the block)
+        before = self.clock.mark()
+        stream.wait_event(self.ready[slot])
+        self.clock.waits.append((before, self.clock.mark()))
+        self.waited[slot] = (self.ready[slot], stream)
 
     def free(self, slot: int) -> None:
-        """Record the point on the current stream after which the slot may be overwritten."""
+        """Everything queued on the current stream so far may still read the slot: a copy into it
+        waits for that (the event is recorded when the next copy into the slot is issued)."""
         if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record(torch.cuda.current_stream(self.device))
-            self.freed[slot] = self.clock.end = event
+            self.freed[slot] = _RELEASED
 
     def _join(self, slot: int) -> None:
         job = self.jobs[slot]

@@ -112,7 +112,7 @@ class StreamedOffload:
         start = time.perf_counter()
         if self.ring.starts_pass(group):  # a new forward: the last one's clock is complete
             self.last_clock = self.engine.clock
-            self.engine.clock = PassClock(self.engine.cuda)
+            self.engine.clock = PassClock(self.engine.cuda, self.engine.device)
             self.engine.clock.start = self.engine.clock.mark() if self.engine.cuda else start
         slot = self.ring.acquire(group)
         if not self.engine.cuda:  # synchronous copies: the time in the ring is time waiting for them
@@ -120,10 +120,9 @@ class StreamedOffload:
         return None if slot is None else self.engine.views[slot][group]
 
     def release(self, group: int) -> None:
-        """The group's compute has been issued."""
+        """The group's compute has been issued: the pass so far ends here."""
         self.ring.release(group)
-        if not self.engine.cuda:
-            self.engine.clock.end = time.perf_counter()
+        self.engine.clock.stop()
 
 
 @dataclass
