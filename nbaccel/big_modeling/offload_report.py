@@ -90,15 +90,16 @@ def host_to_device_bandwidth(device: str) -> float | None:
     if torch.device(device).type != "cuda":
         return None
     host = torch.empty(BUS_PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
-    target = torch.empty_like(host, device=device)
     best = float("inf")
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        target.copy_(host, non_blocking=True)
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
+    with torch.cuda.device(device):  # the events time the stream the copy runs on
+        target = torch.empty_like(host, device=device)
+        for _ in range(3):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            target.copy_(host, non_blocking=True)
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3)
     return host.nbytes / best
 
 

@@ -165,10 +165,12 @@ def test_a_tiny_first_gpu_budget_keeps_the_gpu_as_the_execution_device(fake_gpus
     """Reserving 3 slots used to take GPU 0's only layer: {first: cpu, rest: disk}, and dispatch
     then ran every layer on the CPU. Now the map keeps Accelerate's GPU entry, fewer slots are
     kept with a warning, and the plan names GPU 0 as where offloaded layers run."""
-    from nbaccel.big_modeling.device_map import plan_device_map
-
     fake_gpus(80 * 2**30)
     budget = {0: "600KiB", "cpu": "600KiB"}
+    with pytest.warns(UserWarning, match="room for only 1 of 3 offload slots"):
+        assert resolve_device_map(_linears(), "auto", budget, reserved_slots=3)["0"] == 0
+    from nbaccel.big_modeling.device_map import plan_device_map
+
     with pytest.warns(UserWarning, match="room for only 1 of 3 offload slots") as caught:
         plan = plan_device_map(_linears(), "auto", budget, reserved_slots=3)
     assert plan.device_map["0"] == 0 and plan.device_map["1"] == "cpu" and plan.slots == 1
