@@ -5,9 +5,11 @@ Each resident device-map entry gets one :class:`AlignDevicesHook`. Entries on an
 submodule that holds tensors itself gets its own hook, which reads just that submodule's weights
 from one :class:`OffloadedWeightsLoader` before it runs and releases them after, so a forward
 holds one submodule's weights at a time, not the whole entry's. When they run on a GPU, their
-weights stream through a few device slots, copied on a side stream while the layer before them
-computes (:mod:`.streamed_offload`); elsewhere each offloaded hook starts reading the next one's
-weights on a background thread before it computes. The map is recorded as ``model.hf_device_map``.
+weights stream through a few device slots, one no-split block (a decoder layer) per slot, in the
+order the forwards run them, copied on a side stream while the block before them computes
+(:mod:`.streamed_offload`, :mod:`.offload_groups`); elsewhere, and whenever a hook loads the
+plain way (gradients enabled), each offloaded hook starts reading the next one's weights on a
+background thread before it computes. The map is recorded as ``model.hf_device_map``.
 """
 
 from __future__ import annotations
