@@ -14,7 +14,11 @@ what the CPU suite cannot:
    a ``dtype`` change happens on the GPU and matches a cast of the stored values.
 4. The streamed offload (``gpu_checks/streaming_checks.py``): pinned slabs, prefetch order,
    wrap-around, no host synchronization, the pinned memory cap, GPU memory, bit-identical
-   outputs over CPU and disk offload.
+   outputs over CPU and disk offload, with a small batch and with one large enough that each
+   layer's compute overlaps the next layer's copy (a missing wait on either side must show).
+5. The order on a transformers decoder (``gpu_checks/decoder_order_checks.py``): one group per
+   decoder layer, each copied once per forward with no demand miss, also across ``generate()``
+   steps, tokens identical to the model held whole, and ``offload_report``'s line.
 """
 
 from __future__ import annotations
@@ -140,9 +144,12 @@ def _check_streaming(folder: Path, blocks: int, device: torch.device) -> None:
     full.load_state_dict({k: v for f in sorted(folder.glob("model-*.safetensors"))
                           for k, v in safetensors.torch.load_file(str(f)).items()})
     x = torch.randn(4, 1024, generator=torch.Generator().manual_seed(1)).to(device)
+    # 8192 rows: a layer's matmul (17 GFLOP) outlasts the next layer's 4 MiB copy on any GPU
+    rows = 8192 if device.type == "cuda" else 256
+    big = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(2)).to(device)
     resident = 0 if device.type == "cuda" else "cpu"
     maps = {"cpu": {"blocks": "cpu", "out": resident}, "disk": {"blocks": "disk", "out": resident}}
-    check_streaming(lambda: _Stack(blocks, 1024), full, folder, maps, x, device)
+    check_streaming(lambda: _Stack(blocks, 1024), full, folder, maps, x, device, big)
 
 
 def check_gpu_loading(mib: int = 512, cpu: bool = False) -> None:
@@ -155,6 +162,8 @@ def check_gpu_loading(mib: int = 512, cpu: bool = False) -> None:
     Example:
         >>> check_gpu_loading(64)  # doctest: +SKIP
     """
+    from gpu_checks.decoder_order_checks import check_decoder_order
+
     if not cpu and not torch.cuda.is_available():
         raise SystemExit("FAILED: no CUDA device; run this on a machine with a GPU")
     with tempfile.TemporaryDirectory() as tmp:
@@ -162,18 +171,21 @@ def check_gpu_loading(mib: int = 512, cpu: bool = False) -> None:
         full, blocks = _write(folder, mib)
         if cpu:
             _check_streaming(folder, blocks, torch.device("cpu"))
+            check_decoder_order(torch.device("cpu"))
             return
         _check_staging(folder)
         _timed_loads(folder)
         (folder / "odd.safetensors").unlink()
         _check_dispatch(folder, full, blocks)
         _check_streaming(folder, blocks, torch.device("cuda", 0))
+        check_decoder_order(torch.device("cuda", 0))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=512, help="checkpoint size for the timing")
-    parser.add_argument("--cpu", action="store_true", help="streaming checks on CPU only")
+    parser.add_argument("--cpu", "--small", action="store_true",
+                        help="streaming and decoder-order checks on CPU only (no GPU needed)")
     args = parser.parse_args()
     check_gpu_loading(args.mib, cpu=args.cpu)
 

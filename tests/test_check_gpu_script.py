@@ -149,3 +149,8 @@ def test_the_streaming_checks_pass_on_cpu_so_a_gpu_session_can_run_them_as_they_
     assert all(line.startswith("ok   ") for line in lines), lines
     assert any("prefetch order" in line for line in lines) and any("wrap-around" in line for line in lines)
     assert any("pinned slabs stay under the cap" in line for line in lines)
+    # batches big enough that compute overlaps copies, and the order on a transformers decoder
+    assert sum("(compute overlapping copies) bit-identical" in line for line in lines) == 3
+    assert any("a decoder layer is one group" in line for line in lines)
+    assert any("generate(): every step after the first copies each group once" in line for line in lines)
+    assert any(line.startswith("ok   offload_report after generate()") for line in lines)

@@ -5,7 +5,9 @@ The same API as Accelerate's big-modeling utilities; see the modules for each pa
 :mod:`~nbaccel.big_modeling.device_map` (budgets and maps),
 :mod:`~nbaccel.big_modeling.checkpoint_files` (reading checkpoints),
 :mod:`~nbaccel.big_modeling.loading`, :mod:`~nbaccel.big_modeling.offload`,
-:mod:`~nbaccel.big_modeling.hooks` and :mod:`~nbaccel.big_modeling.dispatch`.
+:mod:`~nbaccel.big_modeling.hooks` and :mod:`~nbaccel.big_modeling.dispatch`;
+:func:`~nbaccel.big_modeling.offload_report.offload_report` says how close to the bus an
+offloaded forward ran.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from nbaccel.big_modeling.loading import (
                                            load_checkpoint_in_model,
 )
 from nbaccel.big_modeling.offload import OffloadedWeightsLoader, PrefixedDataset
+from nbaccel.big_modeling.offload_report import OffloadReport, offload_report
 from nbaccel.big_modeling.sizes import (
                                            compute_module_sizes,
                                            find_tied_parameters,
@@ -49,6 +52,7 @@ __all__ = [
     "AlignDevicesHook",
     "CpuOffload",
     "ModelHook",
+    "OffloadReport",
     "OffloadedWeightsLoader",
     "PrefixedDataset",
     "SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING",
@@ -69,6 +73,7 @@ __all__ = [
     "init_on_device",
     "load_checkpoint_and_dispatch",
     "load_checkpoint_in_model",
+    "offload_report",
     "open_checkpoint",
     "remove_hook_from_module",
     "set_module_tensor_to_device",

@@ -13,6 +13,7 @@ import difflib
 import logging
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
@@ -33,9 +34,11 @@ from nbaccel.introspection import check_tied_parameters_in_config
 
 __all__ = [
     "DeviceMapStrategy",
+    "DevicePlan",
     "check_device_map",
     "device_for",
     "infer_auto_device_map",
+    "plan_device_map",
     "resolve_device_map",
 ]
 
@@ -235,6 +238,17 @@ def _place_split_modules_buffers(model: nn.Module, device_map: dict[str, MapDevi
             device_map.setdefault(dot + name, device_map[parts[0]])
 
 
+@dataclass(frozen=True)
+class DevicePlan:
+    """A checked device map, how many offload slots its first GPU keeps room for, and where
+    offloaded parts run (the first GPU of the budget whenever there is one, even when the map
+    puts nothing else on it; ``None``: as ``dispatch_model`` chooses)."""
+
+    device_map: dict[str, MapDevice]
+    slots: int
+    main_device: MapDevice | None = None
+
+
 def resolve_device_map(model: nn.Module, device_map: DeviceMapStrategy | Mapping[str, Device],
                        max_memory: MaxMemory | None = None,
                        no_split_module_classes: Sequence[str] | None = None,
@@ -247,8 +261,8 @@ def resolve_device_map(model: nn.Module, device_map: DeviceMapStrategy | Mapping
     keeps GPU 0 as free as possible, ``"sequential"`` fills each GPU in turn; each then
     overflows to CPU and disk. On a CPU-only machine all four fill CPU, then disk. With
     ``reserved_slots`` above 1, an inferred map that offloads part of the model is placed again
-    with room for that many of the largest pieces on the first GPU (see
-    :func:`_reserve_slots`), where :func:`infer_auto_device_map`, as Accelerate's, keeps one.
+    with room for up to that many of the largest pieces on the first GPU (see
+    :func:`plan_device_map`), where :func:`infer_auto_device_map`, as Accelerate's, keeps one.
 
     Raises:
         DeviceMapError: an unknown strategy, or a map that does not fit the model.
@@ -257,6 +271,29 @@ def resolve_device_map(model: nn.Module, device_map: DeviceMapStrategy | Mapping
         >>> resolve_device_map(torch.nn.Linear(2, 2), "auto", max_memory={"cpu": "1GiB"})
         {'': 'cpu'}
     """
+    return plan_device_map(model, device_map, max_memory, no_split_module_classes, dtype,
+                           offload_buffers, reserved_slots).device_map
+
+
+def plan_device_map(model: nn.Module, device_map: DeviceMapStrategy | Mapping[str, Device],
+                    max_memory: MaxMemory | None = None,
+                    no_split_module_classes: Sequence[str] | None = None,
+                    dtype: torch.dtype | str | None = None, offload_buffers: bool = False,
+                    reserved_slots: int = 1) -> DevicePlan:
+    """:func:`resolve_device_map`, with the offload slots kept and the execution device.
+
+    The slot reservation never takes the first GPU's last layer: when its budget cannot hold
+    ``reserved_slots`` slots beside what Accelerate's placement puts there, fewer are kept and a
+    ``UserWarning`` says so; offloaded parts still run on that GPU.
+
+    Raises:
+        DeviceMapError: as :func:`resolve_device_map`.
+
+    Example:
+        >>> plan_device_map(torch.nn.Linear(2, 2), "auto", max_memory={"cpu": "1GiB"})
+        DevicePlan(device_map={'': 'cpu'}, slots=1, main_device=None)
+    """
+    slots, main = 1, None
     if isinstance(device_map, str):
         strategies = get_args(DeviceMapStrategy)
         if device_map not in strategies:
@@ -270,26 +307,44 @@ def resolve_device_map(model: nn.Module, device_map: DeviceMapStrategy | Mapping
                                              low_zero=device_map == "balanced_low_0")
         inferred = infer_auto_device_map(model, max_memory, no_split_module_classes, dtype,
                                          offload_buffers=offload_buffers)
-        device_map = _reserve_slots(model, inferred, max_memory, reserved_slots,
-                                    no_split_module_classes, dtype, offload_buffers)
-    return check_device_map(model, device_map, on_this_machine=True)
+        device_map, slots = _reserve_slots(model, inferred, max_memory, reserved_slots,
+                                           no_split_module_classes, dtype, offload_buffers)
+        gpus = [d for d in planning_budget(max_memory) if isinstance(d, int)]
+        main = gpus[0] if gpus else None
+    return DevicePlan(check_device_map(model, device_map, on_this_machine=True), slots, main)
 
 
 def _reserve_slots(model: nn.Module, device_map: dict[str, MapDevice], max_memory: MaxMemory | None,
                    slots: int, no_split: Sequence[str] | None, dtype: torch.dtype | str | None,
-                   offload_buffers: bool) -> dict[str, MapDevice]:
-    """The map placed again with ``slots - 1`` more of the largest pieces kept free on the first
-    GPU, when ``device_map`` offloads something there: the streamed offload keeps ``slots``
-    offloaded layers on that GPU at once (:mod:`.streamed_offload`)."""
+                   offload_buffers: bool) -> tuple[dict[str, MapDevice], int]:
+    """The map placed again with up to ``slots - 1`` more of the largest pieces kept free on the
+    first GPU, when ``device_map`` offloads something there (the streamed offload keeps that many
+    offloaded layers on that GPU at once, :mod:`.streamed_offload`), and how many were kept: the
+    most that leave the first GPU holding something whenever Accelerate's map does."""
     budget = planning_budget(max_memory)
     gpus = [d for d in budget if isinstance(d, int) and budget[d] > 0]
     if slots <= 1 or not gpus or not any(d in ("cpu", "disk") for d in device_map.values()):
-        return device_map
+        return device_map, 1
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.removeprefix("torch."))
     sizes = compute_module_sizes(model, dtype=dtype)
     largest, _ = get_max_layer_size(list(model.named_children()), sizes, list(no_split or ()))
-    budget[gpus[0]] = max(0, budget[gpus[0]] - (slots - 1) * largest)
-    _log.info("placing again with %d bytes kept on GPU %d for %d offload slots",
-              slots * largest, gpus[0], slots)
-    return infer_auto_device_map(model, budget, no_split, dtype, offload_buffers=offload_buffers)
+    count, placed = 1, device_map
+    if gpus[0] not in device_map.values():  # nothing there to keep: as many slots as the budget holds
+        count = max(1, min(slots, budget[gpus[0]] // max(1, largest)))
+    for fewer_slots in range(slots, 1, -1) if gpus[0] in device_map.values() else ():
+        fewer = dict(budget)
+        fewer[gpus[0]] = max(0, budget[gpus[0]] - (fewer_slots - 1) * largest)
+        again = infer_auto_device_map(model, fewer, no_split, dtype, offload_buffers=offload_buffers)
+        if gpus[0] in again.values():
+            count, placed = fewer_slots, again
+            break
+    if count < slots:
+        warnings.warn(
+            f"GPU {gpus[0]}'s budget ({budget[gpus[0]]} bytes) has room for only {count} of {slots} "
+            f"offload slots of {largest} bytes beside the layers placed there: offloaded layers "
+            f"still run on GPU {gpus[0]}, streamed through {count} slot(s), so less of their copy "
+            f"hides behind compute. Fix: raise max_memory[{gpus[0]}] by "
+            f"{(slots - count) * largest} bytes.", UserWarning, stacklevel=4)
+    _log.info("placing with %d bytes kept on GPU %d for %d offload slots", count * largest, gpus[0], count)
+    return placed, count

@@ -5,9 +5,11 @@ Each resident device-map entry gets one :class:`AlignDevicesHook`. Entries on an
 submodule that holds tensors itself gets its own hook, which reads just that submodule's weights
 from one :class:`OffloadedWeightsLoader` before it runs and releases them after, so a forward
 holds one submodule's weights at a time, not the whole entry's. When they run on a GPU, their
-weights stream through a few device slots, copied on a side stream while the layer before them
-computes (:mod:`.streamed_offload`); elsewhere each offloaded hook starts reading the next one's
-weights on a background thread before it computes. The map is recorded as ``model.hf_device_map``.
+weights stream through a few device slots, one no-split block (a decoder layer) per slot, in the
+order the forwards run them, copied on a side stream while the block before them computes
+(:mod:`.streamed_offload`, :mod:`.offload_groups`); elsewhere, and whenever a hook loads the
+plain way (gradients enabled), each offloaded hook starts reading the next one's weights on a
+background thread before it computes. The map is recorded as ``model.hf_device_map``.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from nbaccel.big_modeling.offload import (
     PrefixedDataset,
     offload_state_dict,
 )
-from nbaccel.big_modeling.streamed_offload import stream_offloaded
+from nbaccel.big_modeling.offload_groups import block_of, no_split_classes
+from nbaccel.big_modeling.streamed_offload import OFFLOAD_SLOTS, stream_offloaded
 from nbaccel.big_modeling.tensors import Device, named_module_tensors
 from nbaccel.errors import CheckpointMismatchError, DeviceMapError
 
@@ -178,13 +181,15 @@ def _check_loaded(model: nn.Module, names: Sequence[str]) -> None:
 
 
 def _chain_prefetch(hooks: Sequence[tuple[AlignDevicesHook, list[str]]],
-                    device: torch.device | None = None) -> None:
+                    device: torch.device | None = None,
+                    blocks: Sequence[str | None] | None = None, slots: int = OFFLOAD_SLOTS) -> None:
     """On a GPU, stream the offloaded hooks' weights through device slots (pinned copies, a
-    copy stream); elsewhere, and for hooks that cannot stream, each offloaded hook starts
-    fetching the next one's weights once its own are loaded."""
+    copy stream), one no-split block (``blocks``, one per hook) per slot; each offloaded hook
+    also starts fetching the next one's weights once its own are loaded, which is what runs
+    when a hook takes its weights the plain way (no GPU, gradients enabled, a hook that cannot
+    stream)."""
     if device is not None and device.type == "cuda":
-        plain = set(map(id, stream_offloaded(hooks, device)))
-        hooks = [(hook, names) for hook, names in hooks if id(hook) in plain]
+        stream_offloaded(hooks, device, slots=slots, blocks=blocks)
     for (hook, _), (nxt, names) in zip(hooks, hooks[1:]):
         prefetch = getattr(nxt.weights_map, "prefetch", None)
         if prefetch is not None and names:
@@ -199,7 +204,9 @@ def dispatch_model(model: nn.Module, device_map: Mapping[str, Device],
                    offload_buffers: bool = False,
                    skip_keys: str | Sequence[str] | None = None,
                    preload_module_classes: Sequence[str] | None = None,
-                   force_hooks: bool = False) -> nn.Module:
+                   force_hooks: bool = False,
+                   no_split_module_classes: Sequence[str] | None = None,
+                   offload_slots: int = OFFLOAD_SLOTS) -> nn.Module:
     """Place a model's parts on their devices and attach the hooks that run it across them.
 
     Args:
@@ -215,6 +222,11 @@ def dispatch_model(model: nn.Module, device_map: Mapping[str, Device],
             weights at the start of their forward, for modules that use a child's weights
             without calling it (``self.dense.weight``). Others load one submodule at a time.
         force_hooks: attach hooks even when everything is on one device.
+        no_split_module_classes: nbaccel's addition: classes whose offloaded weights stream as
+            one group (with a transformers model's ``_no_split_modules``), so a decoder layer is
+            copied in one go, not norm by norm.
+        offload_slots: nbaccel's addition: how many offloaded blocks the execution GPU holds at
+            once (one computing, the rest on their way).
 
     Returns:
         The model, with ``model.hf_device_map``.
@@ -232,7 +244,8 @@ def dispatch_model(model: nn.Module, device_map: Mapping[str, Device],
     """
     checked = check_device_map(model, device_map, on_this_machine=True)
     devices = set(checked.values())
-    if len(devices) == 1 and devices != {"disk"} and not force_hooks:
+    alone = main_device is None or devices == {check_device_map(model, {"": main_device})[""]}
+    if len(devices) == 1 and devices != {"disk"} and not force_hooks and alone:
         device = next(iter(devices))
         if device != "meta":
             _check_loaded(model, [n for n, _ in named_module_tensors(model, recurse=True)])
@@ -257,7 +270,7 @@ def dispatch_model(model: nn.Module, device_map: Mapping[str, Device],
                           for n in names])
     loader = _weights_map(model, offloaded_names, state_dict, offload_dir, offload_index) \
         if offloaded_names else None
-    chain = []
+    chain, blocks, no_split = [], [], no_split_classes(model, no_split_module_classes)
     for entry, site, device, place, names in sites:
         offload = device in offloaded
         hook = AlignDevicesHook(
@@ -268,10 +281,11 @@ def dispatch_model(model: nn.Module, device_map: Mapping[str, Device],
         add_hook_to_module(model.get_submodule(site), hook, append=True)
         if offload and names:
             chain.append((hook, [n[len(site) + 1 if site else 0:] for n in names]))
+            blocks.append(block_of(model, site, no_split))
     if not any(site == "" for _, site, *_ in sites):
         add_hook_to_module(model, AlignDevicesHook(io_same_device=True, skip_keys=skip_keys),
                            append=True)
-    _chain_prefetch(chain, _torch_device(main))
+    _chain_prefetch(chain, _torch_device(main), blocks, offload_slots)
     model.hf_device_map = dict(checked)
     return model
 
@@ -279,7 +293,7 @@ def dispatch_model(model: nn.Module, device_map: Mapping[str, Device],
 def _offload_every_module(model: nn.Module, execution_device: torch.device,
                           weights: Mapping[str, torch.Tensor], offload_buffers: bool,
                           preload_module_classes: Sequence[str] | None) -> None:
-    chain = []
+    chain, blocks, no_split = [], [], no_split_classes(model, None)
     for name, module, whole in _hook_sites(model, "", list(preload_module_classes or ())):
         names = [n for n, _ in named_module_tensors(module, include_buffers=offload_buffers,
                                                     recurse=whole)]
@@ -290,7 +304,8 @@ def _offload_every_module(model: nn.Module, execution_device: torch.device,
         add_hook_to_module(module, hook, append=True)
         if names:
             chain.append((hook, names))
-    _chain_prefetch(chain, execution_device)
+            blocks.append(block_of(model, name, no_split))
+    _chain_prefetch(chain, execution_device, blocks)
 
 
 def cpu_offload(model: nn.Module, execution_device: Device | None = None,

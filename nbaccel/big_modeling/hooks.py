@@ -297,7 +297,7 @@ class AlignDevicesHook(ModelHook):
             except BaseException:
                 self.forward_failed(module)
                 raise
-            if self.prefetch is not None:
+            if self.prefetch is not None and values is None:  # a streamed group is prefetched by its ring
                 self.prefetch()
         if self.execution_device is None:
             return args, kwargs

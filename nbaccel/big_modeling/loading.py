@@ -30,7 +30,7 @@ from nbaccel.big_modeling.device_map import (
     MapDevice,
     check_device_map,
     device_for,
-    resolve_device_map,
+    plan_device_map,
 )
 from nbaccel.big_modeling.load_progress import ShardProgress
 from nbaccel.big_modeling.offload import IndexEntry, offload_weight, save_offload_index
@@ -343,10 +343,12 @@ def load_checkpoint_and_dispatch(model: nn.Module, checkpoint: str | os.PathLike
     _check_whole_tensor_loading(full_state_dict, broadcast_from_rank0)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.removeprefix("torch."))
-    # On GPUs, offloaded layers stream through OFFLOAD_SLOTS device buffers: keep room for them.
-    checked = None if device_map is None else resolve_device_map(
+    # On GPUs, offloaded layers stream through OFFLOAD_SLOTS device buffers: keep room for them
+    # (fewer when the budget cannot hold them), and run them on the budget's first GPU.
+    plan = None if device_map is None else plan_device_map(
         model, device_map, max_memory, no_split_module_classes, dtype, offload_buffers,
         reserved_slots=OFFLOAD_SLOTS)
+    checked = None if plan is None else plan.device_map
     if checked is not None:
         dispatch_entries(model, checked)  # a map dispatch would reject fails before any read
     index = _load(model, checkpoint, checked, offload_folder, dtype, offload_buffers,
@@ -356,5 +358,7 @@ def load_checkpoint_and_dispatch(model: nn.Module, checkpoint: str | os.PathLike
         return model
     return dispatch_model(model, checked, offload_dir=offload_folder, offload_index=index,
                           offload_buffers=offload_buffers, skip_keys=skip_keys,
-                          preload_module_classes=preload_module_classes, force_hooks=force_hooks)
+                          preload_module_classes=preload_module_classes, force_hooks=force_hooks,
+                          main_device=plan.main_device, no_split_module_classes=no_split_module_classes,
+                          offload_slots=plan.slots if isinstance(device_map, str) else OFFLOAD_SLOTS)
 

@@ -9,8 +9,9 @@
                                                                      ▼
                       `slots` device buffers ──► compute stream: wait(ready) · layer · record(free)
 
-:class:`~.slot_ring.SlotRing` decides which group goes into which slot; :class:`SlotEngine`
-carries it out. What always holds:
+:class:`~.slot_ring.SlotRing` decides which group goes into which slot;
+:class:`~.slot_engine.SlotEngine` carries it out; :func:`~.offload_report.offload_report` says
+what a forward cost against the bus. What always holds:
 
 - A layer computes on the exact bytes ``weights_map`` would give (the same dtype, shape and
   values: copies of bytes, casts done as the loader does them), so outputs are bit-identical to
@@ -20,46 +21,35 @@ carries it out. What always holds:
 - Slot buffers and staging buffers are owned by the engine for its whole life (no tensor of
   them is ever freed while in flight; ``record_stream`` marks the slots as used by the copy
   stream for the allocator); a staging buffer is refilled only once the copy out of it is done.
-- With gradients enabled, a hook takes its weights the plain way (autograd may keep a weight
-  for the backward pass, and a slot is overwritten by a later layer).
+- Each offloaded byte crosses once per forward, in the order the model runs it: a group is a
+  no-split block (a decoder layer, not a layer norm), the ring learns the groups' order from the
+  forwards themselves and prefetches along it (so ``generate()`` starts every step warm).
+- With gradients enabled, under ``torch.compile`` tracing or CUDA graph capture, a hook takes its
+  weights the plain way (:func:`plain_only`); its loader's prefetch chain still reads ahead.
 - On a CPU execution device the same engine runs with synchronous copies (used by the tests);
   :func:`stream_offloaded` is only attached for CUDA by ``dispatch_model``.
 """
 
 from __future__ import annotations
 
-import contextlib
+import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from nbaccel.big_modeling.checkpoint_files import TensorInfo, read_into
 from nbaccel.big_modeling.offload import OffloadedWeightsLoader, PrefixedDataset
 from nbaccel.big_modeling.pinned_slabs import ALIGN, pin_tensors, pinned_cap
+from nbaccel.big_modeling.slot_engine import Member, PassClock, SlotEngine
 from nbaccel.big_modeling.slot_ring import SlotRing
 
-__all__ = ["OFFLOAD_SLOTS", "Member", "SlotEngine", "StreamedGroup", "StreamedOffload", "stream_offloaded"]
+__all__ = ["OFFLOAD_SLOTS", "Member", "SlotEngine", "StreamedGroup", "StreamedOffload", "plain_only",
+           "stream_offloaded"]
 
 OFFLOAD_SLOTS = 3  # one layer computing, two on their way: hides a copy up to twice a layer's compute
-READERS = 4  # threads reading disk (or pageable RAM) into the staging ring
-
-
-@dataclass
-class Member:
-    """One tensor of a group: where it goes in the slot, and where its bytes come from."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    nbytes: int
-    offset: int = 0
-    direct: torch.Tensor | None = None  # contiguous host tensor copied straight from (pinned on CUDA)
-    info: TensorInfo | None = None  # read from this file into staging
-    fetch: Callable[[], torch.Tensor] | None = None  # this value is copied into staging
+AHEAD_LAYERS = 2  # prefetch no more bytes than this many of the largest group: the next one covered
 
 
 def _layout(members: list[Member]) -> int:
@@ -71,118 +61,21 @@ def _layout(members: list[Member]) -> int:
     return end
 
 
-def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.reshape(-1).view(torch.uint8)
+def plain_only(cuda: bool) -> bool:
+    """Whether a hook must take its weights the plain way now: with gradients enabled (autograd
+    may keep a weight for the backward pass, and a slot is overwritten by a later layer), while
+    ``torch.compile`` traces the hook (threads and events are not traceable; Accelerate keeps
+    its hook work out of compilation too), or while a CUDA graph is being captured (the copy
+    stream's events and a reader thread's copies cannot be part of a graph).
 
-
-class SlotEngine:
-    """The copy engine of :class:`~.slot_ring.SlotRing`: slots on ``device``, a copy stream,
-    a staging ring filled by reader threads.
-
-    Args:
-        device: the execution device (CUDA; CPU copies synchronously).
-        groups: each group's members, laid out (``offset``) already.
-        slots: how many device buffers.
-        readers: how many reader threads fill the staging ring.
+    Example:
+        >>> with torch.no_grad():
+        ...     plain_only(cuda=False)
+        False
     """
-
-    def __init__(self, device: torch.device, groups: Sequence[list[Member]], slots: int,
-                 readers: int = READERS) -> None:
-        self.device, self.groups, self.cuda = device, groups, device.type == "cuda"
-        self.slot_bytes = max(max((m.offset + m.nbytes for m in g), default=0) for g in groups)
-        self.slot_bytes = max(ALIGN, -(-self.slot_bytes // ALIGN) * ALIGN)
-        self.buffers = torch.empty(slots * self.slot_bytes, dtype=torch.uint8, device=device)
-        staged = any(m.direct is None and m.nbytes for g in groups for m in g)
-        self.staging = torch.empty(slots * self.slot_bytes, dtype=torch.uint8,
-                                   pin_memory=self.cuda) if staged else None
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
-        if self.stream is not None:
-            # The allocator may hand out memory that work queued on the current stream still
-            # uses (safe on that stream only): the copy stream starts after that work.
-            self.stream.wait_stream(torch.cuda.current_stream(device))
-            self.buffers.record_stream(self.stream)  # freed only after the copy stream's work
-        self.views = [[self._views(s, g) for g in groups] for s in range(slots)]
-        self.ready: list[Any] = [None] * slots  # event: the last copy into the slot is done
-        self.freed: list[Any] = [None] * slots  # event: the last use of the slot is done
-        self.staged: list[Any] = [None] * slots  # event: the last copy out of staging is done
-        self.jobs: list[Future | None] = [None] * slots
-        self.pool = ThreadPoolExecutor(readers, thread_name_prefix="nbaccel-offload-read") \
-            if staged else None
-
-    def _views(self, slot: int, members: list[Member]) -> dict[str, torch.Tensor]:
-        base = slot * self.slot_bytes
-        return {m.name: (self.buffers[base + m.offset:base + m.offset + m.nbytes]
-                         .view(m.dtype).view(m.shape)) if m.nbytes else
-                torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in members}
-
-    def _context(self) -> contextlib.AbstractContextManager:
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
-
-    def copy_in(self, slot: int, group: int) -> None:
-        """Bring ``group`` into ``slot`` after the slot's last use: directly, or on a reader."""
-        self._join(slot)  # a copy into this slot still being issued goes first
-        freed = self.freed[slot]
-        if any(m.direct is None and m.nbytes for m in self.groups[group]):
-            self.jobs[slot] = self.pool.submit(self._staged_copy, slot, group, freed)
-        else:
-            self.ready[slot] = self._issue(slot, group, freed)
-
-    def use(self, slot: int) -> None:
-        """Make the current stream wait for the slot's last copy (no host wait)."""
-        self._join(slot)
-        if self.cuda and self.ready[slot] is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.ready[slot])
-
-    def free(self, slot: int) -> None:
-        """Record the point on the current stream after which the slot may be overwritten."""
-        if self.cuda:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-            self.freed[slot] = event
-
-    def _join(self, slot: int) -> None:
-        job, self.jobs[slot] = self.jobs[slot], None
-        if job is not None:
-            job.result()  # a reader's error (a file cut short) is raised here, in the caller
-
-    def _issue(self, slot: int, group: int, freed: Any) -> Any:
-        """Queue the copies of ``group`` into ``slot`` on the copy stream; returns their event."""
-        base = slot * self.slot_bytes
-        with self._context():
-            if self.stream is not None and freed is not None:
-                self.stream.wait_event(freed)
-            for m in self.groups[group]:
-                if not m.nbytes:
-                    continue
-                source = m.direct if m.direct is not None else \
-                    self.staging[base + m.offset:base + m.offset + m.nbytes]
-                target = self.buffers[base + m.offset:base + m.offset + m.nbytes]
-                target.copy_(_bytes(source), non_blocking=self.cuda)
-            if self.stream is None:
-                return None
-            event = torch.cuda.Event()
-            event.record(self.stream)
-            return event
-
-    def _staged_copy(self, slot: int, group: int, freed: Any) -> None:
-        """On a reader thread: fill the slot's staging buffer, then queue the copies."""
-        if self.staged[slot] is not None:
-            self.staged[slot].synchronize()  # the copy out of this staging buffer is done
-        base = slot * self.slot_bytes
-        for m in self.groups[group]:
-            if m.direct is not None or not m.nbytes:
-                continue
-            target = self.staging[base + m.offset:base + m.offset + m.nbytes]
-            if m.info is not None:
-                read_into(m.info, memoryview(target.numpy()))
-            else:
-                target.copy_(_bytes(m.fetch()))
-        self.ready[slot] = self.staged[slot] = self._issue(slot, group, freed)
-
-    def close(self) -> None:
-        """Stop the reader threads (after the reads in flight)."""
-        if self.pool is not None:
-            self.pool.shutdown(wait=True)
+    if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return True
+    return cuda and torch.cuda.is_current_stream_capturing()
 
 
 class StreamedOffload:
@@ -206,31 +99,45 @@ class StreamedOffload:
                  slots: int = OFFLOAD_SLOTS) -> None:
         for members in groups:
             _layout(members)
+        sizes = [sum(m.nbytes for m in members) for members in groups]  # the bytes that cross
         self.engine = SlotEngine(device, groups, slots)
-        self.ring = SlotRing(len(groups), slots, self.engine)
+        self.ring = SlotRing(len(groups), slots, self.engine, sizes=sizes,
+                             ahead_bytes=AHEAD_LAYERS * max(sizes))
+        self.last_clock: PassClock | None = None  # the clock of the pass before the current one
 
     def acquire(self, group: int) -> Mapping[str, torch.Tensor] | None:
         """The group's weights on the device, or ``None``: take them the plain way."""
-        if torch.is_grad_enabled():
+        if plain_only(self.engine.cuda):
             return None
+        start = time.perf_counter()
+        if self.ring.starts_pass(group):  # a new forward: the last one's clock is complete
+            self.last_clock = self.engine.clock
+            self.engine.clock = PassClock(self.engine.cuda, self.engine.device)
+            self.engine.clock.start = self.engine.clock.mark() if self.engine.cuda else start
         slot = self.ring.acquire(group)
+        if not self.engine.cuda:  # synchronous copies: the time in the ring is time waiting for them
+            self.engine.clock.waits.append((start, time.perf_counter()))
         return None if slot is None else self.engine.views[slot][group]
 
     def release(self, group: int) -> None:
-        """The group's compute has been issued."""
+        """The group's compute has been issued: the pass so far ends here."""
         self.ring.release(group)
+        self.engine.clock.stop()
 
 
 @dataclass
 class StreamedGroup:
-    """What one offload hook holds: its pipeline and its group's index in it."""
+    """What one offload hook holds: its pipeline, its group's index in it, and which of the
+    group's members are its own (``{its name: the member's name}``)."""
 
     offload: StreamedOffload
     index: int
+    names: dict[str, str]
 
     def acquire(self) -> Mapping[str, torch.Tensor] | None:
-        """See :meth:`StreamedOffload.acquire`."""
-        return self.offload.acquire(self.index)
+        """See :meth:`StreamedOffload.acquire`; the hook's own weights, by its names."""
+        views = self.offload.acquire(self.index)
+        return None if views is None else {own: views[key] for own, key in self.names.items()}
 
     def release(self) -> None:
         """See :meth:`StreamedOffload.release`."""
@@ -265,18 +172,22 @@ def _member(weights_map: Mapping[str, torch.Tensor], name: str) -> tuple[Member,
 
 
 def stream_offloaded(hooks: Sequence[tuple[Any, Sequence[str]]], device: torch.device,
-                     slots: int = OFFLOAD_SLOTS, cap: int | None = None) -> list[Any]:
+                     slots: int = OFFLOAD_SLOTS, cap: int | None = None,
+                     blocks: Sequence[Hashable | None] | None = None) -> list[Any]:
     """Stream the weights of offload hooks through ``slots`` buffers on ``device``.
 
-    In-memory weights are copied once into pinned slabs (up to ``cap`` bytes, by default
+    Hooks with the same ``blocks`` key form one group (a no-split block: a decoder layer's
+    norms, attention and MLP), copied into one slot in one go, in the order the groups run. In-memory
+    weights are copied once into pinned slabs (up to ``cap`` bytes, by default
     :func:`~.pinned_slabs.pinned_cap`), which then replace them in their loader; the rest are
     read into a pinned staging ring. Each hook gets a :class:`StreamedGroup` as ``streamed``.
 
     Args:
-        hooks: ``(AlignDevicesHook, names)`` in the order the hooks run.
+        hooks: ``(AlignDevicesHook, names)`` in the order the hooks were made.
         device: where they run.
         slots: device buffers (one in use, the rest prefetched).
         cap: the most bytes to pin.
+        blocks: one key per hook (``None``: a group of its own); by default each hook is a group.
 
     Returns:
         The hooks that were left to load their weights the plain way.
@@ -287,23 +198,36 @@ def stream_offloaded(hooks: Sequence[tuple[Any, Sequence[str]]], device: torch.d
         >>> stream_offloaded([(hook, ["w"])], torch.device("cpu")) == [hook]  # not a loader
         True
     """
-    plain, groups, owners, to_pin = [], [], [], []
-    for hook, names in hooks:
+    plain, to_pin = [], []
+    grouped: dict[Hashable, list[tuple[Any, list[Member]]]] = {}
+    for k, (hook, names) in enumerate(hooks):
         found = [_member(hook.weights_map, n) for n in names]
         if not names or any(f is None for f in found):
             plain.append(hook)
             continue
-        groups.append([member for member, _ in found])
-        owners.append(hook)
+        key = blocks[k] if blocks is not None and blocks[k] is not None else ("hook", k)
+        grouped.setdefault(key, []).append((hook, [member for member, _ in found]))
         to_pin += [(member, ram) for member, ram in found if ram is not None]
-    if not groups:
+    if not grouped:
         return plain
     _pin(to_pin, pinned_cap() if cap is None else cap, device.type == "cuda")
+    groups: list[list[Member]] = []
+    owners: list[tuple[Any, int, dict[str, str]]] = []
+    for index, members in enumerate(grouped.values()):
+        groups.append([])
+        for position, (hook, own) in enumerate(members):
+            names = {}
+            for member in own:  # two hooks of a block may both own a "weight"
+                key = f"{position}:{member.name}"
+                names[member.name] = key
+                member.name = key
+                groups[-1].append(member)
+            owners.append((hook, index, names))
     offload = _fitting(device, groups, slots)
     if offload is None:
-        return [*plain, *owners]
-    for index, hook in enumerate(owners):
-        hook.streamed = StreamedGroup(offload, index)
+        return [*plain, *(hook for hook, _, _ in owners)]
+    for hook, index, names in owners:
+        hook.streamed = StreamedGroup(offload, index, names)
     return plain
 
 

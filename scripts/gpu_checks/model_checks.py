@@ -61,7 +61,8 @@ def device_map_tied() -> tuple[dict[str, Any], bool, bool]:
 
 
 def offload(folder: str) -> tuple[dict[str, Any], bool]:
-    """A checkpoint dispatched over GPU, CPU and disk: the map, and whether the output matches."""
+    """A checkpoint dispatched over GPU, CPU and disk: the map, and whether the output matches
+    and the disk-offloaded last layer runs on GPU 0."""
     from safetensors.torch import save_file
 
     from nbaccel import init_empty_weights, load_checkpoint_and_dispatch
@@ -77,7 +78,9 @@ def offload(folder: str) -> tuple[dict[str, Any], bool]:
     x = torch.randn(4, 256)
     with torch.no_grad():
         same = torch.allclose(model(x.cuda()).cpu(), full(x), atol=1e-5)
-    return {str(k): str(v) for k, v in model.hf_device_map.items()}, bool(same)
+    # a budget too small for the offload slots keeps the GPU as the execution device (issue 34)
+    runs_on = str(model[7]._hf_hook.execution_device)
+    return {str(k): str(v) for k, v in model.hf_device_map.items()}, bool(same) and runs_on == "cuda:0"
 
 
 class _LoadLM(nn.Module):
@@ -174,7 +177,8 @@ def _tied(gpus: int) -> str:
 def _big_model(gpus: int) -> str:
     with tempfile.TemporaryDirectory() as folder:
         device_map, same = launch(offload, folder, n=1)[0]
-    expect(same and {"0", "cpu", "disk"} <= set(device_map.values()), f"map {device_map}, matches {same}")
+    expect(same and {"0", "cpu", "disk"} <= set(device_map.values()),
+           f"map {device_map}, matches and runs offloaded layers on cuda:0: {same}")
     return "device_map='auto' over GPU, CPU and disk; output matches the full model"
 
 

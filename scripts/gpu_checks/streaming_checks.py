@@ -74,10 +74,9 @@ def _dispatch(make: Callable[[], nn.Module], folder: Path, device_map: dict, dev
         if on_cpu:  # a CPU main device offloads only to disk: offload the CPU weights by hand
             model = cpu_offload(model, "cpu")
         if device.type == "cpu":  # dispatch streams only on CUDA: attach by hand
-            hooks = [(m._hf_hook, m._hf_hook._names(m)) for m in model.modules()
-                     if getattr(getattr(m, "_hf_hook", None), "offload", False)]
-            streamed_offload.stream_offloaded([(h, n) for h, n in hooks if n], device,
-                                              cap=cap if cap is not None else 2**40)
+            from nbaccel.big_modeling.offload_groups import stream_model
+
+            stream_model(model, device, cap=cap if cap is not None else 2**40)
     finally:
         streamed_offload.pinned_cap = original
     return model
@@ -176,7 +175,8 @@ def _timed(model: nn.Module, x: torch.Tensor) -> float:
 
 
 def check_streaming(make: Callable[[], nn.Module], full: nn.Module, folder: Path,
-                    maps: dict[str, dict], x: torch.Tensor, device: torch.device) -> None:
+                    maps: dict[str, dict], x: torch.Tensor, device: torch.device,
+                    big: torch.Tensor | None = None) -> None:
     """Run the checks above for ``maps`` (``{"cpu": map, "disk": map}``) on ``device``.
 
     Args:
@@ -186,9 +186,11 @@ def check_streaming(make: Callable[[], nn.Module], full: nn.Module, folder: Path
         maps: device maps that offload to CPU and to disk.
         x: an input, on ``device``.
         device: ``cuda:0``, or ``cpu`` for a dry run.
+        big: a batch large enough that a layer's compute outlasts the next one's copy.
     """
     with torch.no_grad():
         reference = full.to(device)(x).cpu()
+        big_reference = None if big is None else full(big).cpu()
         full.to("cpu")
     tiny = 8 * 2**20
     for label, device_map, cap in (("cpu offload", maps["cpu"], None),
@@ -196,6 +198,11 @@ def check_streaming(make: Callable[[], nn.Module], full: nn.Module, folder: Path
                                    ("cpu offload over a tiny pinned cap", maps["cpu"], tiny)):
         model = _dispatch(make, folder, device_map, device, cap)
         outs = _forwards(model, x)
+        if big is not None:
+            bigs = _forwards(model, big)
+            _check(f"{label}: {big.shape[0]}-row batches (compute overlapping copies) bit-identical",
+                   all(torch.equal(o, big_reference) for o in bigs),
+                   f"(max diff {(bigs[-1] - big_reference).abs().max().item():.3g})")
         if label != "disk offload":
             _pinned(model, cap)
         streamed_time = _timed(model, x)

@@ -152,3 +152,32 @@ def test_reserved_slots_keep_room_for_streamed_layers_on_the_first_gpu(fake_gpus
     everything = {0: 10**8, "cpu": CPU}  # nothing offloaded: nothing kept back
     assert resolve_device_map(empty_model(), "sequential", everything, ["Block"], reserved_slots=3) \
         == resolve_device_map(empty_model(), "sequential", everything, ["Block"])
+
+
+def _linears() -> torch.nn.Module:
+    from nbaccel.big_modeling import init_empty_weights
+
+    with init_empty_weights():  # 8 x 263168 B, the model of scripts/check_gpu.py's big-model-offload
+        return torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+
+
+def test_a_tiny_first_gpu_budget_keeps_the_gpu_as_the_execution_device(fake_gpus):
+    """Reserving 3 slots used to take GPU 0's only layer: {first: cpu, rest: disk}, and dispatch
+    then ran every layer on the CPU. Now the map keeps Accelerate's GPU entry, fewer slots are
+    kept with a warning, and the plan names GPU 0 as where offloaded layers run."""
+    fake_gpus(80 * 2**30)
+    budget = {0: "600KiB", "cpu": "600KiB"}
+    with pytest.warns(UserWarning, match="room for only 1 of 3 offload slots"):
+        assert resolve_device_map(_linears(), "auto", budget, reserved_slots=3)["0"] == 0
+    from nbaccel.big_modeling.device_map import plan_device_map
+
+    with pytest.warns(UserWarning, match="room for only 1 of 3 offload slots") as caught:
+        plan = plan_device_map(_linears(), "auto", budget, reserved_slots=3)
+    assert plan.device_map["0"] == 0 and plan.device_map["1"] == "cpu" and plan.slots == 1
+    assert plan.main_device == 0
+    assert "Fix: raise max_memory[0] by 526336 bytes" in str(caught[0].message)
+    assert plan.device_map == resolve_device_map(_linears(), "auto", budget)  # Accelerate's map
+    with pytest.warns(UserWarning, match="room for only 1 of 3"):
+        tiny = plan_device_map(_linears(), "auto", {0: "100KiB", "cpu": "600KiB"}, reserved_slots=3)
+    assert 0 not in tiny.device_map.values() and tiny.main_device == 0
+

@@ -180,3 +180,52 @@ def test_a_failed_copy_is_not_used_later() -> None:
     assert ring.holds == [None, None] and ring.busy == [0, 0]
     engine.fail = False
     assert engine.content[ring.acquire(0)] == 0
+
+
+def test_the_ring_learns_the_order_the_groups_run_in() -> None:
+    """Registered 0..5, run 2, 0, 1, 5, 3, 4 (norms before attention, say): after the first pass,
+    each group is copied once per pass and never missed; before, the ring prefetched by index."""
+    engine = FakeEngine(3)
+    ring = SlotRing(6, 3, engine)
+    order = [2, 0, 1, 5, 3, 4]
+    _forward(ring, engine, order)
+    for _ in range(3):
+        _forward(ring, engine, order)
+        assert (ring.current.acquired, ring.current.copies, ring.current.misses) == (6, 6, 0)
+    changed = [4, 3, 5, 1, 0, 2]  # the order changes: learned again in one pass and the wrap
+    _forward(ring, engine, changed)
+    _forward(ring, engine, changed)
+    calls = _forward(ring, engine, changed)
+    demand = [c for c, nxt in zip(calls, calls[1:]) if c[0] == "copy" and nxt == ("use", c[1])]
+    assert sorted(g for kind, *_, g in calls if kind == "copy") == list(range(6)) and not demand
+
+
+def test_prefetch_stops_at_the_bytes_ahead_limit() -> None:
+    engine = FakeEngine(4)
+    ring = SlotRing(5, 4, engine, sizes=[100, 1, 100, 100, 100], ahead_bytes=101)
+    assert ring.upcoming(0) == [1, 2]  # a small group does not count as a layer covered
+    assert ring.upcoming(2) == [3, 4]
+    assert SlotRing(5, 4, engine).upcoming(0) == [1, 2, 3]  # no limit but the slots
+
+
+def test_an_interrupt_inside_a_copy_or_a_prefetch_leaves_no_half_copied_slot() -> None:
+    class Interrupted(FakeEngine):
+        fail_at: int | None = None
+
+        def copy_in(self, slot: int, group: int) -> None:
+            if group == self.fail_at:
+                raise KeyboardInterrupt
+            super().copy_in(slot, group)
+
+    engine = Interrupted(3)
+    ring = SlotRing(5, 3, engine)
+    engine.fail_at = 0
+    with pytest.raises(KeyboardInterrupt):
+        ring.acquire(0)
+    assert ring.holds == [None] * 3
+    engine.fail_at = 2  # the prefetch of group 2 is interrupted
+    with pytest.raises(KeyboardInterrupt):
+        ring.acquire(1)
+    assert 2 not in ring.holds and ring.busy == [0] * 3  # the caller never got group 1's slot
+    engine.fail_at = None
+    assert engine.content[ring.acquire(2)] == 2

@@ -207,3 +207,79 @@ def test_hooks_without_a_loader_are_left_plain() -> None:
     hook = AlignDevicesHook("cpu", offload=True, weights_map={"w": torch.ones(1)})
     assert stream_offloaded([(hook, ["w"])], CPU) == [hook]
     assert hook.streamed is None
+
+
+def test_ctrl_c_during_a_staged_copy_never_lets_it_land_in_another_groups_slot() -> None:
+    """Ctrl-C while the caller waits for a reader: the reader goes on, and before the fix its
+    bytes landed over the next group copied into that slot (group 1 read group 0's values)."""
+    import signal
+    import threading
+    import time
+
+    from nbaccel.big_modeling.streamed_offload import Member, StreamedOffload
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    gate = threading.Event()
+
+    def slow_zeros() -> torch.Tensor:  # a staged read still running when Ctrl-C comes
+        time.sleep(0.3)  # the caller is waiting for this job by now
+        os.kill(os.getpid(), signal.SIGINT)
+        gate.wait(30)
+        return torch.zeros(4)
+
+    groups = [[Member("w", torch.float32, (4,), 16, fetch=slow_zeros)],
+              [Member("w", torch.float32, (4,), 16, fetch=lambda: torch.ones(4))]]
+    offload = StreamedOffload(CPU, groups, slots=1)  # group 1 must reuse group 0's slot
+    try:
+        with torch.no_grad(), pytest.raises(KeyboardInterrupt):
+            offload.acquire(0)
+        threading.Timer(0.5, gate.set).start()  # the interrupted read finishes later
+        with torch.no_grad():
+            weights = offload.acquire(1)["w"]
+        offload.engine.close()  # every read has landed now
+        assert weights.tolist() == [1.0] * 4
+        offload.release(1)
+    finally:
+        gate.set()
+        signal.signal(signal.SIGINT, previous)
+
+
+def _pending_after_each_hook(model: nn.Module, loader) -> list[set[str]]:  # noqa: ANN001
+    """The loader's background reads in flight right after each offloaded module ran."""
+    seen: list[set[str]] = []
+    for module in model.modules():
+        if getattr(getattr(module, "_hf_hook", None), "offload", False):
+            module.register_forward_hook(lambda *_: seen.append(set(loader._pending)))
+    return seen
+
+
+def test_the_loaders_prefetch_runs_with_gradients_and_only_then(tmp_path: os.PathLike) -> None:
+    """With gradients a streamed hook loads the plain way, and its loader still reads the next
+    module ahead; without, the ring prefetches and the loader must not read the same bytes again."""
+    ckpt = save_checkpoint(make_model(), tmp_path / "ckpt")
+    model = load_checkpoint_and_dispatch(empty_model(), ckpt, MAP)
+    hooks = _streamed(model)
+    loader = hooks[0].weights_map.dataset
+    pending = _pending_after_each_hook(model, loader)
+    with torch.no_grad():
+        model(sample_ids())
+    assert not any(pending)  # streamed: no second read of the same weights
+    pending.clear()
+    model(sample_ids()).sum().backward()
+    assert any(pending)
+
+
+def test_under_torch_compile_the_hooks_take_the_plain_path() -> None:
+    ids = sample_ids()
+    with torch.no_grad():
+        expected = make_model()(ids)
+    model = cpu_offload(make_model(), "cpu")
+    hooks = _streamed(model)
+    ring = hooks[0].streamed.offload.ring
+    compiled = torch.compile(model, backend="eager")
+    with torch.no_grad():
+        assert torch.equal(compiled(ids), expected)
+    assert ring.holds == [None] * ring.slots and ring.passes == 0  # traced code never streams
+    with torch.no_grad():
+        assert torch.equal(model(ids), expected)  # the model itself still streams
+    assert ring.passes == 1
