@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,10 +38,11 @@ from typing import Any
 
 import torch
 
-from nbaccel.big_modeling.checkpoint_files import TensorInfo, read_into
+from nbaccel.big_modeling.checkpoint_files import TensorInfo
 from nbaccel.big_modeling.offload import OffloadedWeightsLoader, PrefixedDataset
-from nbaccel.big_modeling.pinned_slabs import ALIGN, pin_tensors, pinned_cap
+from nbaccel.big_modeling.pinned_slabs import ALIGN, host_buffer, pin_tensors, pinned_cap, unpin
 from nbaccel.big_modeling.slot_ring import SlotRing
+from nbaccel.big_modeling.staging_reads import SplitReads
 
 __all__ = ["OFFLOAD_SLOTS", "Member", "SlotEngine", "StreamedGroup", "StreamedOffload", "stream_offloaded"]
 
@@ -93,8 +95,7 @@ class SlotEngine:
         self.slot_bytes = max(ALIGN, -(-self.slot_bytes // ALIGN) * ALIGN)
         self.buffers = torch.empty(slots * self.slot_bytes, dtype=torch.uint8, device=device)
         staged = any(m.direct is None and m.nbytes for g in groups for m in g)
-        self.staging = torch.empty(slots * self.slot_bytes, dtype=torch.uint8,
-                                   pin_memory=self.cuda) if staged else None
+        self.staging = host_buffer(slots * self.slot_bytes, pin=self.cuda) if staged else None
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         if self.stream is not None:
             # The allocator may hand out memory that work queued on the current stream still
@@ -108,6 +109,7 @@ class SlotEngine:
         self.jobs: list[Future | None] = [None] * slots
         self.pool = ThreadPoolExecutor(readers, thread_name_prefix="nbaccel-offload-read") \
             if staged else None
+        self.reads = SplitReads(readers) if staged else None  # every reader on every group's pieces
 
     def _views(self, slot: int, members: list[Member]) -> dict[str, torch.Tensor]:
         base = slot * self.slot_bytes
@@ -168,21 +170,27 @@ class SlotEngine:
         """On a reader thread: fill the slot's staging buffer, then queue the copies."""
         if self.staged[slot] is not None:
             self.staged[slot].synchronize()  # the copy out of this staging buffer is done
-        base = slot * self.slot_bytes
+        base, parts = slot * self.slot_bytes, []
         for m in self.groups[group]:
             if m.direct is not None or not m.nbytes:
                 continue
             target = self.staging[base + m.offset:base + m.offset + m.nbytes]
             if m.info is not None:
-                read_into(m.info, memoryview(target.numpy()))
+                parts.append((m.info, memoryview(target.numpy())))
             else:
                 target.copy_(_bytes(m.fetch()))
+        self.reads.read(parts)
         self.ready[slot] = self.staged[slot] = self._issue(slot, group, freed)
 
     def close(self) -> None:
-        """Stop the reader threads (after the reads in flight)."""
+        """Stop the reader threads (after the reads in flight) and give back the page-locked
+        host memory (the tensors stay valid, pageable); called when the pipeline goes."""
         if self.pool is not None:
             self.pool.shutdown(wait=True)
+            self.reads.close()
+        if self.stream is not None:
+            self.stream.synchronize()  # no copy out of host memory outlives its registration
+        unpin([self.staging, *(m.direct for g in self.groups for m in g)])
 
 
 class StreamedOffload:
@@ -208,6 +216,7 @@ class StreamedOffload:
             _layout(members)
         self.engine = SlotEngine(device, groups, slots)
         self.ring = SlotRing(len(groups), slots, self.engine)
+        weakref.finalize(self, self.engine.close)  # model deleted, or its hooks removed
 
     def acquire(self, group: int) -> Mapping[str, torch.Tensor] | None:
         """The group's weights on the device, or ``None``: take them the plain way."""
