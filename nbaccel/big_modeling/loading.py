@@ -156,7 +156,7 @@ def _load_into(model: nn.Module, ckpt: Checkpoint, sources: Mapping[str, str],
     targets = {n: _target_dtype(n, ckpt.dtype(k), tensors[n].dtype, dtype, keep_in_fp32)
                for n, k in sources.items()}
     maps, staged = FileMaps(), staged_to_gpus(ckpt, sources, homes, progress)
-    copied = copied_to_cpu(ckpt, sources, homes, targets, maps)
+    copied = copied_to_cpu(ckpt, sources, homes, targets, maps, progress)
     resident_first = sorted(sources, key=lambda n: homes[n] == "disk")
     for name in resident_first:
         key, home, target = sources[name], homes[name], targets[name]
