@@ -10,8 +10,13 @@ files are read once first, so every read comes from the page cache. Figures, med
 
 - engine: offloaded bytes per round / round time (each round reads every byte once, and copies
   it once more from staging into a slot, as on a GPU the copy engine would);
+- group reads, whole / split: the staging reads alone, two groups in flight on four reader
+  threads, each group read whole by one thread (``read_into``, the engine before this
+  benchmark was added) or split in pieces over all four (``SplitReads``, the engine now);
 - preadv x1 / x4: the same files read by one thread, and by four threads in 4 MiB pieces,
   into one reused buffer per thread: what the page cache gives.
+
+Run the engine line of an older checkout with ``PYTHONPATH=<its root>`` to compare.
 
 Run: ``PYTHONPATH=. .venv/bin/python benchmarks/offload_reads.py [--blocks 8] [--rounds 5]``
 """
@@ -33,7 +38,13 @@ from torch import nn
 
 from nbaccel.big_modeling import init_empty_weights, load_checkpoint_and_dispatch
 from nbaccel.big_modeling.hooks import AlignDevicesHook
+from nbaccel.big_modeling.checkpoint_files import SafetensorsFile, read_into
 from nbaccel.big_modeling.streamed_offload import stream_offloaded
+
+try:
+    from nbaccel.big_modeling.staging_reads import SplitReads
+except ImportError:  # an older checkout: only its engine line is measured
+    SplitReads = None
 
 WIDTH = 2048  # a 2048 x 2048 fp32 weight is 16 MiB
 PIECE = 4 * 2**20
@@ -86,6 +97,29 @@ def preadv(files: list[Path], threads: int) -> float:
     return time.perf_counter() - start
 
 
+def group_reads(files: list[Path], split: bool, in_flight: int = 2, readers: int = 4) -> float:
+    """Seconds to read every tensor into staging buffers, ``in_flight`` groups at a time."""
+    infos = [i for f in files for i in SafetensorsFile(f).tensors.values()]
+    staging = [torch.empty(max(i.nbytes for i in infos), dtype=torch.uint8) for _ in range(in_flight + 1)]
+    pool, pieces = ThreadPoolExecutor(readers), SplitReads(readers) if split else None
+    pending = []
+    start = time.perf_counter()
+    for k, info in enumerate(infos):
+        view = memoryview(staging[k % len(staging)][:info.nbytes].numpy())
+        job = (lambda i=info, v=view: pieces.read([(i, v)])) if split else \
+            (lambda i=info, v=view: read_into(i, v))
+        pending.append(pool.submit(job))
+        if len(pending) == in_flight:
+            pending.pop(0).result()
+    for future in pending:
+        future.result()
+    elapsed = time.perf_counter() - start
+    pool.shutdown()
+    if pieces is not None:
+        pieces.close()
+    return elapsed
+
+
 def engine_rounds(files: list[Path], blocks: int, rounds: int) -> tuple[list[float], int]:
     with init_empty_weights():
         model = _model(blocks)
@@ -117,6 +151,8 @@ def main() -> None:
         files = write(Path(tmp), args.blocks)
         preadv(files, 1)  # into the page cache
         times, nbytes = engine_rounds(files, args.blocks, args.rounds)
+        whole = [group_reads(files, False) for _ in range(args.rounds)]
+        split = [group_reads(files, True) for _ in range(args.rounds)] if SplitReads else []
         one = [preadv(files, 1) for _ in range(args.rounds)]
         four = [preadv(files, 4) for _ in range(args.rounds)]
         total = sum(f.stat().st_size for f in files)
@@ -125,6 +161,9 @@ def main() -> None:
           f"torch threads {torch.get_num_threads()}")
     print(f"engine (3 slots, CPU):  {nbytes / statistics.median(times) / gb:6.2f} GB/s  "
           f"[{nbytes / max(times) / gb:.2f}..{nbytes / min(times) / gb:.2f}]")
+    print(f"group reads, whole:    {total / statistics.median(whole) / gb:6.2f} GB/s")
+    if split:
+        print(f"group reads, split:    {total / statistics.median(split) / gb:6.2f} GB/s")
     print(f"preadv x1:             {total / statistics.median(one) / gb:6.2f} GB/s")
     print(f"preadv x4 (4 MiB):     {total / statistics.median(four) / gb:6.2f} GB/s")
 
