@@ -15,6 +15,8 @@ what the CPU suite cannot:
 4. The streamed offload (``gpu_checks/streaming_checks.py``): pinned slabs, prefetch order,
    wrap-around, no host synchronization, the pinned memory cap, GPU memory, bit-identical
    outputs over CPU and disk offload.
+5. Host memory (``gpu_checks/host_memory_checks.py``): exact-size registered buffers are pinned,
+   copied from as fast as torch's pinned memory, and given back by ``unpin``.
 """
 
 from __future__ import annotations
@@ -168,6 +170,9 @@ def check_gpu_loading(mib: int = 512, cpu: bool = False) -> None:
         (folder / "odd.safetensors").unlink()
         _check_dispatch(folder, full, blocks)
         _check_streaming(folder, blocks, torch.device("cuda", 0))
+    from gpu_checks.host_memory_checks import check_host_memory
+
+    check_host_memory()  # exact-size registered buffers: pinned, as fast, given back
 
 
 def main() -> None:

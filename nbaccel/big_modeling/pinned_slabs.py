@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import threading
 import time
 import warnings
 import weakref
@@ -70,7 +71,7 @@ class _Region(mmap.mmap):
         if cudart is not None:
             try:
                 cudart.cudaHostUnregister(self.address)
-            except (RuntimeError, AttributeError):  # the runtime is going away at exit
+            except Exception:  # noqa: BLE001 - the runtime going away at exit: the process frees all
                 pass
         return len(self)
 
@@ -78,14 +79,23 @@ class _Region(mmap.mmap):
         self.unpin()  # before mmap's own dealloc unmaps the pages
 
 
-_REGIONS: weakref.WeakValueDictionary[int, _Region] = weakref.WeakValueDictionary()
+# Every live region by address, to find the one under a tensor; readers make theirs on their threads.
+_REGIONS: dict[int, weakref.ref[_Region]] = {}
+_REGIONS_LOCK = threading.Lock()
+
+
+def _live_regions() -> list[_Region]:
+    with _REGIONS_LOCK:
+        for address in [a for a, ref in _REGIONS.items() if ref() is None]:
+            del _REGIONS[address]
+        return [r for ref in _REGIONS.values() if (r := ref()) is not None]
 
 
 def _cudart() -> Any:
     """torch's bindings of the CUDA runtime (``cudaHostRegister``), or ``None`` without CUDA."""
     try:
         return torch.cuda.cudart() if torch.cuda.is_available() else None
-    except (AssertionError, RuntimeError, AttributeError):  # a CPU build of torch
+    except Exception:  # noqa: BLE001 - a CPU build of torch (AssertionError), or torch at exit
         return None
 
 
@@ -119,7 +129,8 @@ def _map(nbytes: int) -> tuple[_Region, torch.Tensor]:
     region = _Region(-1, max(1, nbytes))
     tensor = torch.frombuffer(region, dtype=torch.uint8)[:nbytes]  # the tensor keeps the region
     region.address = tensor.data_ptr()
-    _REGIONS[region.address] = region
+    with _REGIONS_LOCK:
+        _REGIONS[region.address] = weakref.ref(region)
     return region, tensor
 
 
@@ -149,7 +160,7 @@ def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
 
 def _regions_of(tensors: Iterable[torch.Tensor | None]) -> list[_Region]:
     found: dict[int, _Region] = {}
-    regions = list(_REGIONS.values())
+    regions = _live_regions()
     for tensor in tensors:
         if tensor is None or tensor.device.type != "cpu" or tensor.numel() == 0:
             continue
