@@ -8,7 +8,7 @@ option does, memory is mapped at exactly the size asked, its pages are faulted i
 threads (the copies into it), and it is then registered (``cudaHostRegister``, one call per
 slab: the driver serializes registration under one lock anyway). What always holds:
 
-- A buffer (:func:`host_buffer`) is an anonymous mapping of exactly the bytes asked (whole
+- A buffer (:func:`host_buffer`) is a private anonymous mapping of exactly the bytes asked (whole
   pages); pinned, it is unregistered before it is unmapped: when :func:`unpin` is called on it
   (its memory then stays valid, pageable), or when its last tensor goes.
 - Pinning that fails (the driver's ``cudaHostRegister`` error, a ``RuntimeError``, no CUDA
@@ -126,7 +126,8 @@ def _warn_unpinned(nbytes: int, why: str) -> None:
 
 
 def _map(nbytes: int) -> tuple[_Region, torch.Tensor]:
-    region = _Region(-1, max(1, nbytes))
+    # private, as malloc's: a forked child's writes stay its own, and it is not counted as shmem
+    region = _Region(-1, max(1, nbytes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     tensor = torch.frombuffer(region, dtype=torch.uint8)[:nbytes]  # the tensor keeps the region
     region.address = tensor.data_ptr()
     with _REGIONS_LOCK:
@@ -297,6 +298,8 @@ def pin_tensors(tensors: Sequence[torch.Tensor], cap: int, pin: bool = True,
     """
     started = time.perf_counter()
     sizes, placements = pack([t.nbytes for t in tensors], cap, slab_bytes)
+    if not sizes:
+        return [None] * len(tensors)
     mapped = [_map(size) for size in sizes]
     out: list[torch.Tensor | None] = []
     jobs = []

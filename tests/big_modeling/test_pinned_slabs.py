@@ -158,3 +158,16 @@ def test_a_streamed_model_whose_memory_cannot_be_locked_still_runs(tmp_path, mon
     ids = sample_ids()
     with torch.no_grad():
         assert torch.equal(model(ids), source(ids))
+
+
+def test_a_forked_childs_writes_to_host_memory_stay_its_own() -> None:
+    import os
+
+    buffer = host_buffer(2**20, pin=False)  # e.g. a staging ring when a notebook forks its workers
+    buffer.fill_(1)
+    pid = os.fork()
+    if pid == 0:
+        buffer.fill_(9)
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert int(buffer.sum()) == 2**20
