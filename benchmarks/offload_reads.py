@@ -123,8 +123,8 @@ def group_reads(files: list[Path], split: bool, in_flight: int = 2, readers: int
 def engine_rounds(files: list[Path], blocks: int, rounds: int) -> tuple[list[float], int]:
     with init_empty_weights():
         model = _model(blocks)
-    model = load_checkpoint_and_dispatch(model, str(files[0].parent / "model.safetensors.index.json"), {"": "disk"},
-                                         offload_folder=str(files[0].parent / "offload"))
+    index = files[0].parent / "model.safetensors.index.json"
+    model = load_checkpoint_and_dispatch(model, str(index), {"": "disk"})
     hooks = [(m._hf_hook, m._hf_hook._names(m)) for m in model.modules()
              if isinstance(getattr(m, "_hf_hook", None), AlignDevicesHook) and m._hf_hook.offload
              and m._hf_hook._names(m)]

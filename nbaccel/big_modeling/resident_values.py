@@ -2,9 +2,10 @@
 
 GPU-bound safetensors weights are read by reader threads for all GPUs at once
 (:func:`staged_to_gpus`); CPU-bound ones that cannot be views of their file are copied by one
-thread pool (:func:`copied_to_cpu`); both report each key as its bytes land, and the
-caller's thread draws the "Loading checkpoint shards" bar meanwhile; everything else is a view of its file's map or, from a
-pickle, what ``torch.load`` gave (:func:`resident_value`). Each value is handed out once.
+thread pool (:func:`copied_to_cpu`); both report each key as its bytes land, and the caller's
+thread draws the "Loading checkpoint shards" bar meanwhile; everything else is a view of its
+file's map or, from a pickle, what ``torch.load`` gave (:func:`resident_value`). Each value is
+handed out once.
 """
 
 from __future__ import annotations

@@ -216,7 +216,8 @@ class StreamedOffload:
             _layout(members)
         self.engine = SlotEngine(device, groups, slots)
         self.ring = SlotRing(len(groups), slots, self.engine)
-        weakref.finalize(self, self.engine.close)  # model deleted, or its hooks removed
+        # model deleted, or its hooks removed (not at exit: the process frees it all then)
+        weakref.finalize(self, self.engine.close).atexit = False
 
     def acquire(self, group: int) -> Mapping[str, torch.Tensor] | None:
         """The group's weights on the device, or ``None``: take them the plain way."""
