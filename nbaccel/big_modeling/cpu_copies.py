@@ -147,8 +147,9 @@ class FileDescriptors:
 def wait_all(futures: Sequence[Future], on_wait: Callable[[], None] | None = None,
              wake: threading.Event | None = None, every: float = 0.1) -> None:
     """Wait until every future is done or one has failed, calling ``on_wait`` in this thread
-    each time ``wake`` is set (a reader finished something worth showing) and about every
-    ``every`` seconds. An interrupt raises here at once; stopping the threads is the caller's.
+    each time ``wake`` is set (a reader finished something worth showing), about every
+    ``every`` seconds, and once at the end. An interrupt raises here at once; stopping the
+    threads is the caller's.
 
     Example:
         >>> done = Future(); done.set_result(None); wait_all([done])
@@ -170,6 +171,8 @@ def wait_all(futures: Sequence[Future], on_wait: Callable[[], None] | None = Non
         wake.clear()  # the loop's condition is read after this: a last finish is never missed
         if on_wait is not None:
             on_wait()
+    if on_wait is not None:
+        on_wait()  # the last reports drawn too, however fast the threads were
 
 
 def _chunk_jobs(infos: Sequence[TensorInfo], outs: Sequence[torch.Tensor],
