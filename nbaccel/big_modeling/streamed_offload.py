@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from nbaccel.big_modeling.checkpoint_files import TensorInfo
+from nbaccel.big_modeling.cpu_copies import copy_threads
 from nbaccel.big_modeling.offload import OffloadedWeightsLoader, PrefixedDataset
 from nbaccel.big_modeling.pinned_slabs import ALIGN, host_buffer, pin_tensors, pinned_cap, unpin
 from nbaccel.big_modeling.slot_ring import SlotRing
@@ -109,7 +110,8 @@ class SlotEngine:
         self.jobs: list[Future | None] = [None] * slots
         self.pool = ThreadPoolExecutor(readers, thread_name_prefix="nbaccel-offload-read") \
             if staged else None
-        self.reads = SplitReads(readers) if staged else None  # every reader on every group's pieces
+        # every reader on every group's pieces; as many as the copies may use (up to 8) where more
+        self.reads = SplitReads(max(readers, copy_threads())) if staged else None
 
     def _views(self, slot: int, members: list[Member]) -> dict[str, torch.Tensor]:
         base = slot * self.slot_bytes
