@@ -77,6 +77,6 @@ class SplitReads:
                 future.cancel()  # those not started; the running ones finish their one piece
             wait(futures)
 
-    def close(self) -> None:
-        """Stop the threads (after the pieces in flight)."""
-        self.pool.shutdown(wait=True, cancel_futures=True)
+    def close(self, wait: bool = True) -> None:
+        """Stop the threads after the pieces in flight (``wait``: return once they have)."""
+        self.pool.shutdown(wait=wait, cancel_futures=True)

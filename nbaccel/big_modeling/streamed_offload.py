@@ -29,6 +29,7 @@ carries it out. What always holds:
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -188,8 +189,10 @@ class SlotEngine:
         """Stop the reader threads (after the reads in flight) and give back the page-locked
         host memory (the tensors stay valid, pageable); called when the pipeline goes."""
         if self.pool is not None:
-            self.pool.shutdown(wait=True)
-            self.reads.close()
+            # the collector may run this on one of the readers (a thread cannot join itself)
+            joined = not threading.current_thread().name.startswith("nbaccel-offload")
+            self.pool.shutdown(wait=joined)
+            self.reads.close(wait=joined)
         if self.stream is not None:
             self.stream.synchronize()  # no copy out of host memory outlives its registration
         unpin([self.staging, *(m.direct for g in self.groups for m in g)])
