@@ -92,11 +92,14 @@ def test_a_refused_registration_falls_back_to_pageable_memory(monkeypatch, refus
 
 def test_slabs_are_copied_on_several_threads_registered_once_each_and_logged(runtime, caplog) -> None:
     tensors = [torch.randn(2**18) for _ in range(6)]  # 1 MiB each
-    seen = set()
+    seen, together = set(), threading.Barrier(2, timeout=60)
     real = torch.Tensor.copy_
 
-    def watched(self, *args, **kwargs):  # noqa: ANN001, ANN202 - records who copies, then copies
-        seen.add(threading.current_thread().name)
+    def watched(self, *args, **kwargs):  # noqa: ANN001, ANN202 - waits for a second copier once
+        name = threading.current_thread().name
+        if name.startswith("nbaccel-pin") and name not in seen:
+            seen.add(name)
+            together.wait()  # passes only if two threads copy at the same time
         return real(self, *args, **kwargs)
 
     with caplog.at_level(logging.INFO, logger=pinned_slabs.__name__), \
@@ -105,7 +108,7 @@ def test_slabs_are_copied_on_several_threads_registered_once_each_and_logged(run
         out = pin_tensors(tensors, cap=2**30, pin=True, slab_bytes=2**21, threads=2)
     assert all(torch.equal(a, b) for a, b in zip(tensors, out))
     assert sorted(runtime.registered.values()) == [2**21] * 3  # exact: two tensors per slab
-    assert len({n for n in seen if n.startswith("nbaccel-pin")}) == 2
+    assert len(seen) == 2
     assert any("pinned 6.0 MiB of offloaded weights in 3 slab(s) on 2 thread(s) in" in r.message
                and "page-locked" in r.message for r in caplog.records)
     assert unpin(out) == 6 * 2**20 and runtime.locked() == 0
