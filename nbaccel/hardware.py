@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from nbaccel.environment import ASSUME_UNSAFE_FORK, FORCE_TPU, env_flag
+from nbaccel.host_memory import available_memory
 
 __all__ = [
     "available_cpu_memory",
@@ -213,15 +214,9 @@ def _cuda_initialized_by_another_library() -> str | None:
 
 
 def available_cpu_memory() -> int:
-    """Bytes of memory the system can give without swapping (``MemAvailable``)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:  # pragma: no cover - not Linux
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # pragma: no cover
+    """Bytes of memory this process may still take without swapping or being OOM-killed: the
+    least of ``MemAvailable`` and its memory cgroup's headroom (see :mod:`nbaccel.host_memory`)."""
+    return available_memory()
 
 
 def open_file_budget() -> tuple[int, int] | None:

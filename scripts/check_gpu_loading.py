@@ -19,6 +19,8 @@ what the CPU suite cannot:
 5. The order on a transformers decoder (``gpu_checks/decoder_order_checks.py``): one group per
    decoder layer, each copied once per forward with no demand miss, also across ``generate()``
    steps, tokens identical to the model held whole, and ``offload_report``'s line.
+6. Host memory (``gpu_checks/host_memory_checks.py``): exact-size registered buffers are pinned,
+   copied from as fast as torch's pinned memory, and given back by ``unpin``.
 """
 
 from __future__ import annotations
@@ -179,6 +181,9 @@ def check_gpu_loading(mib: int = 512, cpu: bool = False) -> None:
         _check_dispatch(folder, full, blocks)
         _check_streaming(folder, blocks, torch.device("cuda", 0))
         check_decoder_order(torch.device("cuda", 0))
+    from gpu_checks.host_memory_checks import check_host_memory
+
+    check_host_memory()  # exact-size registered buffers: pinned, as fast, given back
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ import mmap
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -41,7 +41,7 @@ from nbaccel.big_modeling.checkpoint_files import (
 )
 from nbaccel.errors import CheckpointError
 
-__all__ = ["CHUNK_BYTES", "FileDescriptors", "copy_threads", "copy_to_cpu", "populate"]
+__all__ = ["CHUNK_BYTES", "FileDescriptors", "copy_threads", "copy_to_cpu", "populate", "wait_all"]
 
 CHUNK_BYTES = 4 * 2**20  # small enough to spread a 16 MiB weight over the cores, big enough
 MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23  # <linux/mman.h>, Linux 5.14+; EINVAL before
@@ -144,10 +144,43 @@ class FileDescriptors:
             self._fds.clear()
 
 
+def wait_all(futures: Sequence[Future], on_wait: Callable[[], None] | None = None,
+             wake: threading.Event | None = None, every: float = 0.1) -> None:
+    """Wait until every future is done or one has failed, calling ``on_wait`` in this thread
+    each time ``wake`` is set (a reader finished something worth showing), about every
+    ``every`` seconds, and once at the end. An interrupt raises here at once; stopping the
+    threads is the caller's.
+
+    Example:
+        >>> done = Future(); done.set_result(None); wait_all([done])
+    """
+    wake = wake if wake is not None else threading.Event()
+    lock, state = threading.Lock(), {"left": len(futures), "failed": False}
+
+    def finished(future: Future) -> None:
+        with lock:
+            state["left"] -= 1
+            state["failed"] |= not future.cancelled() and future.exception() is not None
+        if state["left"] == 0 or state["failed"]:
+            wake.set()
+
+    for future in futures:
+        future.add_done_callback(finished)
+    while state["left"] and not state["failed"]:
+        wake.wait(every)
+        wake.clear()  # the loop's condition is read after this: a last finish is never missed
+        if on_wait is not None:
+            on_wait()
+    if on_wait is not None:
+        on_wait()  # the last reports drawn too, however fast the threads were
+
+
 def _chunk_jobs(infos: Sequence[TensorInfo], outs: Sequence[torch.Tensor],
                 sources: Sequence[torch.Tensor | None], files: FileDescriptors,
-                chunk_bytes: int) -> list[Callable[[], None]]:
-    """One job per chunk, in file order: pre-fault the destination, then read or cast into it."""
+                chunk_bytes: int, on_piece: Callable[[int, int], None] | None = None
+                ) -> list[Callable[[], None]]:
+    """One job per chunk, in file order: pre-fault the destination, then read or cast into it;
+    ``on_piece(tensor index, stored bytes)`` once it is done."""
     jobs: list[Callable[[], None]] = []
     for k in sorted(range(len(infos)), key=lambda i: (infos[i].path, infos[i].offset)):
         info, out, source = infos[k], outs[k], sources[k]
@@ -157,10 +190,20 @@ def _chunk_jobs(infos: Sequence[TensorInfo], outs: Sequence[torch.Tensor],
         step = max(1, chunk_bytes // max(out.element_size(), source.element_size() if source is not None else 1))
         for first, last in _cuts(flat, step):
             if source is None:
-                jobs.append(_read_job(files, info, flat, first, last))
+                job = _read_job(files, info, flat, first, last)
             else:
-                jobs.append(_cast_job(source.reshape(-1), flat, first, last))
+                job = _cast_job(source.reshape(-1), flat, first, last)
+            jobs.append(job if on_piece is None else
+                        _reported(job, on_piece, k, (last - first) * info.dtype.itemsize))
     return jobs
+
+
+def _reported(job: Callable[[], None], on_piece: Callable[[int, int], None], k: int,
+              nbytes: int) -> Callable[[], None]:
+    def reported() -> None:
+        job()
+        on_piece(k, nbytes)
+    return reported
 
 
 def _cuts(flat: torch.Tensor, step: int) -> list[tuple[int, int]]:
@@ -200,7 +243,10 @@ def _cast_job(source: torch.Tensor, flat: torch.Tensor, first: int, last: int) -
 
 def copy_to_cpu(infos: Sequence[TensorInfo], dtypes: Sequence[torch.dtype] | None = None,
                 view: Callable[[TensorInfo], torch.Tensor | None] | None = None,
-                threads: int | None = None, chunk_bytes: int = CHUNK_BYTES) -> list[torch.Tensor]:
+                threads: int | None = None, chunk_bytes: int = CHUNK_BYTES,
+                on_piece: Callable[[int, int], None] | None = None,
+                on_wait: Callable[[], None] | None = None,
+                wake: threading.Event | None = None) -> list[torch.Tensor]:
     """Copy tensors from their safetensors files into new CPU tensors, on a few threads.
 
     Args:
@@ -210,6 +256,10 @@ def copy_to_cpu(infos: Sequence[TensorInfo], dtypes: Sequence[torch.dtype] | Non
             ``None`` when it has none (the tensor is then read in its stored dtype first).
         threads: how many threads copy (default :func:`copy_threads`).
         chunk_bytes: the most bytes one thread copies at a time.
+        on_piece: called ``(tensor index, stored bytes)`` from a thread as chunks finish (progress).
+        on_wait: called in the calling thread while the threads copy: whenever ``wake`` is
+            set, and about every 0.1 s (draws progress).
+        wake: an event the progress reports set, so that ``on_wait`` runs at once.
 
     Returns:
         The tensors, in the order of ``infos``; every copy has finished.
@@ -230,8 +280,8 @@ def copy_to_cpu(infos: Sequence[TensorInfo], dtypes: Sequence[torch.dtype] | Non
     try:
         sources = [None if d == i.dtype else _cast_source(i, view) for i, d in zip(infos, dtypes)]
         outs = [torch.empty(i.shape, dtype=d) for i, d in zip(infos, dtypes)]
-        jobs = _chunk_jobs(infos, outs, sources, files, chunk_bytes)
-        _run(jobs, min(threads or copy_threads(), len(jobs)))
+        jobs = _chunk_jobs(infos, outs, sources, files, chunk_bytes, on_piece)
+        _run(jobs, min(threads or copy_threads(), len(jobs)), on_wait, wake)
     finally:
         files.close()
     return outs
@@ -243,17 +293,20 @@ def _cast_source(info: TensorInfo, view: Callable[[TensorInfo], torch.Tensor | N
     return mapped if mapped is not None else read_tensor(info)
 
 
-def _run(jobs: list[Callable[[], None]], threads: int) -> None:
+def _run(jobs: list[Callable[[], None]], threads: int, on_wait: Callable[[], None] | None = None,
+         wake: threading.Event | None = None) -> None:
     """Run every job; the first error (or an interrupt) cancels the jobs not yet started and is
     raised once the running ones have stopped."""
     if threads <= 1:
         for job in jobs:
             job()
+            if on_wait is not None:
+                on_wait()
         return
     pool = ThreadPoolExecutor(threads, thread_name_prefix="nbaccel-copy")
     try:
         futures = [pool.submit(job) for job in jobs]
-        wait(futures, return_when=FIRST_EXCEPTION)
+        wait_all(futures, on_wait, wake)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
     failed = next((f for f in futures if not f.cancelled() and f.exception() is not None), None)

@@ -13,7 +13,9 @@ What always holds: each result holds exactly the file's bytes, in the stored dty
 has finished when :func:`read_to_devices` returns; all GPUs of a load are fed at once, by the
 same threads; a file that is gone or cut short is a :class:`~nbaccel.errors.CheckpointError`,
 raised after the other threads stopped (no thread outlives the call). On a device other than
-CUDA the same reads are copied synchronously.
+CUDA the same reads are copied synchronously. An interrupt (Ctrl-C) in the calling thread stops
+the readers after the read each has in hand and is raised within milliseconds, not after the load;
+the results are then dropped, so a model being loaded is left as it was.
 """
 
 from __future__ import annotations
@@ -21,19 +23,20 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from nbaccel.big_modeling.checkpoint_files import TensorInfo
-from nbaccel.big_modeling.cpu_copies import FileDescriptors, copy_threads
+from nbaccel.big_modeling.cpu_copies import FileDescriptors, copy_threads, wait_all
+from nbaccel.big_modeling.pinned_slabs import host_buffer
 
 __all__ = ["BUFFER_BYTES", "Read", "plan_reads", "read_to_devices"]
 
-# A power of two (torch's pinned allocator rounds up to one, and keeps freed blocks cached):
-# 8 readers hold 256 MiB pinned; 16 MiB copies already run at the bus's speed.
+# 8 readers hold 256 MiB pinned (exactly: host_buffer, given back when the load ends);
+# 16 MiB copies already run at the bus's speed.
 BUFFER_BYTES = 16 * 2**20
 BUFFERS_PER_READER = 2  # one being filled while the copies out of the other run
 
@@ -86,8 +89,7 @@ class _Reader:
 
     def __init__(self, size: int, devices: set[torch.device], waits_for: dict[torch.device, Any]) -> None:
         self.cuda = any(d.type == "cuda" for d in devices)
-        self.buffers = [torch.empty(size, dtype=torch.uint8, pin_memory=self.cuda)
-                        for _ in range(BUFFERS_PER_READER)]
+        self.buffers = [host_buffer(size, pin=self.cuda) for _ in range(BUFFERS_PER_READER)]
         self.done: list[list[Any]] = [[] for _ in self.buffers]
         self.streams: dict[torch.device, Any] = {}
         for device in devices:
@@ -134,7 +136,8 @@ class _Reader:
 def read_to_devices(infos: Sequence[TensorInfo], devices: Sequence[torch.device | str],
                     buffer_bytes: int = BUFFER_BYTES, readers: int | None = None,
                     on_piece: Callable[[int, int], None] | None = None,
-                    on_wait: Callable[[], None] | None = None) -> list[torch.Tensor]:
+                    on_wait: Callable[[], None] | None = None,
+                    wake: threading.Event | None = None) -> list[torch.Tensor]:
     """Read tensors from their files into new tensors, each on its own device, on reader threads.
 
     Args:
@@ -143,7 +146,9 @@ def read_to_devices(infos: Sequence[TensorInfo], devices: Sequence[torch.device 
         buffer_bytes: each pinned buffer's size (at most the largest read).
         readers: reader threads (default :func:`~.cpu_copies.copy_threads`).
         on_piece: called ``(tensor index, bytes)`` from a reader as bytes are issued (progress).
-        on_wait: called about every 0.1 s in the calling thread while the readers run.
+        on_wait: called in the calling thread while the readers run: whenever ``wake`` is set,
+            and about every 0.1 s (draws progress).
+        wake: an event the progress reports set, so that ``on_wait`` runs at once.
 
     Returns:
         The tensors, in the order of ``infos``; every copy has finished.
@@ -167,7 +172,7 @@ def read_to_devices(infos: Sequence[TensorInfo], devices: Sequence[torch.device 
         return outs
     files = FileDescriptors(infos)
     try:
-        _run_readers(reads, files, outs, {o.device for o in outs}, readers, on_piece, on_wait)
+        _run_readers(reads, files, outs, {o.device for o in outs}, readers, on_piece, on_wait, wake)
     finally:
         files.close()
     return outs
@@ -176,8 +181,9 @@ def read_to_devices(infos: Sequence[TensorInfo], devices: Sequence[torch.device 
 def _run_readers(reads: list[Read], files: FileDescriptors, outs: Sequence[torch.Tensor],
                  devices: set[torch.device], readers: int | None,
                  on_piece: Callable[[int, int], None] | None,
-                 on_wait: Callable[[], None] | None) -> None:
-    """Run the readers over the shared queue; the first error stops the others and is raised."""
+                 on_wait: Callable[[], None] | None, wake: threading.Event | None) -> None:
+    """Run the readers over the shared queue; the first error, or an interrupt in the calling
+    thread, stops the others after the read each has in hand, and is raised once they have."""
     size = max(r.nbytes for r in reads)
     count = max(1, min(readers or copy_threads(), len(reads)))
     waits_for = {d: torch.cuda.current_stream(d) for d in devices if d.type == "cuda"}
@@ -194,10 +200,12 @@ def _run_readers(reads: list[Read], files: FileDescriptors, outs: Sequence[torch
             failed.set()
             raise
 
-    with ThreadPoolExecutor(count, thread_name_prefix="nbaccel-gpu-read") as pool:
+    pool = ThreadPoolExecutor(count, thread_name_prefix="nbaccel-gpu-read")
+    try:
         futures = [pool.submit(work) for _ in range(count)]
-        while wait(futures, timeout=0.1).not_done:
-            if on_wait is not None:
-                on_wait()
+        wait_all(futures, on_wait, wake)
+    finally:
+        failed.set()  # Ctrl-C: no reader takes another read (each is one buffer, milliseconds)
+        pool.shutdown(wait=True)
     for future in futures:
         future.result()

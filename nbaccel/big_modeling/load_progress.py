@@ -6,9 +6,11 @@ globally), and only once the load has taken :data:`DELAY_S` (as tqdm's ``delay``
 mapped files that takes 50 ms neither flashes a bar nor pays for one. The bar is
 ``tqdm.auto``'s: a widget in a notebook with ipywidgets, text on stderr in a terminal or a log.
 Without tqdm installed there is no bar. What always holds: a key counts once however often it is
-reported (tied aliases, a key read for two devices); reports may come from any thread, but only
-the thread that made the object (the caller's) creates and moves the bar, in :meth:`tick`; the
-bar is closed when the load ends, also by an error.
+reported (tied aliases, a key read for two devices); reports may come from any thread (the
+readers report each key as its bytes land, and a file's last key sets :attr:`ShardProgress.moved`
+to wake the caller), but only the thread that made the object (the caller's) creates and moves
+the bar, in :meth:`tick`, so the bar moves while the readers run, one step per file; the bar is
+closed when the load ends, also by an error.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class ShardProgress:
         self._start = time.monotonic()
         self.finished = 0
         self.bar: Any = None
+        self.moved = threading.Event()  # set when a file is done: the caller's wait wakes to draw
 
     def done(self, key: str) -> None:
         """Report ``key`` loaded; its file's step is taken when it was the file's last key."""
@@ -60,6 +63,7 @@ class ShardProgress:
             left.discard(key)
             if not left:
                 self.finished += 1
+                self.moved.set()
 
     def tick(self) -> None:
         """Show the bar once the load has taken :data:`DELAY_S`, and move it to the files done
@@ -100,4 +104,6 @@ def _bar(total: int) -> Any:
         from tqdm.auto import tqdm
     except ImportError:  # tqdm is optional: no bar
         return None
-    return tqdm(total=total, desc=DESCRIPTION, unit="shard")
+    # mininterval=0: a step per file is few redraws, and each one is news (tqdm's 0.1 s default
+    # would drop the steps of files that finish close together)
+    return tqdm(total=total, desc=DESCRIPTION, unit="shard", mininterval=0)

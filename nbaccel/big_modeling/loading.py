@@ -11,7 +11,9 @@ into their own pinned buffers, for all GPUs at once (:mod:`.device_reads`). A ch
 files shows a "Loading checkpoint shards" bar (:mod:`.load_progress`). Weights mapped to ``"disk"`` that live in a safetensors
 file are not read either: the offload index points into the checkpoint's own file. Weights from
 ``.bin``/``.pt`` pickles come from ``torch.load`` (memory-mapped where its format allows) and are
-copied into the offload folder when offloaded.
+copied into the offload folder when offloaded. An error or an interrupt (Ctrl-C) part-way puts
+back every tensor the load had replaced: the model is left as it was (the readers stop within
+milliseconds, see :mod:`.device_reads`).
 """
 
 from __future__ import annotations
@@ -124,6 +126,24 @@ def _share(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
         module._buffers[leaf] = tensor
 
 
+class _Before:
+    """The tensor objects a load replaced, to put back when it fails or is interrupted part-way,
+    so that the model is left as it was (``set_module_tensor_to_device`` replaces, never mutates)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model, self.kept = model, []
+
+    def keep(self, name: str) -> None:
+        owner_name, _, leaf = name.rpartition(".")
+        owner = self.model.get_submodule(owner_name)
+        table = owner._parameters if leaf in owner._parameters else owner._buffers
+        self.kept.append((table, leaf, table.get(leaf)))
+
+    def restore(self) -> None:
+        for table, leaf, old in reversed(self.kept):
+            table[leaf] = old
+
+
 def _load(model: nn.Module, checkpoint: str | os.PathLike,
           device_map: Mapping[str, MapDevice] | None, offload_folder: str | os.PathLike | None,
           dtype: torch.dtype | None, offload_buffers: bool, keep_in_fp32: Sequence[str],
@@ -156,32 +176,38 @@ def _load_into(model: nn.Module, ckpt: Checkpoint, sources: Mapping[str, str],
     targets = {n: _target_dtype(n, ckpt.dtype(k), tensors[n].dtype, dtype, keep_in_fp32)
                for n, k in sources.items()}
     maps, staged = FileMaps(), staged_to_gpus(ckpt, sources, homes, progress)
-    copied = copied_to_cpu(ckpt, sources, homes, targets, maps)
+    copied = copied_to_cpu(ckpt, sources, homes, targets, maps, progress)
     resident_first = sorted(sources, key=lambda n: homes[n] == "disk")
-    for name in resident_first:
-        key, home, target = sources[name], homes[name], targets[name]
-        shared = loaded.get((key, home))
-        if home == "disk":  # tied to a resident tensor: share it rather than offload a copy
-            shared = next((t for (k, _), t in loaded.items() if k == key), None)
-        if shared is not None and shared.dtype == target:
-            _share(model, name, shared)  # a tied alias: one tensor, never a second read
-        elif home == "disk":
-            location = ckpt.location(key)
-            if location is None:
-                offload_weight(ckpt.read(key).to(target), name, offload_folder, index)
+    before = _Before(model)  # an interrupt or error here puts back every tensor changed
+    try:
+        for name in resident_first:
+            before.keep(name)
+            key, home, target = sources[name], homes[name], targets[name]
+            shared = loaded.get((key, home))
+            if home == "disk":  # tied to a resident tensor: share it rather than offload a copy
+                shared = next((t for (k, _), t in loaded.items() if k == key), None)
+            if shared is not None and shared.dtype == target:
+                _share(model, name, shared)  # a tied alias: one tensor, never a second read
+            elif home == "disk":
+                location = ckpt.location(key)
+                if location is None:
+                    offload_weight(ckpt.read(key).to(target), name, offload_folder, index)
+                else:
+                    index[name] = {"safetensors_file": location.path, "weight_name": key,
+                                   "dtype": str(target).removeprefix("torch.")}
+                set_module_tensor_to_device(model, name, "meta", dtype=target)
+            elif home == "meta":
+                set_module_tensor_to_device(model, name, "meta", dtype=target)
             else:
-                index[name] = {"safetensors_file": location.path, "weight_name": key,
-                               "dtype": str(target).removeprefix("torch.")}
-            set_module_tensor_to_device(model, name, "meta", dtype=target)
-        elif home == "meta":
-            set_module_tensor_to_device(model, name, "meta", dtype=target)
-        else:
-            value = resident_value(ckpt, key, home, target, maps, staged, copied)
-            set_module_tensor_to_device(model, name, home, value=value, dtype=target)
-            loaded[(key, home)] = model.get_parameter(name) if name not in buffers \
-                else model.get_buffer(name)
-        progress.done(key)
-        progress.tick()
+                value = resident_value(ckpt, key, home, target, maps, staged, copied)
+                set_module_tensor_to_device(model, name, home, value=value, dtype=target)
+                loaded[(key, home)] = model.get_parameter(name) if name not in buffers \
+                    else model.get_buffer(name)
+            progress.done(key)
+            progress.tick()
+    except BaseException:
+        before.restore()
+        raise
     if offload_folder is not None and (copies or index_needs_folder):
         save_offload_index(index, offload_folder)
     return index

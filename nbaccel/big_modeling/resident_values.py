@@ -2,14 +2,16 @@
 
 GPU-bound safetensors weights are read by reader threads for all GPUs at once
 (:func:`staged_to_gpus`); CPU-bound ones that cannot be views of their file are copied by one
-thread pool (:func:`copied_to_cpu`); everything else is a view of its file's map or, from a
-pickle, what ``torch.load`` gave (:func:`resident_value`). Each value is handed out once.
+thread pool (:func:`copied_to_cpu`); both report each key as its bytes land, and the caller's
+thread draws the "Loading checkpoint shards" bar meanwhile; everything else is a view of its
+file's map or, from a pickle, what ``torch.load`` gave (:func:`resident_value`). Each value is
+handed out once.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -35,24 +37,30 @@ def staged_to_gpus(ckpt: Checkpoint, sources: Mapping[str, str], homes: Mapping[
             wanted[(key, homes[name])] = info
     if not wanted:
         return {}
-    keys, infos = [key for key, _ in wanted], list(wanted.values())
+    infos = list(wanted.values())
+    tensors = read_to_devices(infos, [torch.device("cuda", gpu) for _, gpu in wanted],
+                              on_piece=_reporter([key for key, _ in wanted], infos, progress),
+                              on_wait=progress.tick, wake=progress.moved)
+    return dict(zip(wanted, tensors))
+
+
+def _reporter(keys: Sequence[str], infos: Sequence[TensorInfo],
+              progress: ShardProgress) -> Callable[[int, int], None]:
+    """``on_piece`` for the readers: a key is done once all its stored bytes are reported."""
     left, lock = [i.nbytes for i in infos], threading.Lock()
 
-    def issued(k: int, nbytes: int) -> None:
+    def report(k: int, nbytes: int) -> None:
         with lock:
             left[k] -= nbytes
             finished = left[k] == 0
         if finished:
             progress.done(keys[k])
-
-    tensors = read_to_devices(infos, [torch.device("cuda", gpu) for _, gpu in wanted],
-                              on_piece=issued, on_wait=progress.tick)
-    return dict(zip(wanted, tensors))
+    return report
 
 
 def copied_to_cpu(ckpt: Checkpoint, sources: Mapping[str, str], homes: Mapping[str, MapDevice],
-                   targets: Mapping[str, torch.dtype],
-                   maps: FileMaps) -> dict[tuple[str, torch.dtype], torch.Tensor]:
+                   targets: Mapping[str, torch.dtype], maps: FileMaps,
+                   progress: ShardProgress | None = None) -> dict[tuple[str, torch.dtype], torch.Tensor]:
     """``{(checkpoint key, dtype): tensor}`` for the CPU-bound safetensors weights that cannot be
     views of their file (off the 64-byte alignment, or cast to another dtype), copied by one
     thread pool for the whole load; a cast reads straight from the file's map."""
@@ -61,7 +69,11 @@ def copied_to_cpu(ckpt: Checkpoint, sources: Mapping[str, str], homes: Mapping[s
         info = ckpt.location(key)
         if info is not None and homes[name] == "cpu" and (targets[name] != info.dtype or not can_map(info)):
             wanted[(key, targets[name])] = info
-    tensors = copy_to_cpu(list(wanted.values()), [dtype for _, dtype in wanted], view=maps.view)
+    infos = list(wanted.values())
+    reports = {} if progress is None or not infos else dict(
+        on_piece=_reporter([key for key, _ in wanted], infos, progress),
+        on_wait=progress.tick, wake=progress.moved)
+    tensors = copy_to_cpu(infos, [dtype for _, dtype in wanted], view=maps.view, **reports)
     return dict(zip(wanted, tensors))
 
 

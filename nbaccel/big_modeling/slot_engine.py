@@ -16,6 +16,7 @@ What always holds (see :mod:`.streamed_offload` for the whole pipeline):
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,8 +25,10 @@ from typing import Any
 
 import torch
 
-from nbaccel.big_modeling.checkpoint_files import TensorInfo, read_into
-from nbaccel.big_modeling.pinned_slabs import ALIGN
+from nbaccel.big_modeling.checkpoint_files import TensorInfo
+from nbaccel.big_modeling.cpu_copies import copy_threads
+from nbaccel.big_modeling.pinned_slabs import ALIGN, host_buffer, unpin
+from nbaccel.big_modeling.staging_reads import SplitReads
 
 __all__ = ["READERS", "Member", "PassClock", "SlotEngine"]
 
@@ -110,8 +113,7 @@ class SlotEngine:
         self.slot_bytes = max(ALIGN, -(-self.slot_bytes // ALIGN) * ALIGN)
         self.buffers = torch.empty(slots * self.slot_bytes, dtype=torch.uint8, device=device)
         staged = any(m.direct is None and m.nbytes for g in groups for m in g)
-        self.staging = torch.empty(slots * self.slot_bytes, dtype=torch.uint8,
-                                   pin_memory=self.cuda) if staged else None
+        self.staging = host_buffer(slots * self.slot_bytes, pin=self.cuda) if staged else None
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         if self.stream is not None:
             # The allocator may hand out memory that work queued on the current stream still
@@ -126,6 +128,8 @@ class SlotEngine:
         self.jobs: list[Future | None] = [None] * slots
         self.pool = ThreadPoolExecutor(readers, thread_name_prefix="nbaccel-offload-read") \
             if staged else None
+        # every reader on every group's pieces; as many as the copies may use (up to 8) where more
+        self.reads = SplitReads(max(readers, copy_threads())) if staged else None
         self.clock = PassClock(self.cuda, device)
 
     def _views(self, slot: int, members: list[Member]) -> dict[str, torch.Tensor]:
@@ -204,18 +208,26 @@ class SlotEngine:
         """On a reader thread: fill the slot's staging buffer, then queue the copies."""
         if self.staged[slot] is not None:
             self.staged[slot].synchronize()  # the copy out of this staging buffer is done
-        base = slot * self.slot_bytes
+        base, parts = slot * self.slot_bytes, []
         for m in self.groups[group]:
             if m.direct is not None or not m.nbytes:
                 continue
             target = self.staging[base + m.offset:base + m.offset + m.nbytes]
             if m.info is not None:
-                read_into(m.info, memoryview(target.numpy()))
+                parts.append((m.info, memoryview(target.numpy())))
             else:
                 target.copy_(_bytes(m.fetch()))
+        self.reads.read(parts)
         self.ready[slot] = self.staged[slot] = self._issue(slot, group, freed)
 
     def close(self) -> None:
-        """Stop the reader threads (after the reads in flight)."""
+        """Stop the reader threads (after the reads in flight) and give back the page-locked
+        host memory (the tensors stay valid, pageable); called when the pipeline goes."""
         if self.pool is not None:
-            self.pool.shutdown(wait=True)
+            # the collector may run this on one of the readers (a thread cannot join itself)
+            joined = not threading.current_thread().name.startswith("nbaccel-offload")
+            self.pool.shutdown(wait=joined)
+            self.reads.close(wait=joined)
+        if self.stream is not None:
+            self.stream.synchronize()  # no copy out of host memory outlives its registration
+        unpin([self.staging, *(m.direct for g in self.groups for m in g)])

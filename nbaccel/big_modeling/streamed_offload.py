@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import time
 import warnings
+import weakref
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -104,6 +105,8 @@ class StreamedOffload:
         self.ring = SlotRing(len(groups), slots, self.engine, sizes=sizes,
                              ahead_bytes=AHEAD_LAYERS * max(sizes))
         self.last_clock: PassClock | None = None  # the clock of the pass before the current one
+        # model deleted, or its hooks removed (not at exit: the process frees it all then)
+        weakref.finalize(self, self.engine.close).atexit = False
 
     def acquire(self, group: int) -> Mapping[str, torch.Tensor] | None:
         """The group's weights on the device, or ``None``: take them the plain way."""

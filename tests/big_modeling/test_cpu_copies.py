@@ -180,3 +180,21 @@ def test_a_loaded_model_in_another_dtype_matches_its_cast_and_writes_stay_in_mem
         for tensor in model.state_dict().values():
             tensor.fill_(3)
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_progress_is_each_tensors_stored_bytes_and_drawn_in_the_callers_thread(tmp_path, threads):
+    tensors = _tensors()
+    save_safetensors_at(tensors, tmp_path / "a.safetensors", 8)
+    infos = list(SafetensorsFile(tmp_path / "a.safetensors").tensors.values())
+    dtypes = [torch.float64 if i.dtype.is_floating_point else i.dtype for i in infos]  # casts too
+    reported, lock, waits = [0] * len(infos), threading.Lock(), []
+
+    def report(k: int, n: int) -> None:
+        with lock:
+            reported[k] += n
+
+    copy_to_cpu(infos, dtypes, view=FileMaps().view, threads=threads, chunk_bytes=64,
+                on_piece=report, on_wait=lambda: waits.append(threading.current_thread()))
+    assert reported == [i.nbytes for i in infos]  # in the file's bytes, whatever the cast
+    assert waits and set(waits) == {threading.current_thread()}

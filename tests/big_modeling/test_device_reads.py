@@ -84,3 +84,56 @@ def test_the_caller_is_called_back_in_its_own_thread_while_readers_run(tmp_path)
     read_to_devices([info], ["cpu"], on_piece=lambda k, n: time.sleep(0.5),
                     on_wait=lambda: seen.append(threading.current_thread()))
     assert seen and set(seen) == {threading.current_thread()}
+
+
+_INTERRUPTED_LOAD = r"""
+import json, os, sys, threading, time
+import safetensors.torch, torch
+from nbaccel.big_modeling.checkpoint_files import SafetensorsFile
+from nbaccel.big_modeling.device_reads import read_to_devices
+
+path = os.path.join(sys.argv[1], "big.safetensors")
+safetensors.torch.save_file({f"w{i}": torch.full((2**20,), float(i)) for i in range(64)}, path)
+infos = list(SafetensorsFile(path).tensors.values())
+issued, lock = [0], threading.Lock()
+
+def report(k, n):
+    with lock:
+        if issued[0] == 0:
+            print("loading", flush=True)  # the readers run
+        issued[0] += n
+
+try:
+    # page-sized buffers: 65536 reads of 256 MiB, seconds of loading on any machine
+    read_to_devices(infos, ["cpu"] * len(infos), buffer_bytes=4096, readers=2, on_piece=report)
+    result = {"finished": time.monotonic()}
+except KeyboardInterrupt:
+    result = {"caught": time.monotonic()}
+result.update(issued=issued[0], total=sum(i.nbytes for i in infos),
+              readers=[t.name for t in threading.enumerate() if t.name.startswith("nbaccel-gpu-read")])
+print(json.dumps(result), flush=True)
+"""
+
+
+def test_ctrl_c_during_a_load_is_raised_within_half_a_second_and_stops_the_readers(tmp_path) -> None:
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    child = subprocess.Popen([sys.executable, "-c", _INTERRUPTED_LOAD, str(tmp_path)],
+                             stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+    try:
+        assert child.stdout.readline().strip() == "loading"
+        time.sleep(0.3)
+        sent = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process on the machine
+        child.send_signal(signal.SIGINT)
+        result = json.loads(child.stdout.readline())
+    finally:
+        child.kill()
+        child.wait()
+    assert "caught" in result, f"the load finished before the interrupt: {result}"
+    assert result["caught"] - sent < 0.5, f"Ctrl-C surfaced {result['caught'] - sent:.2f} s after it was sent"
+    assert 0 < result["issued"] < result["total"]  # the readers stopped mid-load
+    assert result["readers"] == []  # no reader thread outlives the interrupt

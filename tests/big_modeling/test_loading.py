@@ -295,3 +295,26 @@ def test_loading_functions_take_accelerates_arguments_in_its_order():
                          (load_checkpoint_and_dispatch, accelerate.load_checkpoint_and_dispatch)]:
         names = list(inspect.signature(theirs).parameters)
         assert list(inspect.signature(ours).parameters)[:len(names)] == names
+
+
+def test_an_interrupt_part_way_through_a_load_leaves_the_model_as_it_was(full, tmp_path, monkeypatch):
+    from nbaccel.big_modeling import loading
+
+    ckpt = save_checkpoint(full, tmp_path, shards=2)
+    model = make_model(seed=7)  # a real model with weights of its own, loaded over
+    before = dict(model.state_dict(keep_vars=True))
+    values = {k: v.detach().clone() for k, v in before.items()}
+    real, calls = loading.set_module_tensor_to_device, []
+
+    def interrupted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - Ctrl-C after 5 tensors
+        calls.append(args[1])
+        if len(calls) == 6:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loading, "set_module_tensor_to_device", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        load_checkpoint_in_model(model, ckpt)
+    after = model.state_dict(keep_vars=True)
+    assert all(after[k] is before[k] and torch.equal(after[k], values[k]) for k in before)
+    assert model.head.weight is model.embed.weight  # the tie too
