@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from nbaccel.errors import CheckpointError, CheckpointMismatchError
-from nbaccel.file_kinds import refuse_special
+from nbaccel.file_kinds import regular_file
 from nbaccel.process_state import ProcessState
 from nbaccel.safe_load import load_state_file
 from nbaccel.training.checkpoint_generations import MARKER, PinnedCheckpoint, pinned_checkpoint
@@ -58,13 +58,15 @@ def _need(path: Path) -> Path:
 
 def _read_weights(path: Path, load_kwargs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """A model's weights file, as a flat ``{name: tensor}`` dict; a damaged file is a CheckpointError naming it."""
-    refuse_special(path)  # a FIFO named model.safetensors would block the load for good
     if path.suffix == ".safetensors":
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         try:
-            weights = load_file(str(path))
+            with regular_file(path) as name:  # a FIFO named model.safetensors would block the load for good
+                weights = load_file(name)
+        except CheckpointError:
+            raise
         except (SafetensorError, OSError, ValueError) as exc:
             raise CheckpointError(f"cannot read {str(path)!r} (truncated or corrupt?): {exc}. Fix: save the "
                                   "checkpoint again, or load an earlier one", path=str(path)) from None
