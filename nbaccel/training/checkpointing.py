@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from nbaccel.errors import CheckpointError, CheckpointMismatchError
+from nbaccel.errors import CheckpointMismatchError
 from nbaccel.file_size import convert_file_size_to_int
 from nbaccel.training.checkpoint_generations import (
     MARKER,
