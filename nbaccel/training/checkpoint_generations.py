@@ -131,24 +131,36 @@ def _still_named(path: Path, fd: int) -> bool:
         return False
 
 
+def _pin(candidate: Path) -> tuple[int, bool] | None:
+    """Open and share-lock ``candidate`` if it is a complete generation: ``(fd, True)``; else None."""
+    fd = _open_folder(candidate)
+    if fd is None:
+        return None
+    _lock(fd, fcntl.LOCK_SH)  # from here no save removes it; one that already began has unlinked its marker
+    if _has_marker(fd):
+        return fd, True
+    os.close(fd)
+    return None
+
+
 def _try_pin(folder: Path) -> tuple[int, Path, bool] | bool:
-    """Open and share-lock the generation to read: ``(fd, path, complete)``; True when a save moved it meanwhile."""
-    tmp, old = siblings(folder)
-    moved = False
-    for candidate in (folder, old, tmp):
-        if candidate != folder and folder.exists():
-            break  # a crash between the renames left a sibling whole only while the folder is missing
-        fd = _open_folder(candidate)
-        if fd is None:
-            continue
+    """Open and share-lock the generation to read: ``(fd, path, complete)``; else whether a save may be moving it."""
+    fd = _open_folder(folder)
+    if fd is not None:
         _lock(fd, fcntl.LOCK_SH)
         if _has_marker(fd):
-            return fd, candidate, True
-        if candidate == folder and _still_named(candidate, fd) and _accelerate_layout(fd):
-            return fd, candidate, False
-        moved = moved or not _still_named(candidate, fd)  # removed or renamed after we opened it
+            return fd, folder, True
+        named = _still_named(folder, fd)
+        if named and _accelerate_layout(fd):
+            return fd, folder, False
         os.close(fd)
-    return moved or (not folder.exists() and (old.exists() or tmp.exists()))
+        return not named  # renamed away or removed after we opened it: the next look finds the new one
+    tmp, old = siblings(folder)
+    for left in (old, tmp):  # the folder is missing: a save between its two renames, or a crash there
+        pinned = _pin(left)
+        if pinned is not None:
+            return pinned[0], left, True
+    return folder.exists() or old.exists() or tmp.exists()
 
 
 @contextlib.contextmanager

@@ -44,19 +44,24 @@ def generations():
 """
 
 SAVER = SETUP + """
+def become(generation):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(generation)
+            optimizer.state[p]["momentum_buffer"].fill_(generation)
+    counter.count = generation
+
 start = int(sys.argv[3])
 errors, saves = [], 0
 if start == 0:
+    become(0)
     accelerator.save_state(folder)
-    print("ready", flush=True)
+print("ready", flush=True)
+sys.stdin.readline()  # every process starts its loop together, however long its imports took
 end = time.monotonic() + seconds
 while time.monotonic() < end:
     saves += 1
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(start + saves)
-            optimizer.state[p]["momentum_buffer"].fill_(start + saves)
-    counter.count = start + saves
+    become(start + saves)
     try:
         accelerator.save_state(folder)
     except Exception as exc:
@@ -66,6 +71,8 @@ print(json.dumps({"saves": saves, "errors": errors}), flush=True)
 
 LOADER = SETUP + """
 errors, mixed, loads, seen = [], [], 0, set()
+print("ready", flush=True)
+sys.stdin.readline()
 end = time.monotonic() + seconds
 while loads == 0 or time.monotonic() < end:
     loads += 1
@@ -84,8 +91,18 @@ print(json.dumps({"loads": loads, "errors": errors, "mixed": mixed, "generations
 
 def _start(script: str, *args: object) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-c", script, *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    return subprocess.Popen([sys.executable, "-c", script, *map(str, args)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+
+
+def _together(*processes: subprocess.Popen) -> None:
+    """Wait until every process is set up (and the first save exists), then start their loops at once."""
+    for process in processes:
+        line = process.stdout.readline().strip()
+        assert line == "ready", process.communicate(timeout=60)[1][-3000:]
+    for process in processes:
+        process.stdin.write("go\n")
+        process.stdin.flush()
 
 
 def _report(process: subprocess.Popen) -> dict:
@@ -100,17 +117,16 @@ def _siblings(folder: Path) -> list[str]:
 
 def test_a_load_beside_a_saving_process_is_always_one_whole_save(tmp_path):
     folder = tmp_path / "ckpt"
-    saver = _start(SAVER, folder, 6, 0)
+    saver, loader = _start(SAVER, folder, 5, 0), _start(LOADER, folder, 5)
     try:
-        assert saver.stdout.readline().strip() == "ready", saver.stderr.read()[-3000:]
-        loader = _start(LOADER, folder, 5)
+        _together(saver, loader)  # the saver is ready once its first save exists
         loaded = _report(loader)
     finally:
         saved = _report(saver)
     assert saved["errors"] == [] and saved["saves"] > 1
     assert loaded["errors"] == [], loaded["errors"][:3]
     assert loaded["mixed"] == [], f"{len(loaded['mixed'])} of {loaded['loads']} loads mixed two saves"
-    assert loaded["loads"] > 1
+    assert loaded["loads"] > 1 and loaded["generations"] > 1  # it saw the saves go by
     assert _siblings(folder) == []
 
 
@@ -118,14 +134,14 @@ def test_two_processes_saving_into_one_folder_take_turns(tmp_path):
     folder = tmp_path / "ckpt"
     first, second = _start(SAVER, folder, 4, 0), _start(SAVER, folder, 4, 1_000_000)
     try:
-        assert first.stdout.readline().strip() == "ready", first.stderr.read()[-3000:]
+        _together(first, second)
     finally:
         reports = [_report(first), _report(second)]
     for report in reports:
         assert report["errors"] == [], report["errors"][:3]
         assert report["saves"] > 1
-    check = _start(LOADER, folder, 0.01)
+    check = _start(LOADER, folder, 0)
+    _together(check)
     loaded = _report(check)
     assert loaded["errors"] == [] and loaded["mixed"] == [] and loaded["loads"] == 1
     assert _siblings(folder) == []
-
