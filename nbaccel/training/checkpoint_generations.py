@@ -14,8 +14,9 @@ share the folder apart:
 
 What always holds on Linux: a load reads every file from the one generation it opened (the files
 are opened through ``/proc/self/fd/<dir>``, so a rename that swaps in the next save does not
-redirect them), and that generation is not removed until the load has read it. Where
-``/proc/self/fd`` or ``flock`` is missing, files are read by path (a concurrent save may then mix).
+redirect them), and that generation is not removed until the load has read it (so a save waits
+for a load that is still reading the previous save). Where ``/proc/self/fd`` or ``flock`` is
+missing, files are read by path (a concurrent save may then mix).
 """
 
 from __future__ import annotations
@@ -112,9 +113,10 @@ class PinnedCheckpoint:
 
 def _has_marker(fd: int) -> bool:
     try:
-        return os.stat(MARKER, dir_fd=fd).st_size >= 0
+        os.stat(MARKER, dir_fd=fd)
     except FileNotFoundError:
         return False
+    return True
 
 
 def _accelerate_layout(fd: int) -> bool:
@@ -131,14 +133,14 @@ def _still_named(path: Path, fd: int) -> bool:
         return False
 
 
-def _pin(candidate: Path) -> tuple[int, bool] | None:
-    """Open and share-lock ``candidate`` if it is a complete generation: ``(fd, True)``; else None."""
+def _pin(candidate: Path) -> int | None:
+    """Open and share-lock ``candidate`` if it is a complete generation (its descriptor); else None."""
     fd = _open_folder(candidate)
     if fd is None:
         return None
     _lock(fd, fcntl.LOCK_SH)  # from here no save removes it; one that already began has unlinked its marker
     if _has_marker(fd):
-        return fd, True
+        return fd
     os.close(fd)
     return None
 
@@ -159,7 +161,7 @@ def _try_pin(folder: Path) -> tuple[int, Path, bool] | bool:
     for left in (old, tmp):  # the folder is missing: a save between its two renames, or a crash there
         pinned = _pin(left)
         if pinned is not None:
-            return pinned[0], left, True
+            return pinned, left, True
     return folder.exists() or old.exists() or tmp.exists()
 
 
