@@ -173,20 +173,33 @@ def _plan_rest(prepared: PreparedObjects, context: CheckpointContext, source: Pa
     return steps
 
 
-def _saved_process_count(source: Path) -> int:
-    """How many processes wrote the checkpoint (from its marker, or Accelerate's per-rank RNG files)."""
-    marker = source / MARKER
-    if marker.is_file():
-        count = json.loads(marker.read_text()).get("num_processes")
-        if isinstance(count, int):
-            return count
-    return len(list(source.glob("random_states_*.pkl")))
+def _read_marker(pinned: PinnedCheckpoint) -> dict[str, Any]:
+    """What the marker of a finished save holds (``{}`` in Accelerate's folders), read once like every file.
+
+    Raises:
+        CheckpointError: the marker is not a regular file, or not a JSON object.
+    """
+    if not pinned.complete:
+        return {}
+    path = pinned.root / MARKER
+    with regular_file(path) as name:  # a FIFO named like the marker would block the load
+        raw = Path(name).read_bytes()
+    try:
+        marker = json.loads(raw)
+    except ValueError:
+        marker = None
+    if not isinstance(marker, dict):
+        raise CheckpointError(f"{str(path)!r} is not the JSON object a finished save_state writes. Fix: save the "
+                              "checkpoint again, or load an earlier one", path=str(path))
+    return marker
 
 
-def _warn_on_other_process_count(process: ProcessState, pinned: PinnedCheckpoint) -> None:
+def _warn_on_other_process_count(process: ProcessState, pinned: PinnedCheckpoint, marker: Mapping[str, Any]) -> None:
     """Accelerate loads a checkpoint into any number of processes; say what that loses (RNG states)."""
     source = pinned.path
-    saved = _saved_process_count(pinned.root)
+    saved = marker.get("num_processes")  # Accelerate's folders: one RNG file per rank
+    if not isinstance(saved, int):
+        saved = len(list(pinned.root.glob("random_states_*.pkl")))
     if saved and saved != process.num_processes and process.is_main_process:
         warnings.warn(f"the checkpoint {str(source)!r} was saved by {saved} processes and is loaded by "
                       f"{process.num_processes}: models, optimizers and schedulers load as usual, but random states "
@@ -250,7 +263,8 @@ def load_accelerator_state(prepared: PreparedObjects, context: CheckpointContext
         try:
             folder = checkpoint_folder(project, input_dir, for_load=True)
             pinned = hold.enter_context(pinned_checkpoint(folder))  # one save, held until every step ran
-            _warn_on_other_process_count(process, pinned)
+            marker = _read_marker(pinned)
+            _warn_on_other_process_count(process, pinned, marker)
             kwargs = dict(load_kwargs or {})
             reader = not shared or process.is_main_process
             steps = (_plan_models(prepared, pinned, strict, kwargs, reader)
@@ -265,9 +279,8 @@ def load_accelerator_state(prepared: PreparedObjects, context: CheckpointContext
             _agree(None, input_dir)
         for step in steps:  # every file is read and checked: now change the objects
             step()
-        marker = pinned.root / MARKER
         # the accumulation counter, so a resumed run syncs on the same micro-batches
-        step_count = int(json.loads(marker.read_text()).get("step", 0)) if pinned.complete else None
+        step_count = int(marker.get("step", 0)) if pinned.complete else None
     if project.automatic_checkpoint_naming and input_dir is None:
         project.iteration = int(folder.name.split("_")[-1]) + 1
     context.process.wait_for_everyone()

@@ -103,3 +103,23 @@ def test_a_socket_named_like_a_checkpoint_is_refused_by_name(tmp_path):
         assert error.value.path == str(path)
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("marker", ["fifo", "not json"])
+def test_a_marker_that_is_a_fifo_or_not_json_is_refused_and_changes_nothing(tmp_path, marker):
+    from nbaccel.errors import CheckpointError
+    from tests.faults.helpers import assert_same
+    from tests.faults.test_hostile_checkpoints import _returns_without_blocking
+
+    trainer = Trainer(seed=0)
+    trainer.train(2)
+    folder = Path(trainer.accelerator.save_state(tmp_path / "ckpt"))
+    path = folder / "nbaccel_checkpoint.json"
+    path.unlink()
+    os.mkfifo(path) if marker == "fifo" else path.write_text("[1, 2")
+    other = Trainer(seed=1)
+    before = other.snapshot()
+    error = _returns_without_blocking(lambda: other.accelerator.load_state(folder))
+    assert isinstance(error, CheckpointError) and error.path == str(path), error
+    assert ("FIFO" if marker == "fifo" else "not the JSON object") in str(error) and "Fix:" in str(error)
+    assert_same(other.snapshot(), before)
