@@ -145,7 +145,7 @@ def read_config_file(file: Path) -> str:
     """
     name = str(file)
     try:
-        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the open itself
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)  # a FIFO must not block the open
     except OSError as exc:
         raise ConfigError(f"cannot read the config file {name!r}: {exc.strerror}. Fix: pass a readable file",
                           key="config_file", value=name, valid="a readable file") from None

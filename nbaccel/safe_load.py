@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from nbaccel.errors import CheckpointError, UnsafeCheckpointError
-from nbaccel.file_kinds import refuse_special
+from nbaccel.file_kinds import regular_file
 
 __all__ = ["OPT_IN", "SAFE_GLOBALS", "load", "load_state_file"]
 
@@ -64,7 +64,7 @@ def load_state_file(path: Path, load_kwargs: Mapping[str, Any] | None = None) ->
     Raises:
         UnsafeCheckpointError: the file needs full unpickling (nothing of it ran).
         CheckpointError: the file is truncated, corrupt, not a torch file, or not a regular file
-            (a FIFO, device or directory: refused before any read).
+            (a FIFO, device or directory: refused on the open descriptor, before any read).
 
     Example:
         >>> import tempfile
@@ -72,13 +72,18 @@ def load_state_file(path: Path, load_kwargs: Mapping[str, Any] | None = None) ->
         >>> load_state_file(path)
         {'last_epoch': 3}
     """
-    refuse_special(path)  # a FIFO would block torch.load in C code that Ctrl-C cannot reach
     kwargs = {"map_location": "cpu", "weights_only": True} | dict(load_kwargs or {})
+    with regular_file(path) as name:  # a FIFO would block torch.load in C code that Ctrl-C cannot reach
+        return _load_checked(path, name, kwargs)
+
+
+def _load_checked(path: Path, name: str, kwargs: dict[str, Any]) -> Any:
+    """``torch.load`` of ``name`` (``path``'s open descriptor), its failures named by ``path``."""
     try:
         if kwargs["weights_only"]:
             with torch.serialization.safe_globals(SAFE_GLOBALS):
-                return torch.load(path, **kwargs)
-        return torch.load(path, **kwargs)
+                return torch.load(name, **kwargs)
+        return torch.load(name, **kwargs)
     except pickle.UnpicklingError as exc:
         if kwargs["weights_only"] and "weights_only" in str(exc):
             raise _unsafe(path, exc) from None

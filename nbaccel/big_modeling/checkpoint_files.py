@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from nbaccel.errors import CheckpointError, UnsafeCheckpointError
-from nbaccel.file_kinds import refuse_special
+from nbaccel.file_kinds import regular_file
 
 __all__ = [
     "SafetensorsFile",
@@ -239,10 +239,9 @@ class SafetensorsFile:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = str(path)
-        refuse_special(self.path)
         try:
-            size = os.path.getsize(self.path)
-            with open(self.path, "rb") as f:
+            with regular_file(self.path) as name, open(name, "rb") as f:  # checked on the descriptor read
+                size = os.fstat(f.fileno()).st_size
                 head = f.read(8)
                 length = struct.unpack("<Q", head)[0] if len(head) == 8 else None
                 raw = f.read(length) if length is not None and length <= _MAX_HEADER else b""
@@ -320,14 +319,16 @@ def load_pickle_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     path = str(path)
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint file {path} does not exist.", path=path)
-    refuse_special(path)
     try:
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as exc:
-            if "zipfile" not in str(exc) and "mmap" not in str(exc):
-                raise
-            state = torch.load(path, map_location="cpu", weights_only=True)  # legacy format
+        with regular_file(path) as name:  # the file checked is the file read (a map outlives the descriptor)
+            try:
+                state = torch.load(name, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as exc:
+                if "zipfile" not in str(exc) and "mmap" not in str(exc):
+                    raise
+                state = torch.load(name, map_location="cpu", weights_only=True)  # legacy format
+    except CheckpointError:  # not a regular file: refused as it is, by name
+        raise
     except pickle.UnpicklingError as exc:
         raise UnsafeCheckpointError(
             f"refused to load {path}: it is a pickle that holds more than tensors, and loading "

@@ -20,7 +20,7 @@ from nbaccel.big_modeling.checkpoint_files import (
     read_tensor,
 )
 from nbaccel.errors import CheckpointError
-from nbaccel.file_kinds import refuse_special
+from nbaccel.file_kinds import regular_file
 
 __all__ = ["Checkpoint", "open_checkpoint"]
 
@@ -87,9 +87,9 @@ class Checkpoint:
 
 
 def _index_files(index: Path) -> tuple[list[str], dict[str, str]]:
-    refuse_special(index)
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
+        with regular_file(index) as name:
+            weight_map = json.loads(Path(name).read_text())["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError
     except FileNotFoundError:

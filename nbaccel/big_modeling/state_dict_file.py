@@ -15,6 +15,7 @@ import torch
 
 from nbaccel.big_modeling.device_map import device_for
 from nbaccel.errors import CheckpointError
+from nbaccel.file_kinds import regular_file
 from nbaccel.safe_load import load
 
 __all__ = ["load_state_dict"]
@@ -27,7 +28,8 @@ def load_state_dict(checkpoint_file: str | os.PathLike,
     """The tensors of ``checkpoint_file``, on CPU or on the devices ``device_map`` gives their modules.
 
     Raises:
-        CheckpointError: a safetensors file saved for another framework (``format`` not ``"pt"``).
+        CheckpointError: a safetensors file saved for another framework (``format`` not ``"pt"``), or
+            ``checkpoint_file`` is not a regular file (a FIFO or device: refused on the open descriptor).
 
     Example:
         >>> import tempfile, pathlib
@@ -36,11 +38,17 @@ def load_state_dict(checkpoint_file: str | os.PathLike,
         {'w': tensor([1.])}
     """
     path = os.fspath(checkpoint_file)
-    if not path.endswith(".safetensors"):
-        return load(path, map_location="cpu")
+    with regular_file(path) as name:  # the file checked is the file read
+        if not path.endswith(".safetensors"):
+            return load(name, map_location="cpu")
+        return _read_safetensors(path, name, device_map)
+
+
+def _read_safetensors(path: str, name: str, device_map: Mapping[str, int | str | torch.device] | None
+                      ) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
-    with safe_open(path, framework="pt") as f:
+    with safe_open(name, framework="pt") as f:
         metadata = f.metadata() or {}
         if metadata.get("format", "pt") != "pt":
             raise CheckpointError(f"{path!r} was saved with format {metadata['format']!r}, not PyTorch's ('pt'). "

@@ -17,7 +17,9 @@ a launch hosts sits behind a guard:
 
 What always holds once :meth:`StoreGuard.start` returned: every connection the real store
 serves is the store's own (made before the filter, and checked to be ours) or one the relay made
-for a checked rank. Where the kernel answers neither by netlink nor in ``/proc/net/tcp`` (not
+for a checked rank. The filter lists only ports the relay holds bound at that moment: a port is
+added before the relay's socket connects and removed before it closes, so a port freed by a
+closing pair (a pool task's ``destroy_process_group()``) never lets in whoever binds it next. Where the kernel answers neither by netlink nor in ``/proc/net/tcp`` (not
 Linux) the front cannot check, and accepts (said in SECURITY.md).
 """
 
@@ -176,7 +178,13 @@ class StoreGuard:
         with self._lock:
             self._relay_ports.add(port)
             _attach_filter(self.real, self._relay_ports)
-        upstream.connect((self.host, self.real_port))
+        try:
+            upstream.connect((self.host, self.real_port))
+        except OSError:  # the store is gone (closing): its port must not stay open to the next owner
+            self._forget_ports([upstream])
+            upstream.close()
+            conn.close()
+            return
         for end in (conn, upstream):  # the store's requests are small: Nagle's delay would add 40 ms to each
             end.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for a, b in ((conn, upstream), (upstream, conn)):
@@ -198,6 +206,7 @@ class StoreGuard:
                     else:
                         self._pump(selector, key.fileobj)  # type: ignore[arg-type]
         finally:
+            self._forget_ports(list(self._pairs))  # the store may outlive the relay: no port stays open
             for sock in list(self._pairs):
                 sock.close()
             selector.close()
@@ -213,13 +222,28 @@ class StoreGuard:
                 return
         except OSError:
             pass
-        for end in (sock, other):  # one side closed: close the pair
+        ends = (sock, other)  # one side closed: close the pair
+        self._forget_ports(ends)
+        for end in ends:
             selector.unregister(end)
             self._pairs.pop(end, None)
-            with contextlib.suppress(OSError):
-                if end.getsockname()[1] in self._relay_ports:
-                    self._relay_ports.discard(end.getsockname()[1])
             end.close()
+
+    def _forget_ports(self, ends: Collection[socket.socket]) -> None:
+        """Shut the real port's filter to the relay ports among ``ends`` while they are still bound.
+
+        Re-armed before the sockets close, not at the next accept: once closed, a port is free for
+        anyone to bind (another user included), and the filter only checks source ports.
+        """
+        ports = set()
+        for end in ends:
+            with contextlib.suppress(OSError):
+                ports.add(end.getsockname()[1])
+        with self._lock:
+            if not ports & self._relay_ports:
+                return
+            self._relay_ports -= ports
+            _attach_filter(self.real, self._relay_ports)
 
     def close(self) -> None:
         """Stop relaying and close every socket (the store itself is closed by its owner)."""

@@ -156,7 +156,8 @@ class CheckpointHelpers:
         """Save models, optimizers, schedulers, dataloaders, scaler, RNG states and registered objects.
 
         Atomic: a crash at any point of a save (or of two in a row) leaves a complete checkpoint
-        that :meth:`load_state` finds, the previous one or the new one. Everything written loads
+        that :meth:`load_state` finds, the previous one or the new one. Processes saving into one
+        folder take turns, and a :meth:`load_state` beside a save reads one whole save. Everything written loads
         with ``weights_only=True``; a registered object whose ``state_dict()`` holds other
         objects gets a warning, since :meth:`load_state` would refuse it by default. With
         ``ProjectConfiguration(automatic_checkpoint_naming=True)`` and no ``output_dir``, the folder

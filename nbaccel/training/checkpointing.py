@@ -5,8 +5,9 @@ A training state is a folder with Accelerate's file names: ``model.safetensors``
 ``scaler.pt``, ``random_states_<rank>.pkl`` and ``custom_checkpoint_<i>.pkl``. Every process
 writes into a temporary sibling folder; only when all have finished does the main process swap
 it into place, so a crash during a save leaves the previous checkpoint whole. The folder holds
-``nbaccel_checkpoint.json`` once complete. What goes into the folder (the Accelerator's prepared
-objects) is :mod:`nbaccel.training.training_state`'s job.
+``nbaccel_checkpoint.json`` once complete. Processes sharing the folder take turns to save, and
+a load reads one whole save (:mod:`nbaccel.training.checkpoint_generations`). What goes into the
+folder (the Accelerator's prepared objects) is :mod:`nbaccel.training.training_state`'s job.
 """
 
 from __future__ import annotations
@@ -22,14 +23,20 @@ from typing import Any
 
 import torch
 
-from nbaccel.errors import CheckpointError, CheckpointMismatchError
+from nbaccel.errors import CheckpointMismatchError
 from nbaccel.file_size import convert_file_size_to_int
+from nbaccel.training.checkpoint_generations import (
+    MARKER,
+    exclusive_folder,
+    one_saver,
+    pinned_checkpoint,
+    siblings,
+)
 from nbaccel.training.disk_full import disk_full_error
 
 __all__ = ["MARKER", "check_fits", "load_into", "numbered_name", "read_weights", "remove_checkpoint",
            "resolve_checkpoint", "save_model_shards", "save_state_folder", "write_weights"]
 
-MARKER = "nbaccel_checkpoint.json"
 SAFE_WEIGHTS = "model.safetensors"
 TORCH_WEIGHTS = "pytorch_model.bin"
 
@@ -191,21 +198,21 @@ def save_model_shards(state_dict: Mapping[str, Any], save_directory: Path, max_s
 #   remove O (marker first)                                       (F complete)
 
 
-def _siblings(folder: Path) -> tuple[Path, Path]:
-    return folder.with_name(f".{folder.name}.nbaccel-tmp"), folder.with_name(f".{folder.name}.nbaccel-old")
-
-
 def _is_complete(folder: Path) -> bool:
     return (folder / MARKER).is_file()
 
 
 def remove_checkpoint(folder: Path) -> None:
-    """Delete a checkpoint folder, its marker first: a crash midway never leaves a folder that looks complete."""
-    marker = folder / MARKER
-    if marker.is_file():
-        marker.unlink()
-        _fsync_dir(folder)
-    shutil.rmtree(folder, ignore_errors=True)
+    """Delete a checkpoint folder once no load is reading it, its marker first (a crash midway never
+    leaves a folder that looks complete; a load that opened it meanwhile sees it gone and looks again)."""
+    with exclusive_folder(folder) as fd:
+        if fd is None:
+            return
+        marker = folder / MARKER
+        if marker.is_file():
+            marker.unlink()
+            _fsync_dir(folder)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def resolve_checkpoint(folder: Path) -> Path:
@@ -214,26 +221,15 @@ def resolve_checkpoint(folder: Path) -> Path:
     Raises:
         CheckpointError: no complete checkpoint is there.
     """
-    tmp, old = _siblings(folder)
-    if _is_complete(folder):
-        return folder
-    if not folder.exists():
-        for left in (old, tmp):  # crashed between the two renames: the previous one first, else the finished new one
-            if _is_complete(left):
-                return left
-    if folder.is_dir() and any(folder.glob("model*")) and (folder / "optimizer.bin").exists() or \
-            folder.is_dir() and any(folder.glob("random_states_*.pkl")):
-        return folder  # written by Accelerate: no marker, but the same layout
-    raise CheckpointError(f"no complete checkpoint at {str(folder)!r}: it has no {MARKER} (an interrupted "
-                          "save leaves the previous checkpoint in place, or none if there was none); pass the "
-                          "folder a finished save_state wrote", path=str(folder))
+    with pinned_checkpoint(folder) as pinned:
+        return pinned.path
 
 
 def _recover(folder: Path) -> None:
     """Put back the complete checkpoint a crash between the two renames left beside ``folder``."""
     if folder.exists():
         return
-    tmp, old = _siblings(folder)
+    tmp, old = siblings(folder)
     for left in (old, tmp):
         if _is_complete(left):
             os.rename(left, folder)
@@ -256,29 +252,32 @@ def save_state_folder(folder: Path, write: Callable[[Path], None], *, barrier: C
         CheckpointDiskFullError: the disk filled while writing; the partial copy was removed and
             the previous checkpoint is intact (see :mod:`nbaccel.training.disk_full`).
     """
-    tmp, old = _siblings(folder)
+    tmp, old = siblings(folder)
     if is_writer:
         folder.parent.mkdir(parents=True, exist_ok=True)
-        _recover(folder)  # before anything is removed: the copy a crashed save left may be the only one
-        remove_checkpoint(tmp)
-        tmp.mkdir()
-    barrier()
-    with _full_disk_reported(tmp, folder):
-        write(tmp)
-    barrier()
-    if is_writer:
+    # Another process saving into the same folder waits here for its turn (it would share `tmp`).
+    with one_saver(folder) if is_writer else contextlib.nullcontext():
+        if is_writer:
+            _recover(folder)  # before anything is removed: the copy a crashed save left may be the only one
+            remove_checkpoint(tmp)
+            tmp.mkdir()
+        barrier()
         with _full_disk_reported(tmp, folder):
-            part = tmp / f".{MARKER}.part"
-            part.write_text(json.dumps(dict(summary), indent=2, sort_keys=True) + "\n")
-            os.replace(part, tmp / MARKER)  # a half-written marker never makes the folder look complete
-            _fsync_dir(tmp)
-        remove_checkpoint(old)
-        if folder.exists():
-            os.rename(folder, old)
-        os.rename(tmp, folder)
-        _fsync_dir(folder.parent)
-        remove_checkpoint(old)
-    barrier()
+            write(tmp)
+        barrier()
+        if is_writer:
+            with _full_disk_reported(tmp, folder):
+                part = tmp / f".{MARKER}.part"
+                part.write_text(json.dumps(dict(summary), indent=2, sort_keys=True) + "\n")
+                os.replace(part, tmp / MARKER)  # a half-written marker never makes the folder look complete
+                _fsync_dir(tmp)
+            remove_checkpoint(old)
+            if folder.exists():
+                os.rename(folder, old)
+            os.rename(tmp, folder)
+            _fsync_dir(folder.parent)
+            remove_checkpoint(old)  # waits for the loads still reading it
+        barrier()
     return folder
 
 

@@ -5,7 +5,8 @@ holds is read and checked first (unsafe pickles, truncated or corrupt files, mis
 model keys and shapes, optimizer parameter groups); only when all of them pass are the models,
 optimizers, schedulers, dataloaders, scaler, registered objects and RNG states changed. No file
 runs code while loaded unless ``load_kwargs={"weights_only": False}`` opts in (see
-:mod:`nbaccel.safe_load`). DeepSpeed engines and sharded FSDP models read their own files,
+:mod:`nbaccel.safe_load`). Every file comes from one save, even while another process saves
+into the same folder (:mod:`nbaccel.training.checkpoint_generations` holds that save open). DeepSpeed engines and sharded FSDP models read their own files,
 after the checks of everything else. A full FSDP model's weights and optimizer state are read
 by rank 0 alone and broadcast into the shards, so an N-rank machine holds one copy in host
 memory, not N; every rank then learns whether any rank refused the checkpoint, and all raise.
@@ -13,6 +14,7 @@ memory, not N; every rank then learns whether any rank refused the checkpoint, a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
 from collections.abc import Callable, Mapping
@@ -22,15 +24,14 @@ from typing import Any
 import torch
 
 from nbaccel.errors import CheckpointError, CheckpointMismatchError
-from nbaccel.file_kinds import refuse_special
+from nbaccel.file_kinds import regular_file
 from nbaccel.process_state import ProcessState
 from nbaccel.safe_load import load_state_file
+from nbaccel.training.checkpoint_generations import MARKER, PinnedCheckpoint, pinned_checkpoint
 from nbaccel.training.checkpointing import (
-    MARKER,
     check_fits,
     load_into,
     numbered_name,
-    resolve_checkpoint,
 )
 from nbaccel.training.deepspeed_engine import CHECKPOINT_TAG, is_deepspeed_engine
 from nbaccel.training.prepared import PreparedObjects
@@ -57,13 +58,15 @@ def _need(path: Path) -> Path:
 
 def _read_weights(path: Path, load_kwargs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """A model's weights file, as a flat ``{name: tensor}`` dict; a damaged file is a CheckpointError naming it."""
-    refuse_special(path)  # a FIFO named model.safetensors would block the load for good
     if path.suffix == ".safetensors":
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         try:
-            weights = load_file(str(path))
+            with regular_file(path) as name:  # a FIFO named model.safetensors would block the load for good
+                weights = load_file(name)
+        except CheckpointError:
+            raise
         except (SafetensorError, OSError, ValueError) as exc:
             raise CheckpointError(f"cannot read {str(path)!r} (truncated or corrupt?): {exc}. Fix: save the "
                                   "checkpoint again, or load an earlier one", path=str(path)) from None
@@ -75,7 +78,7 @@ def _read_weights(path: Path, load_kwargs: Mapping[str, Any]) -> dict[str, torch
     return dict(weights)
 
 
-def _plan_models(prepared: PreparedObjects, source: Path, strict: bool, load_kwargs: Mapping[str, Any],
+def _plan_models(prepared: PreparedObjects, pinned: PinnedCheckpoint, strict: bool, load_kwargs: Mapping[str, Any],
                  reader: bool) -> list[Step]:
     from nbaccel.training.fsdp import (
         is_fsdp_model,
@@ -83,6 +86,7 @@ def _plan_models(prepared: PreparedObjects, source: Path, strict: bool, load_kwa
         sharded_load,
     )
 
+    source = pinned.root
     engines: list[Step] = []
     plain = []
     for i, model in enumerate(prepared.models):
@@ -99,7 +103,7 @@ def _plan_models(prepared: PreparedObjects, source: Path, strict: bool, load_kwa
         else:
             plain.append(model)
     for hook in list(prepared.load_state_pre_hooks.values()):  # may take models out of `plain` to load them itself
-        hook(plain, str(source))
+        hook(plain, str(pinned.path))
     steps: list[Step] = []
     for i, model in enumerate(plain):
         safe = source / numbered_name("model", i, "safetensors")
@@ -169,19 +173,33 @@ def _plan_rest(prepared: PreparedObjects, context: CheckpointContext, source: Pa
     return steps
 
 
-def _saved_process_count(source: Path) -> int:
-    """How many processes wrote the checkpoint (from its marker, or Accelerate's per-rank RNG files)."""
-    marker = source / MARKER
-    if marker.is_file():
-        count = json.loads(marker.read_text()).get("num_processes")
-        if isinstance(count, int):
-            return count
-    return len(list(source.glob("random_states_*.pkl")))
+def _read_marker(pinned: PinnedCheckpoint) -> dict[str, Any]:
+    """What the marker of a finished save holds (``{}`` in Accelerate's folders), read once like every file.
+
+    Raises:
+        CheckpointError: the marker is not a regular file, or not a JSON object.
+    """
+    if not pinned.complete:
+        return {}
+    path = pinned.root / MARKER
+    with regular_file(path) as name:  # a FIFO named like the marker would block the load
+        raw = Path(name).read_bytes()
+    try:
+        marker = json.loads(raw)
+    except ValueError:
+        marker = None
+    if not isinstance(marker, dict):
+        raise CheckpointError(f"{str(path)!r} is not the JSON object a finished save_state writes. Fix: save the "
+                              "checkpoint again, or load an earlier one", path=str(path))
+    return marker
 
 
-def _warn_on_other_process_count(process: ProcessState, source: Path) -> None:
+def _warn_on_other_process_count(process: ProcessState, pinned: PinnedCheckpoint, marker: Mapping[str, Any]) -> None:
     """Accelerate loads a checkpoint into any number of processes; say what that loses (RNG states)."""
-    saved = _saved_process_count(source)
+    source = pinned.path
+    saved = marker.get("num_processes")  # Accelerate's folders: one RNG file per rank
+    if not isinstance(saved, int):
+        saved = len(list(pinned.root.glob("random_states_*.pkl")))
     if saved and saved != process.num_processes and process.is_main_process:
         warnings.warn(f"the checkpoint {str(source)!r} was saved by {saved} processes and is loaded by "
                       f"{process.num_processes}: models, optimizers and schedulers load as usual, but random states "
@@ -240,26 +258,40 @@ def load_accelerator_state(prepared: PreparedObjects, context: CheckpointContext
     process = context.process
     # Full FSDP states are read by rank 0 alone and broadcast (one copy in host memory, not one per rank).
     shared = process.num_processes > 1 and any(is_fsdp_model(m) for m in prepared.models)
-    try:
-        folder = checkpoint_folder(project, input_dir, for_load=True)
-        source = resolve_checkpoint(folder)
-        _warn_on_other_process_count(process, source)
-        kwargs = dict(load_kwargs or {})
-        reader = not shared or process.is_main_process
-        steps = (_plan_models(prepared, source, strict, kwargs, reader)
-                 + _plan_rest(prepared, context, source, kwargs, reader))
-    except Exception as exc:
+    pinned: PinnedCheckpoint | None = None
+    with contextlib.ExitStack() as hold:
+        try:
+            folder = checkpoint_folder(project, input_dir, for_load=True)
+            pinned = hold.enter_context(pinned_checkpoint(folder))  # one save, held until every step ran
+            marker = _read_marker(pinned)
+            _warn_on_other_process_count(process, pinned, marker)
+            kwargs = dict(load_kwargs or {})
+            reader = not shared or process.is_main_process
+            steps = (_plan_models(prepared, pinned, strict, kwargs, reader)
+                     + _plan_rest(prepared, context, pinned.root, kwargs, reader))
+        except Exception as exc:
+            if isinstance(exc, CheckpointError):
+                _name_the_folder(exc, pinned)
+            if shared:
+                _agree(exc)
+            raise
         if shared:
-            _agree(exc)
-        raise
-    if shared:
-        _agree(None, input_dir)
-    for step in steps:  # every file is read and checked: now change the objects
-        step()
-    marker = source / MARKER
-    # the accumulation counter, so a resumed run syncs on the same micro-batches
-    step_count = int(json.loads(marker.read_text()).get("step", 0)) if marker.is_file() else None
+            _agree(None, input_dir)
+        for step in steps:  # every file is read and checked: now change the objects
+            step()
+        # the accumulation counter, so a resumed run syncs on the same micro-batches
+        step_count = int(marker.get("step", 0)) if pinned.complete else None
     if project.automatic_checkpoint_naming and input_dir is None:
         project.iteration = int(folder.name.split("_")[-1]) + 1
     context.process.wait_for_everyone()
-    return LoadedState(source, step_count)
+    return LoadedState(pinned.path, step_count)
+
+
+def _name_the_folder(exc: CheckpointError, pinned: PinnedCheckpoint | None) -> None:
+    """Say the checkpoint folder's own name where ``exc`` names the ``/proc/self/fd`` path it was read through."""
+    if pinned is None or pinned.root == pinned.path:
+        return
+    inner, outer = str(pinned.root), str(pinned.path)
+    exc.args = tuple(a.replace(inner, outer) if isinstance(a, str) else a for a in exc.args)
+    if exc.path is not None:
+        exc.path = exc.path.replace(inner, outer)

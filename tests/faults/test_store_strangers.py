@@ -138,3 +138,64 @@ def test_an_interrupt_inside_the_guard_start_leaves_close_working(monkeypatch):
     monkeypatch.undo()
     guard.close()
     assert guard.front.fileno() == -1 and guard.real.fileno() == -1
+
+
+# Another user binds a port the relay has just freed and speaks TCPStore's protocol to the real port
+# (VALIDATE with torch's magic number, SET, GET): the bare bytes torch's client sends.
+PORT_THIEF = """
+import socket, struct, sys, time
+def text(b): return struct.pack("<Q", len(b)) + b
+sock = socket.socket()
+sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+deadline = time.monotonic() + 90
+while True:  # free for anyone once the relay's side of the closed pair leaves TIME_WAIT
+    try:
+        sock.bind(("127.0.0.1", int(sys.argv[2])))
+        break
+    except OSError:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.5)
+sock.settimeout(5)
+try:
+    sock.connect(("127.0.0.1", int(sys.argv[1])))
+    sock.sendall(bytes([0]) + struct.pack("<I", 0x3C85F7CE))
+    sock.sendall(bytes([1]) + text(b"rank0/address") + text(b"evil"))
+    sock.sendall(bytes([3]) + text(b"rank0/address"))
+    size = struct.unpack("<Q", sock.recv(8))[0]
+    print("WROTE", sock.recv(size).decode())
+except (OSError, struct.error) as exc:
+    print("REFUSED", type(exc).__name__)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/bin/python3"), reason="needs root to be another user")
+def test_a_port_a_closed_relay_freed_does_not_open_the_store_to_another_user():
+    """A pool task ending with destroy_process_group() closes its relay pair: the port it used must not
+    stay in the real port's filter, or a process of another uid that binds it reaches the store."""
+    import time
+
+    store = LoopbackStore()
+    rank = _client(store.port, "rank")
+    try:
+        store.serve([rank.pid])
+        rank.stdin.write("go\n")
+        rank.stdin.flush()
+        assert rank.stdout.readline().strip() == "WROTE rank"
+        freed = set(store.guard._relay_ports)
+        assert freed  # the rank is connected through the relay
+        rank.stdin.close()  # the client exits: its relay pair closes
+        rank.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while freed & store.guard._relay_ports and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not freed & store.guard._relay_ports
+        for port in sorted(freed):  # the port waits in TIME_WAIT for 60 s; root ends that wait now (ss -K)
+            subprocess.run(["ss", "-K", "-tan", f"sport = :{port}"], capture_output=True, timeout=30, check=False)
+            thief = subprocess.run(["/usr/bin/python3", "-c", PORT_THIEF, str(store.guard.real_port), str(port)],
+                                   user=65534, group=65534, capture_output=True, text=True, timeout=120, cwd="/")
+            assert thief.stdout.startswith("REFUSED"), (thief.stdout, thief.stderr)
+        assert store._store.get("rank0/address") == b"rank"
+    finally:
+        rank.kill()
+        store.close()

@@ -46,8 +46,8 @@ def _watch_reads() -> list[str]:
     opened: list[str] = []
     real_load_file, real_load_state = safetensors.torch.load_file, state_loading.load_state_file
 
-    def load_file_spy(path, *args, **kwargs):
-        opened.append(Path(path).name)
+    def load_file_spy(path, *args, **kwargs):  # handed /proc/self/fd/<n>: the file load_state opened and checked
+        opened.append(Path(os.readlink(path) if str(path).startswith("/proc/self/fd/") else path).name)
         return real_load_file(path, *args, **kwargs)
 
     def load_state_spy(path, *args, **kwargs):
