@@ -5,6 +5,12 @@ Workers learn everything from their environment: the torchrun variables (``RANK`
 ``MASTER_PORT``) and nbaccel's own settings, exported here from a :class:`WorkerSettings`
 and read back as one typed object by :func:`read_worker_settings`.
 
+A launch is its own job, wherever it starts: from a process that is itself a rank of an outer
+job (a launch inside a pool rank or a launched function, a kernel started under torchrun), the
+outer job's variables (torchrun's, torch elastic's, nbaccel's worker settings) never reach the
+inner job's workers: :func:`child_base_environment` (spawn) and :func:`apply_worker_environment`
+(fork) drop them, so the inner ranks meet only each other, on their own port.
+
 What hardware is here (and whether forking is safe) is :mod:`nbaccel.hardware`'s job.
 """
 
@@ -34,6 +40,7 @@ __all__ = [
     "MixedPrecision",
     "WorkerSettings",
     "apply_environment",
+    "apply_worker_environment",
     "child_base_environment",
     "clear_environment",
     "config_file_path",
@@ -63,6 +70,9 @@ ASSUME_UNSAFE_FORK = "NBACCEL_ASSUME_UNSAFE_FORK"
 """``1`` makes launches spawn as if fork were unsafe (:func:`nbaccel.hardware.fork_unsafe_reason`)."""
 _TORCHRUN_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK",
                   "MASTER_ADDR", "MASTER_PORT")
+_OUTER_JOB_KEYS = frozenset((*_TORCHRUN_KEYS, "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME",
+                             "ROLE_WORLD_SIZE"))
+"""What torchrun sets for a rank: in a process that launches, they describe the outer job, never the inner one."""
 
 
 @dataclass(frozen=True)
@@ -368,11 +378,32 @@ def clear_environment() -> Iterator[None]:
         os.environ.update(saved)
 
 
+def _outer_job_variable(name: str) -> bool:
+    return (name in _OUTER_JOB_KEYS or name.startswith("TORCHELASTIC_")
+            or (name.startswith(_PREFIX) and name not in (_CONFIG_FILE, ASSUME_UNSAFE_FORK, FORCE_TPU)))
+
+
 def child_base_environment() -> dict[str, str]:
-    """A copy of this process's environment without any torchrun or nbaccel worker variables."""
-    return {k: v for k, v in os.environ.items()
-            if k not in _TORCHRUN_KEYS and not k.startswith("TORCHELASTIC_")
-            and not (k.startswith(_PREFIX) and k not in (_CONFIG_FILE, ASSUME_UNSAFE_FORK, FORCE_TPU))}
+    """A copy of this process's environment without any torchrun or nbaccel worker variables.
+
+    Example:
+        >>> with temporary_environment({"RANK": "1", "WORLD_SIZE": "2"}):
+        ...     "RANK" in child_base_environment()
+        False
+    """
+    return {k: v for k, v in os.environ.items() if not _outer_job_variable(k)}
+
+
+def apply_worker_environment(values: Mapping[str, str]) -> None:
+    """Give a freshly forked worker its job's environment: ``values``, and nothing of an outer job's.
+
+    A fork inherits its launcher's environment; when the launcher is itself a rank (a nested
+    launch), its ``RANK``, ``WORLD_SIZE``, ``MASTER_PORT``, ... would make the worker join the outer
+    job. They are dropped first, as :func:`child_base_environment` drops them for a spawned worker.
+    """
+    for name in [n for n in os.environ if _outer_job_variable(n) and n not in values]:
+        del os.environ[name]
+    os.environ.update(values)
 
 
 def config_file_path() -> Path:

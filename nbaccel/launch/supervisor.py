@@ -270,7 +270,8 @@ class Supervisor:
         return WorkerFailure(
             rank=handle.rank, pid=handle.pid, time=error.get("time", time.time()), exitcode=handle.exitcode,
             signal=handle.signal, exc_type=error.get("exc_type", ""), message=error.get("message", message),
-            traceback=error.get("traceback", ""), exception=error.get("exception"))
+            traceback=error.get("traceback", ""), exception=error.get("exception"),
+            exception_note=error.get("exception_note", ""))
 
     # ------------------------------------------------------------------ ranks inside a host process
     def _on_hosted_exit(self, handle: WorkerHandle) -> WorkerFailure | None:

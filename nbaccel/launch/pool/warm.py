@@ -142,7 +142,9 @@ def _kept_rank(request: LaunchRequest, rank_env: dict[str, str]) -> _WarmRank:
     if _warm is None:
         if request.plan.start_method == "fork":  # the rank starts with what a launch's worker would
             prepare_to_fork(request.function, request.warm_imports)
-        started = LocalPoolRanks.start(dataclasses.replace(request, warm_imports=False), START_TIMEOUT)
+        timeout = request.config.timeout  # the caller's timeout bounds the start too, not only the run
+        started = LocalPoolRanks.start(dataclasses.replace(request, warm_imports=False),
+                                       min(START_TIMEOUT, timeout) if timeout else START_TIMEOUT)
         _warm = _WarmRank(key=key, ranks=started, device_kind=request.plan.device_kind,
                           start_method=request.plan.start_method)
         _warm.finalizer = weakref.finalize(_warm, started.shutdown)
