@@ -5,11 +5,9 @@ Workers learn everything from their environment: the torchrun variables (``RANK`
 ``MASTER_PORT``) and nbaccel's own settings, exported here from a :class:`WorkerSettings`
 and read back as one typed object by :func:`read_worker_settings`.
 
-A launch is its own job, wherever it starts: from a process that is itself a rank of an outer
-job (a launch inside a pool rank or a launched function, a kernel started under torchrun), the
-outer job's variables (torchrun's, torch elastic's, nbaccel's worker settings) never reach the
-inner job's workers: :func:`child_base_environment` (spawn) and :func:`apply_worker_environment`
-(fork) drop them, so the inner ranks meet only each other, on their own port.
+A launch is its own job wherever it starts (inside a pool rank, a launched function, a kernel run
+by torchrun): an outer job's variables never reach its workers (:func:`child_base_environment`,
+:func:`apply_worker_environment`), so its ranks meet only each other, on their own port.
 
 What hardware is here (and whether forking is safe) is :mod:`nbaccel.hardware`'s job.
 """
@@ -395,12 +393,8 @@ def child_base_environment() -> dict[str, str]:
 
 
 def apply_worker_environment(values: Mapping[str, str]) -> None:
-    """Give a freshly forked worker its job's environment: ``values``, and nothing of an outer job's.
-
-    A fork inherits its launcher's environment; when the launcher is itself a rank (a nested
-    launch), its ``RANK``, ``WORLD_SIZE``, ``MASTER_PORT``, ... would make the worker join the outer
-    job. They are dropped first, as :func:`child_base_environment` drops them for a spawned worker.
-    """
+    """Give a freshly forked worker ``values`` and nothing of an outer job's: a launcher that is itself a rank
+    passes its ``RANK``, ``MASTER_PORT``, ... down a fork, and they would make the worker join the outer job."""
     for name in [n for n in os.environ if _outer_job_variable(n) and n not in values]:
         del os.environ[name]
     os.environ.update(values)

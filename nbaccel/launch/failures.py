@@ -6,9 +6,11 @@ failed launch has one shape everywhere: an exception of the
 :class:`~nbaccel.errors.WorkerFailedError` family carrying every rank's failure on ``failures``,
 root cause first. A worker that raised an ``Exception`` is re-raised as its own type joined with
 ``WorkerFailedError`` (so ``except KeyError`` still works), with its message; the remote
-traceback is chained as ``__cause__``. Failures that cannot be re-raised that way (``os._exit``,
-a signal, an exception that does not unpickle) raise :class:`~nbaccel.errors.ProcessExitedError`
-/ :class:`~nbaccel.errors.WorkerFailedError`.
+traceback is chained as ``__cause__`` (:mod:`nbaccel.launch.rank_exceptions`). Failures that
+cannot be re-raised that way (``os._exit``, a signal, an exception that cannot be rebuilt, a
+rank's own ``SystemExit`` or ``KeyboardInterrupt``) raise :class:`~nbaccel.errors.ProcessExitedError`
+/ :class:`~nbaccel.errors.WorkerFailedError`, saying why. A report quotes a huge message or
+traceback cut in the middle, with its full size; the exception itself keeps it whole.
 """
 
 from __future__ import annotations
