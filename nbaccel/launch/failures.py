@@ -146,7 +146,8 @@ def format_report(failures: Sequence[WorkerFailure], stopped: Sequence[int] = ()
     else:
         who = (f"all {len(alike)} ranks" if len(alike) == world_size
                else f"ranks {', '.join(str(f.rank) for f in sorted(alike, key=lambda f: f.rank))}")
-        lines = [f"root cause: {who} {_what(root)[0]}"]
+        what = _what(root)[0]
+        lines = [f"root cause: {who} {'were' + what[3:] if what.startswith('was ') else what}"]
     groups: dict[tuple[str, str], list[int]] = {}
     for failure in ordered:
         if failure not in alike:

@@ -74,6 +74,8 @@ def _launches_inside(n: int) -> object:
 
 
 def test_a_launch_inside_a_pool_rank_is_its_own_job_and_the_pool_lives():
+    # The caller keeps a warm rank: the pool's ranks, forked from it, must start their own, never use the caller's.
+    notebook_launcher(_what_the_rank_sees, num_processes=1)
     with WorkerPool(num_processes=2, use_cpu=True) as pool:
         alone = pool.run(_launches_inside, 1, return_all=True)
         assert {rank: inner for rank, (_, inner) in alone.items()} == {r: {0: (None, None, None, False)} for r in (0, 1)}
@@ -84,6 +86,8 @@ def test_a_launch_inside_a_pool_rank_is_its_own_job_and_the_pool_lives():
             assert all(port != outer_port for _, _, port in inner.values())
         assert pool.alive
         assert pool.run(_pool_world, return_all=True) == {0: (2, 2.0), 1: (2, 2.0)}  # its own group still works
+    assert notebook_launcher(_what_the_rank_sees, num_processes=1) == (None, None, None, False)  # the caller's too
+    close_warm_rank()
     assert children() == []
 
 
