@@ -37,7 +37,7 @@ def shorten(text: str, limit: int) -> str:
 
     Example:
         >>> shorten("x" * 50, 20)
-        'xxxxxxxxxxxxxx [... 36 of 50 characters left out ...] xxxxxx'
+        'xxxxxxxxxxxxxxx [... 30 of 50 characters left out ...] xxxxx'
     """
     if len(text) <= limit:
         return text
