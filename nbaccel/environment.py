@@ -54,6 +54,7 @@ __all__ = [
     "single_process_environment",
     "str_to_bool",
     "temporary_environment",
+    "without_outer_job",
     "worker_environment",
 ]
 
@@ -377,19 +378,23 @@ def clear_environment() -> Iterator[None]:
 
 
 def _outer_job_variable(name: str) -> bool:
-    return (name in _OUTER_JOB_KEYS or name.startswith("TORCHELASTIC_")
-            or (name.startswith(_PREFIX) and name not in (_CONFIG_FILE, ASSUME_UNSAFE_FORK, FORCE_TPU)))
+    return name in _OUTER_JOB_KEYS or name.startswith("TORCHELASTIC_")
 
 
 def child_base_environment() -> dict[str, str]:
-    """A copy of this process's environment without any torchrun or nbaccel worker variables.
+    """A copy of this process's environment without any torchrun or nbaccel worker variables."""
+    return {k: v for k, v in os.environ.items() if not _outer_job_variable(k)
+            and not (k.startswith(_PREFIX) and k not in (_CONFIG_FILE, ASSUME_UNSAFE_FORK, FORCE_TPU))}
+
+
+def without_outer_job(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` less an outer job's rank variables (torchrun's, torch elastic's), the rest as it is.
 
     Example:
-        >>> with temporary_environment({"RANK": "1", "WORLD_SIZE": "2"}):
-        ...     "RANK" in child_base_environment()
-        False
+        >>> without_outer_job({"RANK": "1", "MASTER_PORT": "29500", "HOME": "/root"})
+        {'HOME': '/root'}
     """
-    return {k: v for k, v in os.environ.items() if not _outer_job_variable(k)}
+    return {k: v for k, v in environ.items() if not _outer_job_variable(k)}
 
 
 def apply_worker_environment(values: Mapping[str, str]) -> None:
