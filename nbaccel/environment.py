@@ -5,6 +5,10 @@ Workers learn everything from their environment: the torchrun variables (``RANK`
 ``MASTER_PORT``) and nbaccel's own settings, exported here from a :class:`WorkerSettings`
 and read back as one typed object by :func:`read_worker_settings`.
 
+A launch is its own job wherever it starts (inside a pool rank, a launched function, a kernel run
+by torchrun): an outer job's variables never reach its workers (:func:`child_base_environment`,
+:func:`apply_worker_environment`), so its ranks meet only each other, on their own port.
+
 What hardware is here (and whether forking is safe) is :mod:`nbaccel.hardware`'s job.
 """
 
@@ -34,6 +38,7 @@ __all__ = [
     "MixedPrecision",
     "WorkerSettings",
     "apply_environment",
+    "apply_worker_environment",
     "child_base_environment",
     "clear_environment",
     "config_file_path",
@@ -49,6 +54,7 @@ __all__ = [
     "single_process_environment",
     "str_to_bool",
     "temporary_environment",
+    "without_outer_job",
     "worker_environment",
 ]
 
@@ -63,6 +69,9 @@ ASSUME_UNSAFE_FORK = "NBACCEL_ASSUME_UNSAFE_FORK"
 """``1`` makes launches spawn as if fork were unsafe (:func:`nbaccel.hardware.fork_unsafe_reason`)."""
 _TORCHRUN_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK",
                   "MASTER_ADDR", "MASTER_PORT")
+_OUTER_JOB_KEYS = frozenset((*_TORCHRUN_KEYS, "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME",
+                             "ROLE_WORLD_SIZE"))
+"""What torchrun sets for a rank: in a process that launches, they describe the outer job, never the inner one."""
 
 
 @dataclass(frozen=True)
@@ -368,11 +377,32 @@ def clear_environment() -> Iterator[None]:
         os.environ.update(saved)
 
 
+def _outer_job_variable(name: str) -> bool:
+    return name in _OUTER_JOB_KEYS or name.startswith("TORCHELASTIC_")
+
+
 def child_base_environment() -> dict[str, str]:
     """A copy of this process's environment without any torchrun or nbaccel worker variables."""
-    return {k: v for k, v in os.environ.items()
-            if k not in _TORCHRUN_KEYS and not k.startswith("TORCHELASTIC_")
+    return {k: v for k, v in os.environ.items() if not _outer_job_variable(k)
             and not (k.startswith(_PREFIX) and k not in (_CONFIG_FILE, ASSUME_UNSAFE_FORK, FORCE_TPU))}
+
+
+def without_outer_job(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` less an outer job's rank variables (torchrun's, torch elastic's), the rest as it is.
+
+    Example:
+        >>> without_outer_job({"RANK": "1", "MASTER_PORT": "29500", "HOME": "/root"})
+        {'HOME': '/root'}
+    """
+    return {k: v for k, v in environ.items() if not _outer_job_variable(k)}
+
+
+def apply_worker_environment(values: Mapping[str, str]) -> None:
+    """Give a freshly forked worker ``values`` and nothing of an outer job's: a launcher that is itself a rank
+    passes its ``RANK``, ``MASTER_PORT``, ... down a fork, and they would make the worker join the outer job."""
+    for name in [n for n in os.environ if _outer_job_variable(n) and n not in values]:
+        del os.environ[name]
+    os.environ.update(values)
 
 
 def config_file_path() -> Path:

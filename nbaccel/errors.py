@@ -10,9 +10,12 @@
     ├── LaunchError (also RuntimeError)    a launch could not start or did not finish
     │   ├── PayloadPicklingError           the function or an argument cannot be shipped
     │   ├── WorkerFailedError              a worker raised, exited non-zero or was killed (the
-    │   │                                  family of every failed launch; a worker's own exception
-    │   │                                  type is joined in when it re-raises here; also torch
-    │   │                                  elastic's ChildFailedError, as Accelerate raises)
+    │   │                                  family of every failed launch; a worker's own Exception
+    │   │                                  type, RuntimeError and Exception included, is joined in
+    │   │                                  when it re-raises here; a worker's SystemExit or
+    │   │                                  KeyboardInterrupt is reported as one, never raised as
+    │   │                                  itself; also torch elastic's ChildFailedError, as
+    │   │                                  Accelerate raises)
     │   │   └── ProcessExitedError         ... without reporting an exception (os._exit, signal)
     │   ├── LaunchTimeoutError (also TimeoutError)
     │   │                                  the launch ran past ``timeout`` or hung
@@ -36,8 +39,9 @@
                                            was removed, the previous checkpoint is intact
 
 Exceptions raised *inside* a worker are re-raised in the caller as their own type *and* as a
-``WorkerFailedError``; every rank's failure, root cause first, travels on them as ``failures``
-(also ``launch_failures``); see :mod:`nbaccel.launch.failures`.
+``WorkerFailedError`` (and ``ChildFailedError``); every rank's failure, root cause first, travels on
+them as ``failures`` (also ``launch_failures``); see :mod:`nbaccel.launch.failures` and
+:mod:`nbaccel.launch.rank_exceptions`.
 """
 
 from __future__ import annotations
@@ -136,10 +140,12 @@ class WorkerFailedError(LaunchError):
     """One or more workers of a launch failed: the family every worker failure belongs to.
 
     Catch this to handle any failed launch, on one machine or several. When the root-cause
-    worker raised an ``Exception``, the error raised in the caller is an instance of *both* its
-    own type and this class (``except KeyError`` and ``except WorkerFailedError`` both catch it);
-    a plain ``WorkerFailedError`` means its exception could not be rebuilt here, and
-    :class:`ProcessExitedError` that it exited or was killed without raising one.
+    worker raised an ``Exception`` (of any type, ``RuntimeError`` and ``Exception`` included), the
+    error raised in the caller is an instance of *both* its own type and this class (``except
+    KeyError`` and ``except WorkerFailedError`` both catch it); a plain ``WorkerFailedError`` means
+    its exception could not be rebuilt here (the message says why) or was a ``SystemExit`` /
+    ``KeyboardInterrupt`` of the rank's own, and :class:`ProcessExitedError` that it exited or was
+    killed without raising one.
 
     Attributes:
         failures: every failed rank's :class:`~nbaccel.launch.failures.WorkerFailure`, root cause first.

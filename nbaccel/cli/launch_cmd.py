@@ -181,8 +181,6 @@ def report_failure(exc: BaseException, prog: str, *, trim: bool = True) -> int |
         sys.stderr.write(f"{prog}: traceback of rank {root.rank} (the root cause):\n{shown.rstrip()}\n")
     sys.stderr.write(f"{prog}: error: {format_report(failures)}\n")
     sys.stderr.flush()
-    if isinstance(exc, SystemExit):
-        return exc.code if isinstance(exc.code, int) and exc.code else 1
     if root.exc_type == "KeyboardInterrupt":
         return 130
     if root.signal is not None:

@@ -6,9 +6,11 @@ failed launch has one shape everywhere: an exception of the
 :class:`~nbaccel.errors.WorkerFailedError` family carrying every rank's failure on ``failures``,
 root cause first. A worker that raised an ``Exception`` is re-raised as its own type joined with
 ``WorkerFailedError`` (so ``except KeyError`` still works), with its message; the remote
-traceback is chained as ``__cause__``. Failures that cannot be re-raised that way (``os._exit``,
-a signal, an exception that does not unpickle) raise :class:`~nbaccel.errors.ProcessExitedError`
-/ :class:`~nbaccel.errors.WorkerFailedError`.
+traceback is chained as ``__cause__`` (:mod:`nbaccel.launch.rank_exceptions`). Failures that
+cannot be re-raised that way (``os._exit``, a signal, an exception that cannot be rebuilt, a
+rank's own ``SystemExit`` or ``KeyboardInterrupt``) raise :class:`~nbaccel.errors.ProcessExitedError`
+/ :class:`~nbaccel.errors.WorkerFailedError`, saying why. A report quotes a huge message or
+traceback cut in the middle, with its full size; the exception itself keeps it whole.
 """
 
 from __future__ import annotations
@@ -18,10 +20,30 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
-from nbaccel.errors import ProcessExitedError, WorkerFailedError, child_failed_bases
-from nbaccel.launch.payload import loads
+from nbaccel.errors import ProcessExitedError, WorkerFailedError
+from nbaccel.launch.rank_exceptions import in_family, unpack_exception
 
-__all__ = ["RemoteTraceback", "WorkerFailure", "format_report", "raise_failures"]
+__all__ = ["MESSAGE_LIMIT", "TRACEBACK_LIMIT", "RemoteTraceback", "WorkerFailure", "format_report", "raise_failures",
+           "shorten"]
+
+MESSAGE_LIMIT = 4_000
+"""The most characters of a rank's exception message a report quotes (the exception itself keeps all of it)."""
+TRACEBACK_LIMIT = 20_000
+"""The most characters of a rank's traceback text a report carries."""
+
+
+def shorten(text: str, limit: int) -> str:
+    """``text``, or its start and end around a note of what was left out when it is longer than ``limit``.
+
+    Example:
+        >>> shorten("x" * 50, 20)
+        'xxxxxxxxxxxxxxx [... 30 of 50 characters left out ...] xxxxx'
+    """
+    if len(text) <= limit:
+        return text
+    head, tail = limit * 3 // 4, limit // 4
+    note = f" [... {len(text) - head - tail:,} of {len(text):,} characters left out ...] "
+    return text[:head] + note + text[len(text) - tail:]
 
 
 @dataclass(frozen=True)
@@ -37,7 +59,9 @@ class WorkerFailure:
         exc_type: qualified name of the exception it raised (``""`` when none was reported).
         message: ``str()`` of that exception, or a description of the exit.
         traceback: the remote traceback text (``""`` when none).
-        exception: the pickled exception, when it could be pickled.
+        exception: the pickled exception (or its parts), when it could be sent.
+        exception_note: why the exception could not be rebuilt in the caller as its own type (``""``
+            when it was, or when the rank raised none).
     """
 
     rank: int
@@ -49,6 +73,7 @@ class WorkerFailure:
     message: str = ""
     traceback: str = ""
     exception: bytes | None = None
+    exception_note: str = ""
 
     @property
     def summary(self) -> str:
@@ -96,78 +121,43 @@ def _sorted(failures: Sequence[WorkerFailure]) -> list[WorkerFailure]:
     return sorted(failures, key=lambda f: (consequence[id(f)], f.time, 0 if f.exc_type else 1, f.rank))
 
 
-def format_report(failures: Sequence[WorkerFailure], stopped: Sequence[int] = ()) -> str:
-    """A readable report: the root cause first, then the other ranks, identical errors grouped."""
+def _what(failure: WorkerFailure) -> tuple[str, str]:
+    """What a failure was, whichever rank it happened on: its summary without rank and pid, and its traceback."""
+    return failure.summary.split(") ", 1)[-1], failure.traceback
+
+
+def format_report(failures: Sequence[WorkerFailure], stopped: Sequence[int] = (), world_size: int | None = None) -> str:
+    """A readable report: the root cause first, then the other ranks, identical errors grouped.
+
+    When other ranks failed exactly as the root cause did, the first line says so ("all 2 ranks
+    raised ...", or "ranks 0, 2 raised ..."): no one rank is the cause of an error every rank hit.
+
+    Example:
+        >>> same = [WorkerFailure(rank=r, pid=10 + r, time=1.0 + r, exc_type="ValueError", message="bad")
+        ...         for r in (0, 1)]
+        >>> format_report(same, world_size=2)
+        'root cause: all 2 ranks raised ValueError: bad'
+    """
     ordered = _sorted(failures)
-    root, rest = ordered[0], ordered[1:]
-    lines = [f"root cause: {root.summary}"]
+    root = ordered[0]
+    alike = [f for f in ordered if _what(f) == _what(root)]
+    if len(alike) == 1:
+        lines = [f"root cause: {root.summary}"]
+    else:
+        who = (f"all {len(alike)} ranks" if len(alike) == world_size
+               else f"ranks {', '.join(str(f.rank) for f in sorted(alike, key=lambda f: f.rank))}")
+        what = _what(root)[0]
+        lines = [f"root cause: {who} {'were' + what[3:] if what.startswith('was ') else what}"]
     groups: dict[tuple[str, str], list[int]] = {}
-    for failure in rest:
-        groups.setdefault((failure.summary.split(") ", 1)[-1], failure.traceback), []).append(failure.rank)
+    for failure in ordered:
+        if failure not in alike:
+            groups.setdefault(_what(failure), []).append(failure.rank)
     for (summary, _), ranks in groups.items():
         label = "rank" if len(ranks) == 1 else "ranks"
         lines.append(f"also failed: {label} {', '.join(map(str, ranks))}: {summary}")
     if stopped:
         lines.append(f"stopped by nbaccel after the failure: ranks {', '.join(map(str, sorted(stopped)))}")
     return "\n".join(lines)
-
-
-def _family_type(kind: type[BaseException]) -> type[BaseException] | None:
-    """``kind`` joined with :class:`WorkerFailedError` (cached), or ``None`` when it cannot or must not be."""
-    if issubclass(kind, WorkerFailedError):
-        return kind
-    if not issubclass(kind, Exception):  # KeyboardInterrupt, SystemExit: never caught by `except Exception`
-        return None
-    joined = _JOINED.get(kind)
-    if joined is None:
-        try:
-            joined = type(kind.__name__, (kind, WorkerFailedError, *child_failed_bases()), {
-                "__module__": kind.__module__, "__qualname__": kind.__qualname__,
-                "__reduce__": _reduce_joined, "__doc__": kind.__doc__})
-        except TypeError:  # a final or layout-incompatible exception type
-            return None
-        _JOINED[kind] = joined
-    return joined
-
-
-_JOINED: dict[type[BaseException], type[BaseException]] = {}
-
-
-def _reduce_joined(self: BaseException) -> tuple:
-    own = type(self).__mro__[1]
-    return (_rebuild_joined, (own, self.args, dict(self.__dict__)))
-
-
-def _rebuild_joined(own: type[BaseException], args: tuple, state: dict) -> BaseException:
-    joined = _family_type(own) or own
-    exc = joined.__new__(joined, *args)
-    # A built-in type's __init__ only stores its arguments (UnicodeError's fields, say); a user's own
-    # __init__ may transform them, and its result is already in args and state: not called again.
-    init_owner = next(k for k in own.__mro__ if "__init__" in k.__dict__)
-    (own.__init__ if init_owner.__module__ == "builtins" else BaseException.__init__)(exc, *args)
-    exc.__dict__.update(state)
-    return exc
-
-
-def _in_family(exc: BaseException, failures: tuple[WorkerFailure, ...]) -> BaseException:
-    """``exc`` as an instance of its own type and of :class:`WorkerFailedError`, carrying ``failures``."""
-    joined = _family_type(type(exc))
-    if joined is not None and joined is not type(exc):
-        try:
-            rebuilt = _rebuild_joined(type(exc), exc.args, dict(exc.__dict__))
-            for name in ("errno", "strerror", "filename", "filename2"):  # OSError's own fields
-                if hasattr(exc, name) and getattr(rebuilt, name, None) != getattr(exc, name):
-                    setattr(rebuilt, name, getattr(exc, name))
-            exc = rebuilt
-        except Exception:  # noqa: BLE001 - an odd constructor: keep the exception as it came
-            pass
-    try:
-        exc.failures = failures  # type: ignore[attr-defined]
-        if not isinstance(exc, WorkerFailedError):
-            exc.launch_failures = failures  # type: ignore[attr-defined]
-    except AttributeError:  # an exception type without a __dict__
-        pass
-    return exc
 
 
 def raise_failures(failures: Sequence[WorkerFailure], world_size: int,
@@ -177,25 +167,47 @@ def raise_failures(failures: Sequence[WorkerFailure], world_size: int,
     Raises:
         WorkerFailedError: always a member of this family, with every rank's failure on ``failures``
             (root cause first): the root-cause worker's own exception type joined with it when that
-            exception could be rebuilt here; :class:`ProcessExitedError` when the root cause exited
-            or was killed without reporting an exception; a plain ``WorkerFailedError`` otherwise.
-        BaseException: a root cause that is not an ``Exception`` (``KeyboardInterrupt``,
-            ``SystemExit``) is raised as it is, with ``failures`` attached.
+            exception could be rebuilt here (why not is said in the message otherwise);
+            :class:`ProcessExitedError` when the root cause exited or was killed without reporting an
+            exception; a plain ``WorkerFailedError`` otherwise. A rank's ``SystemExit``,
+            ``KeyboardInterrupt`` or other ``BaseException`` is reported this way too, never raised as
+            itself: it would exit the caller, or look like the caller's own interrupt.
     """
     ordered = tuple(_sorted(failures))
     root = ordered[0]
-    report = format_report(ordered, stopped)
+    report = format_report(ordered, stopped, world_size)
+    note = root.exception_note and _unrebuilt(root, root.exception_note)
     if root.exception is not None:
         try:
-            exc = loads(root.exception)
-        except Exception:  # noqa: BLE001 - fall back to a generic error below
-            exc = None
-        if isinstance(exc, BaseException):
-            exc = _in_family(exc, ordered)
+            exc = unpack_exception(root.exception)
+        except Exception as error:  # noqa: BLE001 - said in the generic error below
+            exc, note = None, _unrebuilt(root, f"{type(error).__name__}: {error}")
+        if isinstance(exc, Exception):
+            exc = in_family(exc, ordered)
             if hasattr(exc, "add_note"):
                 exc.add_note(f"[nbaccel] {report}\n[nbaccel] world size {world_size}; the traceback "
                              f"above the line is rank {root.rank}'s, in the worker.")
             raise exc.with_traceback(None) from RemoteTraceback(root.traceback)
+        if exc is not None:
+            note = _not_raised_here(exc, root.rank)
     if not root.exc_type:
         raise ProcessExitedError(f"{report}\n(world size {world_size})", failures=ordered)
-    raise WorkerFailedError(f"{report}\n\n{root.traceback}", failures=ordered) from None
+    said = f"\n{note}" if note else ""
+    raise WorkerFailedError(f"{report}{said}\n\n{root.traceback}", failures=ordered) from None
+
+
+def _unrebuilt(root: WorkerFailure, why: str) -> str:
+    return f"rank {root.rank}'s {root.exc_type} could not be rebuilt here ({why}), so it is raised as a WorkerFailedError."
+
+
+def _not_raised_here(exc: BaseException, rank: int) -> str:
+    """Why a rank's ``SystemExit`` / ``KeyboardInterrupt`` / other ``BaseException`` is not raised as itself."""
+    if isinstance(exc, SystemExit):
+        return (f"The function called sys.exit({exc.code!r}) in rank {rank}: that ends the rank only, so it is "
+                "reported here as a WorkerFailedError instead of exiting the caller. Fix: return from the function "
+                "or raise an exception (sys.exit(0) counts as returning None).")
+    if isinstance(exc, KeyboardInterrupt):
+        return (f"Rank {rank} raised KeyboardInterrupt itself (the caller was not interrupted), so it is reported "
+                "here as a WorkerFailedError.")
+    return (f"Rank {rank}'s {type(exc).__name__} is not an Exception: raised here it could end the caller, so "
+            "it is reported as a WorkerFailedError.")

@@ -269,8 +269,8 @@ class Supervisor:
             message = "the process exited without reporting an exception (os._exit, a crash in native code, or an OOM kill)"
         return WorkerFailure(
             rank=handle.rank, pid=handle.pid, time=error.get("time", time.time()), exitcode=handle.exitcode,
-            signal=handle.signal, exc_type=error.get("exc_type", ""), message=error.get("message", message),
-            traceback=error.get("traceback", ""), exception=error.get("exception"))
+            signal=handle.signal, message=error.get("message", message),
+            **{k: error[k] for k in ("exc_type", "traceback", "exception", "exception_note") if k in error})
 
     # ------------------------------------------------------------------ ranks inside a host process
     def _on_hosted_exit(self, handle: WorkerHandle) -> WorkerFailure | None:

@@ -18,13 +18,18 @@ __all__ = ["attach_renderer", "render_interrupt"]
 
 def _render_failure(exc: BaseException, failures: tuple, cell_numbers: Mapping[str, int]) -> list[str]:
     root = failures[0]
-    lines = [f"{type(exc).__name__} on rank {root.rank} (the root cause of the failed launch); "
-             "its traceback in the worker:"]
+    alike = sorted(f.rank for f in failures if root.exc_type and
+                   (f.exc_type, f.message, f.traceback) == (root.exc_type, root.message, root.traceback))
+    where = (f"rank {root.rank} (the root cause of the failed launch)" if len(alike) < 2
+             else f"ranks {', '.join(map(str, alike))} (each raised it; rank {root.rank}'s is shown)")
+    lines = [f"{type(exc).__name__} on {where}; its traceback in the worker:"]
     if root.traceback:
         lines.append(clean_traceback(root.traceback, cell_numbers))
     else:
         lines.append(f"{type(exc).__name__}: {exc}")
     notes = [n for n in getattr(exc, "__notes__", ()) if n.startswith("[nbaccel]")]
+    if not notes and root.traceback:  # a plain WorkerFailedError: its report is its message, before the traceback
+        notes = [f"[nbaccel] {str(exc).split(chr(10) * 2)[0]}"]
     lines.extend(notes)
     return lines
 

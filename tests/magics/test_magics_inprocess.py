@@ -122,6 +122,28 @@ def test_failing_rank_raises_its_own_error_pointing_at_the_cell_line(ip):
     assert "worker.py" not in shown
 
 
+def test_an_error_every_rank_raised_reads_as_everyones_in_the_cell(ip):
+    result = run(ip, "%%accel_launch -n 2 --status none\n"
+                     "import signal, torch.distributed as dist\n"
+                     "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # no rank is stopped first\n"
+                     "dist.init_process_group('gloo'); dist.barrier()\n"
+                     "raise RuntimeError('the dataset is empty')\n")
+    exc = result.error_in_exec
+    assert isinstance(exc, RuntimeError) and isinstance(exc, WorkerFailedError)
+    shown = "\n".join(exc._render_traceback_())
+    assert "RuntimeError on ranks 0, 1 (each raised it;" in shown and "on rank 1 (the root cause" not in shown
+    assert "root cause: all 2 ranks raised RuntimeError: the dataset is empty" in shown
+
+
+def test_a_ranks_sys_exit_fails_the_cell_and_says_why(ip):
+    result = run(ip, "%%accel_launch -n 2 --status none\nimport os, sys\n"
+                     "if os.environ['RANK'] == '1':\n    sys.exit(3)\n")
+    exc = result.error_in_exec
+    assert isinstance(exc, WorkerFailedError) and exc.root_cause.exitcode == 3
+    shown = "\n".join(exc._render_traceback_())
+    assert "root cause: rank 1" in shown and "called sys.exit(3) in rank 1" in shown
+
+
 def test_a_workers_own_config_error_is_not_a_usage_error(ip):
     result = run(ip, "%%accel_launch -n 2 --status none\n"
                      "from nbaccel.errors import ConfigError\nraise ConfigError('from the cell', key='k')\n")

@@ -96,7 +96,8 @@ def _failures(error: Any) -> list[WorkerFailure]:
             out.append(WorkerFailure(
                 rank=rank, pid=failure.pid, time=float(ours.get("time", time.time())), exitcode=failure.exitcode,
                 signal=signal_number, exc_type=ours.get("exc_type", ""), message=ours.get("message", ""),
-                traceback=ours.get("traceback", ""), exception=base64.b64decode(pickled) if pickled else None))
+                traceback=ours.get("traceback", ""), exception=base64.b64decode(pickled) if pickled else None,
+                exception_note=ours.get("exception_note", "")))
             continue
         message = info.get("message", "") if isinstance(info, dict) else str(failure.message)
         exc_type, _, text = str(message).partition(": ")

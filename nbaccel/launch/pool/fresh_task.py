@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbaccel.environment import replace_environment
+from nbaccel.environment import replace_environment, without_outer_job
 from nbaccel.launch.pool.serve import worker_namespace
 from nbaccel.launch.worker.display import route_figures, show_open_figures
 from nbaccel.rank_resets import reset_rank_state
@@ -75,6 +75,8 @@ class CallerSnapshot:
 def snapshot_caller(rank_environment: Mapping[str, str]) -> CallerSnapshot:
     """The caller's state now (run in the caller, at launch), with ``rank_environment`` on top of its environment.
 
+    An outer job's rank variables are left out: a launch from inside a rank is its own job.
+
     Example:
         >>> snapshot_caller({"RANK_SETTING": "1"}).environ["RANK_SETTING"]
         '1'
@@ -82,7 +84,7 @@ def snapshot_caller(rank_environment: Mapping[str, str]) -> CallerSnapshot:
     numpy = sys.modules.get("numpy")
     torch = sys.modules.get("torch")
     return CallerSnapshot(
-        environ={**os.environ, **rank_environment}, cwd=os.getcwd(), sys_path=list(sys.path),
+        environ={**without_outer_job(os.environ), **rank_environment}, cwd=os.getcwd(), sys_path=list(sys.path),
         numpy_rng=numpy.random.get_state() if numpy is not None else None,
         torch_rng=torch.get_rng_state() if torch is not None else None,
         torch_seed=torch.initial_seed() if torch is not None else TORCH_DEFAULT_SEED,

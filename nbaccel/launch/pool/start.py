@@ -56,7 +56,8 @@ def exit_failure(member: PoolMember, error: dict | None = None) -> WorkerFailure
         message += "or an OOM kill)"
     return WorkerFailure(rank=member.rank, pid=handle.pid, time=error.get("time", time.time()),
                          exitcode=handle.exitcode, signal=handle.signal, exc_type=error.get("exc_type", ""),
-                         message=message, traceback=error.get("traceback", ""), exception=error.get("exception"))
+                         message=message, traceback=error.get("traceback", ""), exception=error.get("exception"),
+                         exception_note=error.get("exception_note", ""))
 
 
 class PoolProcesses:

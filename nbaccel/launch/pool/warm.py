@@ -86,6 +86,7 @@ class _WarmRank:
     runs: int = 0
     closed: threading.Event = field(default_factory=threading.Event)
     finalizer: weakref.finalize | None = None
+    owner: int = field(default_factory=os.getpid)  # a forked child (a pool rank, say) inherits it, never owns it
 
     def close(self) -> None:
         self.closed.set()  # its idle watcher ends
@@ -95,6 +96,22 @@ class _WarmRank:
 
 _lock = threading.RLock()  # guards _warm; held for a whole run, so the idle timer never closes a busy rank
 _warm: _WarmRank | None = None
+_INHERITED: list[_WarmRank] = []
+
+
+def _forget_inherited() -> None:
+    """In a process forked from the rank's owner, forget the owner's rank without touching it.
+
+    Its sockets and pipes are the owner's; their numbers may already be reused here (by a process
+    group's sockets): closing them, or letting them be collected, would close those. The record is
+    kept referenced, its finalizer detached, and a launch here starts a rank of its own.
+    """
+    global _warm
+    if _warm is not None and _warm.owner != os.getpid():
+        if _warm.finalizer is not None:
+            _warm.finalizer.detach()
+        _INHERITED.append(_warm)
+        _warm = None
 
 
 class WarmLauncher:
@@ -134,6 +151,7 @@ class WarmLauncher:
 def _kept_rank(request: LaunchRequest, rank_env: dict[str, str]) -> _WarmRank:
     """The kept rank for ``request``'s settings: reused when still good, else started anew (lock held)."""
     global _warm
+    _forget_inherited()
     key = (request.plan.start_method, request.plan.device_kind, request.plan.visible_gpus,
            tuple(sorted(rank_env.items())))
     stale = _warm is not None and (_warm.key != key or _warm.ranks.dead() or _modules_changed(_warm.started_at))
@@ -142,7 +160,9 @@ def _kept_rank(request: LaunchRequest, rank_env: dict[str, str]) -> _WarmRank:
     if _warm is None:
         if request.plan.start_method == "fork":  # the rank starts with what a launch's worker would
             prepare_to_fork(request.function, request.warm_imports)
-        started = LocalPoolRanks.start(dataclasses.replace(request, warm_imports=False), START_TIMEOUT)
+        timeout = request.config.timeout  # the caller's timeout bounds the start too, not only the run
+        started = LocalPoolRanks.start(dataclasses.replace(request, warm_imports=False),
+                                       min(START_TIMEOUT, timeout) if timeout else START_TIMEOUT)
         _warm = _WarmRank(key=key, ranks=started, device_kind=request.plan.device_kind,
                           start_method=request.plan.start_method)
         _warm.finalizer = weakref.finalize(_warm, started.shutdown)
@@ -163,6 +183,7 @@ def _watch_idle(warm: _WarmRank) -> None:
 
 def _close_locked() -> None:
     global _warm
+    _forget_inherited()
     warm, _warm = _warm, None
     if warm is not None:
         warm.close()
@@ -179,7 +200,7 @@ def close_warm_rank() -> bool:
 def warm_rank_info() -> WarmRankInfo | None:
     """The kept rank, or ``None``."""
     warm = _warm
-    if warm is None or warm.ranks.dead():
+    if warm is None or warm.owner != os.getpid() or warm.ranks.dead():
         return None
     member = warm.ranks.members[0]
     return WarmRankInfo(pid=member.handle.pid, device=member.device, start_method=warm.start_method,

@@ -162,6 +162,7 @@ class WorkerPool:
         self._finalizer: weakref.finalize | None = None
         self._dead = ""
         self._closed = False
+        self._closes = 0  # close() calls so far: a run that sees it change was ended by close(), not by a fault
         self._running = threading.Lock()  # one run at a time: replies are not tagged with their caller
         self._runner: int | None = None
         self._start()
@@ -182,6 +183,7 @@ class WorkerPool:
             False
         """
         self._closed = True
+        self._closes += 1
         if self._finalizer is not None:
             self._finalizer()  # runs ranks.shutdown once
         self._ranks = None
@@ -313,7 +315,7 @@ class WorkerPool:
     def _dispatch_now(self, function: Callable[..., Any], args: Any, kwargs: Mapping[str, Any],
                       output_ranks: Any, observer: LaunchObserver | None,
                       result_ranks: set[int] | None) -> dict[int, Any]:
-        ranks = self._usable()
+        ranks, closes = self._usable(), self._closes
         request = dataclasses.replace(self._request, output_ranks=output_ranks, observer=observer)
         policy = SupervisorPolicy(timeout=self._request.config.timeout, hang_timeout=self._request.hang_timeout,
                                   grace=self.grace, keep_alive=True)
@@ -327,15 +329,20 @@ class WorkerPool:
             return results
         except KeyboardInterrupt:
             raise KeyboardInterrupt(f"interrupted{self._after_failure(ranks)}") from None
-        except LaunchTimeoutError as exc:
+        except Exception as exc:
+            if self._closes != closes:  # its workers were stopped by close(): that is what to report
+                raise WorkerPoolError(
+                    "this run was ended by WorkerPool.close(), called while it ran (from another thread, a "
+                    "callback or a finalizer): close() stopped every worker. Fix: close the pool after its runs "
+                    "return; pool.restart() starts fresh workers.", state="closed", reason="close()") from exc
+            if not isinstance(exc, LaunchTimeoutError):
+                if ranks.lost:
+                    exc.add_note(f"[nbaccel] the WorkerPool is dead ({ranks.lost}); every worker was stopped. "
+                                 "Fix: pool.restart() (or %accel_workers restart).")
+                raise
             # The supervisor's words already say the run was cancelled; the pool adds only its own state.
             pool_state = f"The pool is dead ({ranks.lost}): restart it." if ranks.lost else "The pool is still up."
             raise LaunchTimeoutError(f"{exc}\n{pool_state}", stacks=exc.stacks, reason=exc.reason) from None
-        except Exception as exc:
-            if ranks.lost:
-                exc.add_note(f"[nbaccel] the WorkerPool is dead ({ranks.lost}); every worker was stopped. "
-                             "Fix: pool.restart() (or %accel_workers restart).")
-            raise
         finally:
             self._dead = self._dead or ranks.lost
             if observer is not None:

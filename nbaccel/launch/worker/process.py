@@ -20,7 +20,6 @@ import faulthandler
 import gc
 import io
 import os
-import pickle
 import signal
 import sys
 import time
@@ -29,11 +28,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from nbaccel.environment import apply_environment, read_distributed_env
+from nbaccel.environment import apply_worker_environment, read_distributed_env
 from nbaccel.errors import PayloadPicklingError
 from nbaccel.identity import WorkerIdentity, set_identity
 from nbaccel.launch.frames import write_frame
-from nbaccel.launch.payload import dumps_by_reference_first, dumps_result
+from nbaccel.launch.failures import MESSAGE_LIMIT, TRACEBACK_LIMIT, shorten
+from nbaccel.launch.payload import dumps_result
+from nbaccel.launch.rank_exceptions import pack_exception
 from nbaccel.launch.worker.channel import close_channel, open_channel
 from nbaccel.launch.worker.console_tqdm import use_console_tqdm
 from nbaccel.launch.worker.descendants import (
@@ -114,7 +115,8 @@ def _setup_process(spec: WorkerSpec) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     end_descendants_on_sigterm()  # how the launch stops a rank: its daemons go with it
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
-    apply_environment(spec.env)
+    apply_worker_environment(spec.env)  # a nested launch's worker never joins the outer job
+    _forget_inherited_groups()
     detach_from_kernel()  # a forked kernel's sockets are the kernel's alone
     forward_displays(spec.ctl_fd, spec.rank)
     route_figures(os.environ)
@@ -127,6 +129,35 @@ def _setup_process(spec: WorkerSpec) -> None:
     use_console_tqdm()  # a tqdm widget made here could not reach the frontend; text bars reach the panel
 
 
+_INHERITED_GROUPS: list[Any] = []
+"""Process groups a forked worker inherited from its launcher (a rank of an outer job): kept, never used."""
+
+
+def _forget_inherited_groups() -> None:
+    """Make a worker forked from a rank of an outer job start outside that job's process groups.
+
+    The groups belong to the outer job: destroying them here would shut sockets the launcher still
+    uses (and wait on threads a fork does not copy), so they are only forgotten, kept referenced so
+    that no destructor runs, and torch's table is emptied so the worker can join its own group.
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    c10d = dist.distributed_c10d
+    world = c10d._world
+    _INHERITED_GROUPS.extend([world.default_pg, *world.pg_map])
+    c10d._update_default_pg(None)
+    for name in ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag", "tags_to_pg",
+                 "pg_coalesce_state", "comms"):  # what destroy_process_group empties (some only in newer torch)
+        table = getattr(world, name, None)
+        if table is not None:
+            table.clear()
+    unregister = getattr(c10d, "_unregister_all_process_groups", None)
+    if unregister is not None:
+        unregister()
+    world.group_count = 0
+
+
 FINISHED_WITHOUT_VALUE = b""
 """The ``result`` frame of a rank whose return value the caller did not ask for."""
 
@@ -137,24 +168,27 @@ _BAD_FORK_NOTE = ("nbaccel: this worker was forked from a process where CUDA was
 
 
 def describe_error(exc: BaseException) -> dict[str, Any]:
-    """What a worker reports about ``exc``: time, type, message, traceback, and ``exc`` pickled when it can travel."""
+    """What a worker reports about ``exc``: time, type, message, traceback, and ``exc`` pickled when it can travel.
+
+    Where ``exc`` cannot be sent whole, its parts go (:mod:`nbaccel.launch.rank_exceptions`), else
+    ``exception_note`` says why not.
+    """
     try:
         message = str(exc)
     except Exception as str_error:  # noqa: BLE001 - a broken __str__ must not hide the exception
         message = f"<str() of this {type(exc).__name__} raised {type(str_error).__name__}: {str_error}>"
     if _BAD_FORK in message and _BAD_FORK_NOTE not in getattr(exc, "__notes__", ()):
         exc.add_note(_BAD_FORK_NOTE)  # the last resort when the preflight's probe fork saw nothing
-    try:
-        pickled: bytes | None = dumps_by_reference_first(exc)
-        pickle.loads(pickled)  # type: ignore[arg-type]
-    except Exception:  # noqa: BLE001 - the parent then raises a generic error
-        pickled = None
+    pickled, note = pack_exception(exc)
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     return {
         "time": time.time(),
         "exc_type": f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
-        "message": message,
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        # A huge message travels whole once, inside the exception; the report quotes it cut.
+        "message": shorten(message, MESSAGE_LIMIT),
+        "traceback": shorten(text, TRACEBACK_LIMIT),
         "exception": pickled,
+        "exception_note": note,
     }
 
 
@@ -246,6 +280,14 @@ def run_body(ctl_fd: int, rank: int, identity: WorkerIdentity | None, function: 
             set_identity(None, thread=True)
 
 
+def _exit_code(failed: BaseException) -> int:
+    """The code a worker exits with after ``failed``: a ``sys.exit(3)`` in the function exits with 3, as the
+    script would (``nbaccel launch`` passes it on); an interrupt with 130; anything else with 1."""
+    if isinstance(failed, SystemExit) and isinstance(failed.code, int) and 0 < failed.code < 256:
+        return failed.code
+    return 130 if isinstance(failed, KeyboardInterrupt) else 1
+
+
 def run_worker(spec: WorkerSpec, function: Callable[..., Any], args: Sequence[Any],
                kwargs: Mapping[str, Any]) -> NoReturn:
     """Run ``function(*args, **kwargs)`` as worker ``spec.rank`` and exit the process."""
@@ -260,7 +302,7 @@ def run_worker(spec: WorkerSpec, function: Callable[..., Any], args: Sequence[An
         identity = WorkerIdentity.from_distributed_env(dist) if dist is not None else None
         failed = run_body(spec.ctl_fd, spec.rank, identity, function, args, kwargs, send_result=spec.send_result)
         if failed is not None:
-            code = 130 if isinstance(failed, KeyboardInterrupt) else 1
+            code = _exit_code(failed)
         else:
             show_open_figures()  # as the inline backend does when a cell ends
             _teardown()
