@@ -84,6 +84,7 @@ class _WarmRank:
     started_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
     runs: int = 0
+    owner: int = field(default_factory=os.getpid)
     closed: threading.Event = field(default_factory=threading.Event)
     finalizer: weakref.finalize | None = None
 
@@ -95,6 +96,16 @@ class _WarmRank:
 
 _lock = threading.RLock()  # guards _warm; held for a whole run, so the idle timer never closes a busy rank
 _warm: _WarmRank | None = None
+
+
+def _forget_in_child() -> None:
+    """In a forked child: the kept rank is the parent's (its sockets are closed here); a launch here starts its own."""
+    global _lock, _warm
+    _lock = threading.RLock()  # another thread may have held it at the fork: it never lets go here
+    _warm = None  # its finalizer runs here and does nothing: the ranks' processes stop only in their owner
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 class WarmLauncher:
