@@ -25,6 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from nbaccel.launch.reaper import remove_watched_folders
+
 __all__ = ["become_subreaper", "end_descendants", "end_descendants_on_sigterm"]
 
 _PR_SET_CHILD_SUBREAPER = 36
@@ -64,7 +66,10 @@ def _children() -> list[int]:
 
 
 def end_descendants() -> int:
-    """SIGKILL and reap every descendant of this process; returns how many were ended.
+    """SIGKILL and reap every descendant of this process, then remove the pool folders it made; returns how many.
+
+    A pool (or warm rank) this process holds is among the descendants; so is the group reaper that
+    would have removed its socket folder, so the folder is removed here.
 
     Example:
         >>> import subprocess
@@ -88,6 +93,7 @@ def end_descendants() -> int:
                 ended += 1
             except ChildProcessError:  # reaped by someone else (a Popen's own wait)
                 pass
+    remove_watched_folders()
     return ended
 
 
