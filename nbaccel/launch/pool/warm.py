@@ -27,21 +27,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
-import sysconfig
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from nbaccel.errors import PayloadPicklingError
 from nbaccel.launch.local.launcher import LAUNCHER as LOCAL_LAUNCHER
 from nbaccel.launch.local.launcher import local_environments
 from nbaccel.launch.payload import dumps_payload
-from nbaccel.launch.pool.fresh_task import run_fresh, snapshot_caller
+from nbaccel.launch.pool.fresh_task import FreshResult, run_fresh, snapshot_caller
 from nbaccel.launch.pool.local_ranks import LocalPoolRanks
+from nbaccel.launch.pool.user_modules import changed_since, user_module_files
 from nbaccel.launch.registry import before_each_launch
 from nbaccel.launch.relay import request_relay
 from nbaccel.launch.request import LaunchRequest
@@ -85,6 +83,7 @@ class _WarmRank:
     last_used: float = field(default_factory=time.monotonic)
     runs: int = 0
     owner: int = field(default_factory=os.getpid)
+    rank_files: dict[str, float] = field(default_factory=dict)  # user modules runs imported -> when that run began
     closed: threading.Event = field(default_factory=threading.Event)
     finalizer: weakref.finalize | None = None
 
@@ -127,12 +126,16 @@ class WarmLauncher:
             if observer is not None:
                 observer.on_launch([0], "warm")
             ok = False
+            began = time.time()
             try:
                 policy = SupervisorPolicy(timeout=request.config.timeout, hang_timeout=request.hang_timeout)
-                results = warm.ranks.run_payload(payload, relay=request_relay(request), observer=observer,
-                                                 policy=policy, result_ranks=None)
+                fresh: FreshResult = warm.ranks.run_payload(payload, relay=request_relay(request), observer=observer,
+                                                            policy=policy, result_ranks=None)[0]
+                warm.rank_files.update(dict.fromkeys(fresh.module_files, began))
+                if fresh.replace:  # what the run left cannot be undone in place: the next launch gets a new rank
+                    _close_locked()
                 ok = True
-                return results
+                return {0: fresh.value}
             finally:
                 warm.runs += 1
                 warm.last_used = time.monotonic()
@@ -147,7 +150,7 @@ def _kept_rank(request: LaunchRequest, rank_env: dict[str, str]) -> _WarmRank:
     global _warm
     key = (request.plan.start_method, request.plan.device_kind, request.plan.visible_gpus,
            tuple(sorted(rank_env.items())))
-    stale = _warm is not None and (_warm.key != key or _warm.ranks.dead() or _modules_changed(_warm.started_at))
+    stale = _warm is not None and (_warm.key != key or _warm.ranks.dead() or _modules_changed(_warm))
     if stale:
         _close_locked()
     if _warm is None:
@@ -207,48 +210,10 @@ def release_warm_devices(request: LaunchRequest) -> None:
                 _close_locked()
 
 
-def _library_roots() -> tuple[str, ...]:
-    paths = sysconfig.get_paths()
-    roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, str(Path(__file__).resolve().parents[2]),  # nbaccel
-             *(paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths)}
-    roots = {r for r in roots if r}
-    return tuple({os.path.join(form, "") for r in roots for form in (os.path.abspath(r), os.path.realpath(r))})
-
-
-_LIBRARIES = _library_roots()
-_user_files: dict[str, bool] = {}  # a module's file -> whether it is the user's (not Python's, a package's, nbaccel's)
-_user_paths: tuple[int, list[str]] = (-1, [])  # (len(sys.modules) when listed, the user's module files then)
-
-
-def _user_module_files() -> list[str]:
-    """The files of the user's imported modules, listed again only when a module was imported or dropped."""
-    global _user_paths
-    count = len(sys.modules)
-    if _user_paths[0] != count:
-        paths = []
-        for module in list(sys.modules.values()):
-            path = getattr(module, "__file__", None)
-            if not isinstance(path, str):
-                continue
-            mine = _user_files.get(path)
-            if mine is None:  # realpath only where the path itself says nothing
-                mine = _user_files[path] = not (path.startswith(_LIBRARIES)
-                                                or os.path.realpath(path).startswith(_LIBRARIES))
-            if mine:
-                paths.append(path)
-        _user_paths = (count, paths)
-    return _user_paths[1]
-
-
-def _modules_changed(since: float) -> bool:
-    """Whether a module of the user's (outside Python, the environment's packages and nbaccel) changed on disk."""
-    for path in _user_module_files():
-        try:
-            if os.stat(path).st_mtime > since:
-                return True
-        except OSError:
-            continue
-    return False
+def _modules_changed(warm: _WarmRank) -> bool:
+    """Whether a module of the user's, imported in the caller or by a run in the rank, changed on disk since."""
+    return (changed_since((path, warm.started_at) for path in user_module_files())
+            or changed_since(warm.rank_files.items()))
 
 
 before_each_launch(release_warm_devices)

@@ -1,0 +1,241 @@
+"""A warm rank's process state: taken before its first run, put back after each run, or the rank replaced.
+
+:mod:`nbaccel.launch.pool.fresh_task` gives each run on a warm rank what a newly forked worker
+would inherit from the caller. This module covers what lives in the *process* rather than in
+Python's objects, which a function changes as easily and which a fresh worker never sees:
+
+=========================  ============================================  ==============================
+state                      put back after each run to                    when that is impossible
+=========================  ============================================  ==============================
+descendants                none: every process the run started (its      (never: SIGKILL, reaped)
+                           group, ``setsid`` daemons) killed and reaped
+threads                    none: threads the run started must have       the rank is replaced
+                           ended (they get :data:`THREAD_GRACE` seconds)
+signal handlers, mask,     as before the first run (the rank's           a handler set outside Python:
+interval timers            ``SIGTERM`` handler ends its daemons)         ``SIG_DFL``
+umask, resource limits     as before the first run                       a lowered hard limit: replaced
+recursion limit            as before the first run, first of all         (never)
+torch intra-op threads     as when the rank first saw torch              (never)
+torch inter-op threads     as when the rank first saw torch              changed: replaced (torch sets
+                                                                         it once per process)
+atexit callbacks           none added (a rank leaves by ``os._exit``:    (never)
+                           they would never run, only hold objects)
+warnings filters, logging  as when the run started (loggers that         (never)
+                           existed then: level, handlers, propagate)
+=========================  ============================================  ==============================
+
+:func:`end_run` returns why the rank must be replaced (``""``: it need not); the caller's side
+closes it before the launch returns. The objects that exist before the first run are frozen
+(``gc.freeze``) once, so each run's collection walks only what runs made; nothing a run made is
+ever frozen (a frozen model in a reference cycle would never be collected).
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import logging
+import os
+import resource
+import signal
+import sys
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import _signal  # the raw handler table: signal.getsignal converts each to an enum (0.7 us a signal)
+
+from nbaccel.launch.worker.descendants import end_descendants
+
+__all__ = ["THREAD_GRACE", "ProcessBaseline", "RunStart", "begin_run", "end_run", "process_baseline"]
+
+THREAD_GRACE = 0.5
+"""Seconds a thread the run started has, after the run, to end by itself before the rank is replaced."""
+
+_SIGNALS = [int(s) for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)]
+_TIMERS = [signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF]
+_RLIMITS = {name: getattr(resource, name) for name in dir(resource) if name.startswith("RLIMIT_")}
+
+
+@dataclass
+class ProcessBaseline:
+    """The rank's process state before its first run (see the module docstring)."""
+
+    recursion_limit: int
+    handlers: list[Any]
+    mask: set[int]
+    umask: int
+    rlimits: dict[str, tuple[int, int]]
+    atexit_count: int
+    torch_threads: tuple[int, int] | None = None
+
+
+@dataclass
+class RunStart:
+    """What a run started from: its threads, warnings filters, loggers and imported modules."""
+
+    threads: set[int]
+    filters: list[Any]
+    showwarning: Any
+    loggers: dict[str, tuple[int, tuple[Any, ...], bool, bool]]
+    logging_disable: int
+    module_count: int = field(default_factory=lambda: len(sys.modules))
+
+
+_baseline: ProcessBaseline | None = None
+
+
+def process_baseline() -> ProcessBaseline:
+    """This rank's state before its first run, taken at the first call (which also freezes what exists then)."""
+    global _baseline
+    if _baseline is None:
+        umask = os.umask(0o022)
+        os.umask(umask)
+        _baseline = ProcessBaseline(
+            recursion_limit=sys.getrecursionlimit(), handlers=[_signal.getsignal(s) for s in _SIGNALS],
+            mask=set(signal.pthread_sigmask(signal.SIG_BLOCK, [])), umask=umask,
+            rlimits={name: resource.getrlimit(limit) for name, limit in _RLIMITS.items()},
+            atexit_count=atexit._ncallbacks() if hasattr(atexit, "_ncallbacks") else 0)
+        atexit.register = _recording_register  # so that what a run registers can be unregistered after it
+        gc.freeze()  # what the rank held before any run is never a run's garbage: collections skip it
+    torch = sys.modules.get("torch")
+    if _baseline.torch_threads is None and torch is not None:
+        _baseline.torch_threads = (torch.get_num_threads(), torch.get_num_interop_threads())
+    return _baseline
+
+
+def begin_run() -> RunStart:
+    """What the run about to start begins from (taken after the caller's state was put in place)."""
+    root = logging.getLogger()
+    return RunStart(threads={t.ident for t in threading.enumerate() if t.ident is not None},
+                    filters=list(warnings.filters), showwarning=warnings.showwarning,
+                    loggers={name: _logger_state(logger) for name, logger in _loggers(root)},
+                    logging_disable=root.manager.disable)
+
+
+def end_run(baseline: ProcessBaseline, start: RunStart) -> str:
+    """Put the process back as it was (see the module docstring); why the rank must be replaced, or ``""``."""
+    sys.setrecursionlimit(baseline.recursion_limit)  # first: what follows recurses, whatever limit the run left
+    reasons = [reason for step in (_end_descendants, _end_threads) if (reason := step(start))]
+    for step in (_restore_signals, _restore_limits, _restore_torch_threads, _drop_atexit):
+        try:
+            reason = step(baseline)
+        except Exception as exc:  # noqa: BLE001 - a state that cannot be put back means a new rank, not a failed run
+            reason = f"{step.__name__.strip('_').replace('_', ' ')} failed: {exc}"
+        if reason:
+            reasons.append(reason)
+    _restore_warnings(start)
+    _restore_logging(start)
+    return "; ".join(reasons)
+
+
+def _end_descendants(start: RunStart) -> str:
+    end_descendants()  # Popen children, forked children, daemons orphaned to this subreaper
+    return ""
+
+
+def _end_threads(start: RunStart) -> str:
+    deadline = time.monotonic() + THREAD_GRACE
+    left = []
+    for thread in threading.enumerate():
+        if thread.ident in start.threads or thread is threading.current_thread() or _native(thread):
+            continue
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            left.append(thread.name)
+    return f"threads the run started were still running after it returned: {', '.join(left)}" if left else ""
+
+
+def _native(thread: threading.Thread) -> bool:
+    """A thread Python did not start (torch's autograd threads calling a hook): not the run's to end."""
+    return isinstance(thread, getattr(threading, "_DummyThread", ()))
+
+
+def _restore_signals(baseline: ProcessBaseline) -> str:
+    for number, handler in zip(_SIGNALS, baseline.handlers):
+        if _signal.getsignal(number) is not handler:
+            signal.signal(number, handler if handler is not None else signal.SIG_DFL)
+    if set(signal.pthread_sigmask(signal.SIG_BLOCK, [])) != baseline.mask:
+        signal.pthread_sigmask(signal.SIG_SETMASK, baseline.mask)
+    for timer in _TIMERS:
+        if signal.getitimer(timer) != (0.0, 0.0):
+            signal.setitimer(timer, 0.0)
+    return ""
+
+
+def _restore_limits(baseline: ProcessBaseline) -> str:
+    os.umask(baseline.umask)
+    stuck = []
+    for name, limit in _RLIMITS.items():
+        if resource.getrlimit(limit) != baseline.rlimits[name]:
+            try:
+                resource.setrlimit(limit, baseline.rlimits[name])
+            except (ValueError, OSError):  # a hard limit lowered without the privilege to raise it again
+                stuck.append(name)
+    return f"the run lowered resource limits that cannot be raised again: {', '.join(stuck)}" if stuck else ""
+
+
+def _restore_torch_threads(baseline: ProcessBaseline) -> str:
+    torch = sys.modules.get("torch")
+    if torch is None or baseline.torch_threads is None:
+        return ""
+    intra, inter = baseline.torch_threads
+    if torch.get_num_threads() != intra:
+        torch.set_num_threads(intra)
+    if torch.get_num_interop_threads() != inter:
+        return f"the run set torch's inter-op threads to {torch.get_num_interop_threads()} (once per process)"
+    return ""
+
+
+_registered: list[Any] = []  # what runs registered with atexit, since the last run ended
+_register = atexit.register
+
+
+def _recording_register(function: Any, *args: Any, **kwargs: Any) -> Any:
+    _registered.append(function)
+    return _register(function, *args, **kwargs)
+
+
+def _drop_atexit(baseline: ProcessBaseline) -> str:
+    for function in _registered:
+        atexit.unregister(function)  # leaves a hole: the count atexit keeps never goes down
+    baseline.atexit_count += len(_registered)
+    _registered.clear()
+    if hasattr(atexit, "_ncallbacks") and atexit._ncallbacks() != baseline.atexit_count:
+        # registered past the recorder (a reference to atexit.register kept from before): the rank leaves by
+        # os._exit, so none of them would ever run; they would only hold objects
+        atexit._clear()
+        baseline.atexit_count = 0
+    return ""
+
+
+def _restore_warnings(start: RunStart) -> None:
+    if warnings.filters != start.filters:
+        warnings.filters[:] = start.filters
+        warnings._filters_mutated()  # the per-module "already shown" registries follow the filters again
+    warnings.showwarning = start.showwarning
+
+
+def _loggers(root: logging.Logger) -> list[tuple[str, logging.Logger]]:
+    return [("", root), *((name, logger) for name, logger in list(root.manager.loggerDict.items())
+                          if isinstance(logger, logging.Logger))]
+
+
+def _logger_state(logger: logging.Logger) -> tuple[int, tuple[Any, ...], bool, bool]:
+    return logger.level, tuple(logger.handlers), logger.propagate, logger.disabled
+
+
+def _restore_logging(start: RunStart) -> None:
+    root = logging.getLogger()
+    changed = root.manager.disable != start.logging_disable
+    root.manager.disable = start.logging_disable
+    for name, logger in _loggers(root):
+        state = start.loggers.get(name)
+        if state is not None and _logger_state(logger) != state:
+            logger.level, handlers, logger.propagate, logger.disabled = state
+            logger.handlers[:] = handlers
+            changed = True
+    if changed:
+        root.manager._clear_cache()  # loggers cache their effective level
