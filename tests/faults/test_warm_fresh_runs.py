@@ -250,3 +250,17 @@ def test_a_model_in_a_reference_cycle_dropped_by_a_later_run_is_collected(return
     _launch(_drop_the_kept_model)
     _launch(_drop_the_kept_model)  # its collection ends with the second run after the drop at the latest
     assert _launch(_kept_model_collected) is True
+
+
+def _show_a_progress_bar() -> int:
+    from tqdm import tqdm
+
+    for _ in tqdm(range(3)):
+        pass
+    return os.getpid()
+
+
+def test_a_progress_bars_monitor_thread_is_ended_without_replacing_the_rank():
+    """tqdm keeps a monitor thread for the process's life: it is ended the library's way, and the rank kept."""
+    first = _launch(_show_a_progress_bar)
+    assert _launch(_show_a_progress_bar) == first

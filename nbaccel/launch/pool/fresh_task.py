@@ -31,8 +31,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import cloudpickle
+
 from nbaccel.environment import replace_environment
-from nbaccel.launch.pool.process_reset import begin_run, end_run, process_baseline
+from nbaccel.launch.pool.process_reset import (
+    begin_run,
+    collect_garbage,
+    end_run,
+    freeze_long_lived,
+    process_baseline,
+)
 from nbaccel.launch.pool.serve import worker_namespace
 from nbaccel.launch.pool.user_modules import new_user_module_files
 from nbaccel.launch.worker.display import route_figures, show_open_figures
@@ -107,10 +115,15 @@ class FreshResult(NamedTuple):
     module_files: tuple[str, ...] = ()
 
 
-def run_fresh(snapshot: CallerSnapshot, function: Callable[..., Any], args: tuple,
-              kwargs: dict[str, Any]) -> FreshResult:
-    """In the warm rank: take ``snapshot``'s state, run ``function(*args, **kwargs)``, clear what it left."""
+def run_fresh(snapshot: CallerSnapshot, task: bytes) -> FreshResult:
+    """In the warm rank: take ``snapshot``'s state, run the pickled ``(function, args, kwargs)``, clear what it left.
+
+    The task is loaded here, after :func:`freeze_long_lived`, so its function's and arguments'
+    objects are never frozen.
+    """
     baseline = process_baseline()
+    freeze_long_lived()
+    function, args, kwargs = cloudpickle.loads(task)
     _restore(snapshot)
     start = begin_run()
     ok = False
@@ -119,6 +132,7 @@ def run_fresh(snapshot: CallerSnapshot, function: Callable[..., Any], args: tupl
         ok = True
     finally:
         sys.setrecursionlimit(baseline.recursion_limit)  # first: the clean-up recurses, whatever the run left
+        del function, args, kwargs
         _clean_up(show_figures=ok)
         replace = end_run(baseline, start)
     return FreshResult(value, replace, new_user_module_files(start.module_count))
@@ -160,7 +174,7 @@ def _clean_up(show_figures: bool) -> None:
     if dist is not None and dist.is_available() and dist.is_initialized():
         gc.collect()  # modules holding the group first: destroying gloo under them can deadlock
         dist.destroy_process_group()
-    gc.collect()  # what the function built is garbage now, cycles included (runs' objects are never frozen)
+    collect_garbage()  # what the function built is garbage now, cycles included
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         _release_gpu_memory(torch)

@@ -42,6 +42,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,10 +50,14 @@ import _signal  # the raw handler table: signal.getsignal converts each to an en
 
 from nbaccel.launch.worker.descendants import end_descendants
 
-__all__ = ["THREAD_GRACE", "ProcessBaseline", "RunStart", "begin_run", "end_run", "process_baseline"]
+__all__ = ["FREEZE_AFTER_SECONDS", "THREAD_GRACE", "ProcessBaseline", "RunStart", "begin_run", "collect_garbage",
+           "end_run", "freeze_long_lived", "process_baseline"]
 
 THREAD_GRACE = 0.5
 """Seconds a thread the run started has, after the run, to end by itself before the rank is replaced."""
+FREEZE_AFTER_SECONDS = 0.005
+"""A run's collection slower than this (about 10^4 surviving objects: a library a run imported) freezes
+what survives, at the start of the next run, before its function and arguments exist."""
 
 _SIGNALS = [int(s) for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)]
 _TIMERS = [signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF]
@@ -70,21 +75,22 @@ class ProcessBaseline:
     rlimits: dict[str, tuple[int, int]]
     atexit_count: int
     torch_threads: tuple[int, int] | None = None
+    loggers: dict[str, tuple[int, list[Any], bool, bool]] = field(default_factory=dict)
+    logging_disable: int = 0
 
 
 @dataclass
 class RunStart:
-    """What a run started from: its threads, warnings filters, loggers and imported modules."""
+    """What a run started from: its threads, warnings filters and imported modules."""
 
     threads: set[int]
     filters: list[Any]
     showwarning: Any
-    loggers: dict[str, tuple[int, tuple[Any, ...], bool, bool]]
-    logging_disable: int
     module_count: int = field(default_factory=lambda: len(sys.modules))
 
 
 _baseline: ProcessBaseline | None = None
+_freeze_next = False
 
 
 def process_baseline() -> ProcessBaseline:
@@ -98,6 +104,7 @@ def process_baseline() -> ProcessBaseline:
             mask=set(signal.pthread_sigmask(signal.SIG_BLOCK, [])), umask=umask,
             rlimits={name: resource.getrlimit(limit) for name, limit in _RLIMITS.items()},
             atexit_count=atexit._ncallbacks() if hasattr(atexit, "_ncallbacks") else 0)
+        _restore_logging(_baseline)  # takes every logger's state
         atexit.register = _recording_register  # so that what a run registers can be unregistered after it
         gc.freeze()  # what the rank held before any run is never a run's garbage: collections skip it
     torch = sys.modules.get("torch")
@@ -106,13 +113,34 @@ def process_baseline() -> ProcessBaseline:
     return _baseline
 
 
+def collect_garbage() -> None:
+    """Collect what the run left (cycles included); note when the survivors make collections slow."""
+    global _freeze_next
+    began = time.perf_counter()
+    gc.collect()
+    _freeze_next = _freeze_next or time.perf_counter() - began > FREEZE_AFTER_SECONDS
+
+
+def freeze_long_lived() -> None:
+    """At a run's start, before its function and arguments are loaded: freeze the survivors, when they are many.
+
+    What survives earlier runs is mostly what they imported (a library's modules, classes and
+    functions: never garbage), which every later collection would walk again (75-130 ms a run here
+    after a run imported transformers). Frozen, it is skipped. Anything earlier runs left reachable
+    from a module (a cache, a global) is frozen with it: a reference cycle among those objects is then
+    collected only when the rank is replaced.
+    """
+    global _freeze_next
+    if _freeze_next:
+        _freeze_next = False
+        gc.collect()
+        gc.freeze()
+
+
 def begin_run() -> RunStart:
     """What the run about to start begins from (taken after the caller's state was put in place)."""
-    root = logging.getLogger()
     return RunStart(threads={t.ident for t in threading.enumerate() if t.ident is not None},
-                    filters=list(warnings.filters), showwarning=warnings.showwarning,
-                    loggers={name: _logger_state(logger) for name, logger in _loggers(root)},
-                    logging_disable=root.manager.disable)
+                    filters=list(warnings.filters), showwarning=warnings.showwarning)
 
 
 def end_run(baseline: ProcessBaseline, start: RunStart) -> str:
@@ -127,7 +155,7 @@ def end_run(baseline: ProcessBaseline, start: RunStart) -> str:
         if reason:
             reasons.append(reason)
     _restore_warnings(start)
-    _restore_logging(start)
+    _restore_logging(baseline)
     return "; ".join(reasons)
 
 
@@ -142,10 +170,21 @@ def _end_threads(start: RunStart) -> str:
     for thread in threading.enumerate():
         if thread.ident in start.threads or thread is threading.current_thread() or _native(thread):
             continue
+        stop = _HOUSEKEEPERS.get(f"{type(thread).__module__}.{type(thread).__qualname__}")
+        if stop is not None:
+            stop(thread)
         thread.join(max(0.0, deadline - time.monotonic()))
         if thread.is_alive():
             left.append(thread.name)
     return f"threads the run started were still running after it returned: {', '.join(left)}" if left else ""
+
+
+# Threads a library starts for itself on first use and keeps for the process's life, with the
+# library's own way of ending them (the library starts a new one when it next needs it). Replacing
+# the rank after every run that showed a progress bar would cost each such launch a new rank.
+_HOUSEKEEPERS: dict[str, Callable[[threading.Thread], Any]] = {
+    "tqdm._monitor.TMonitor": lambda monitor: monitor.exit(),  # type: ignore[attr-defined]
+}
 
 
 def _native(thread: threading.Thread) -> bool:
@@ -218,24 +257,26 @@ def _restore_warnings(start: RunStart) -> None:
     warnings.showwarning = start.showwarning
 
 
-def _loggers(root: logging.Logger) -> list[tuple[str, logging.Logger]]:
-    return [("", root), *((name, logger) for name, logger in list(root.manager.loggerDict.items())
-                          if isinstance(logger, logging.Logger))]
+def _restore_logging(baseline: ProcessBaseline) -> None:
+    """Loggers back to their state before the first run; one made since keeps the state it had when first seen.
 
-
-def _logger_state(logger: logging.Logger) -> tuple[int, tuple[Any, ...], bool, bool]:
-    return logger.level, tuple(logger.handlers), logger.propagate, logger.disabled
-
-
-def _restore_logging(start: RunStart) -> None:
-    root = logging.getLogger()
-    changed = root.manager.disable != start.logging_disable
-    root.manager.disable = start.logging_disable
-    for name, logger in _loggers(root):
-        state = start.loggers.get(name)
-        if state is not None and _logger_state(logger) != state:
+    One walk per run (a few hundred loggers with torch imported: tens of microseconds). A logger a
+    run made is a library's, made when the run imported it: that state is what the next run gets.
+    """
+    manager = logging.root.manager
+    changed = manager.disable != baseline.logging_disable
+    manager.disable = baseline.logging_disable
+    states = baseline.loggers
+    placeholder = logging.PlaceHolder
+    for name, logger in [("", logging.root), *manager.loggerDict.items()]:
+        if logger.__class__ is placeholder:
+            continue
+        state = states.get(name)
+        if state is None:
+            states[name] = (logger.level, logger.handlers[:], logger.propagate, logger.disabled)
+        elif (logger.level, logger.handlers, logger.propagate, logger.disabled) != state:
             logger.level, handlers, logger.propagate, logger.disabled = state
             logger.handlers[:] = handlers
             changed = True
     if changed:
-        root.manager._clear_cache()  # loggers cache their effective level
+        manager._clear_cache()  # loggers cache their effective level

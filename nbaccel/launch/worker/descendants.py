@@ -22,7 +22,6 @@ import ctypes
 import os
 import signal
 import sys
-from pathlib import Path
 from typing import Any
 
 from nbaccel.launch.reaper import remove_watched_folders
@@ -50,16 +49,17 @@ def become_subreaper() -> bool:
 
 
 def _children() -> list[int]:
-    """This process's direct children (every thread's), from /proc."""
-    pid = os.getpid()
+    """This process's direct children (every thread's), from /proc (os.listdir and open: half pathlib's cost)."""
     found: list[int] = []
+    tasks = f"/proc/{os.getpid()}/task"
     try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        threads = os.listdir(tasks)
     except OSError:
         return found
-    for task in tasks:
+    for thread in threads:
         try:
-            found += [int(c) for c in (task / "children").read_text().split()]
+            with open(f"{tasks}/{thread}/children", "rb") as children:
+                found += [int(c) for c in children.read().split()]
         except OSError:  # the thread ended, or a kernel without CONFIG_PROC_CHILDREN
             continue
     return found
