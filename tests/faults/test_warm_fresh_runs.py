@@ -191,20 +191,41 @@ def test_a_process_setting_a_run_changed_is_put_back_for_the_next_launch(setting
     assert later_rank == rank  # put back in place: the rank was kept
 
 
-def _set_interop_threads() -> tuple[int, int]:
-    torch.set_num_interop_threads(torch.get_num_interop_threads() + 1)  # torch allows this once per process
-    return os.getpid(), torch.get_num_interop_threads()
+def _leave_what_cannot_be_put_back(what: str) -> int:
+    import ctypes
+    import resource
+
+    if what == "inter-op threads":
+        torch.set_num_interop_threads(torch.get_num_interop_threads() + 1)  # torch allows this once per process
+    elif what == "user":
+        os.setgroups([])
+        os.setgid(65534)
+        os.setuid(65534)  # nobody: the rank cannot become root again
+    else:  # a lowered hard limit, without the capability to raise it again
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 512), 512))
+        header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+        data = (ctypes.c_uint32 * 6)()
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.capget(header, data) == 0
+        data[0] &= ~(1 << 24)  # CAP_SYS_RESOURCE out of the effective set
+        assert libc.capset(header, data) == 0
+    return os.getpid()
 
 
 def _interop_threads() -> tuple[int, int]:
     return os.getpid(), torch.get_num_interop_threads()
 
 
-def test_a_setting_that_cannot_be_put_back_gets_the_next_launch_a_new_rank():
-    rank, before = _launch(_interop_threads)
-    assert _launch(_set_interop_threads) == (rank, before + 1)
-    later_rank, after = _launch(_interop_threads)
-    assert later_rank != rank and after == before and not alive(rank)
+@pytest.mark.parametrize("what", ["inter-op threads", "user", "hard resource limit"])
+def test_a_setting_that_cannot_be_put_back_gets_the_next_launch_a_new_rank(what):
+    if what != "inter-op threads" and os.geteuid() != 0:
+        pytest.skip("only root can give up its user or a capability here")
+    rank, interop = _launch(_interop_threads)
+    assert _launch(_leave_what_cannot_be_put_back, what) == rank
+    assert not alive(rank)  # replaced before the launch returned
+    later_rank, later_interop = _launch(_interop_threads)
+    assert later_rank != rank and later_interop == interop
 
 
 def _import_rank_only_module(name: str) -> str:

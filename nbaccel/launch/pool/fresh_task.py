@@ -13,9 +13,14 @@ before the function runs and clears what the function left after it returns:
   Python's ``random`` reseeded from the OS (as Python does in every forked child); torch's default
   dtype, grad mode, determinism and TF32/cuDNN switches.
 - after: open figures shown (as a launch's worker does when it ends) and closed; a process group
-  the function made destroyed; the namespace emptied; garbage collected (and what survives frozen,
-  so a spawned rank's next collection does not walk torch's objects again: 40 ms); cached GPU
-  memory freed.
+  the function made destroyed; the namespace emptied; garbage collected (cycles included: nothing a
+  run made is frozen at its end); GPU memory: cached blocks freed, peak statistics reset, the
+  pinned host cache emptied; then the process itself (:mod:`nbaccel.launch.pool.process_reset`):
+  descendants killed, threads ended, signal handlers, umask, resource limits, recursion limit,
+  torch thread counts, atexit callbacks, warnings filters and logging put back.
+- reported to the caller (:class:`FreshResult`): whether the rank must be replaced (a thread that
+  would not end, a setting that cannot be put back: the caller closes it before the launch
+  returns), and the user's modules the run imported, which the caller then checks for edits.
 
 What this does not undo: changes a function makes to imported modules' globals (monkeypatching)
 stay in the rank until it is replaced. ``fresh=True`` runs in a new process.

@@ -14,6 +14,7 @@ threads                    none: threads the run started must have       the ran
 signal handlers, mask,     as before the first run (the rank's           a handler set outside Python:
 interval timers            ``SIGTERM`` handler ends its daemons)         ``SIG_DFL``
 umask, resource limits     as before the first run                       a lowered hard limit: replaced
+user, groups               as before the first run                       changed: replaced
 recursion limit            as before the first run, first of all         (never)
 torch intra-op threads     as when the rank first saw torch              (never)
 torch inter-op threads     as when the rank first saw torch              changed: replaced (torch sets
@@ -74,6 +75,7 @@ class ProcessBaseline:
     umask: int
     rlimits: dict[str, tuple[int, int]]
     atexit_count: int
+    ids: tuple[tuple[int, ...], tuple[int, ...], list[int]]
     torch_threads: tuple[int, int] | None = None
     loggers: dict[str, tuple[int, list[Any], bool, bool]] = field(default_factory=dict)
     logging_disable: int = 0
@@ -103,7 +105,7 @@ def process_baseline() -> ProcessBaseline:
             recursion_limit=sys.getrecursionlimit(), handlers=[_signal.getsignal(s) for s in _SIGNALS],
             mask=set(signal.pthread_sigmask(signal.SIG_BLOCK, [])), umask=umask,
             rlimits={name: resource.getrlimit(limit) for name, limit in _RLIMITS.items()},
-            atexit_count=atexit._ncallbacks() if hasattr(atexit, "_ncallbacks") else 0)
+            atexit_count=atexit._ncallbacks() if hasattr(atexit, "_ncallbacks") else 0, ids=_ids())
         _restore_logging(_baseline)  # takes every logger's state
         atexit.register = _recording_register  # so that what a run registers can be unregistered after it
         gc.freeze()  # what the rank held before any run is never a run's garbage: collections skip it
@@ -147,7 +149,7 @@ def end_run(baseline: ProcessBaseline, start: RunStart) -> str:
     """Put the process back as it was (see the module docstring); why the rank must be replaced, or ``""``."""
     sys.setrecursionlimit(baseline.recursion_limit)  # first: what follows recurses, whatever limit the run left
     reasons = [reason for step in (_end_descendants, _end_threads) if (reason := step(start))]
-    for step in (_restore_signals, _restore_limits, _restore_torch_threads, _drop_atexit):
+    for step in (_check_ids, _restore_signals, _restore_limits, _restore_torch_threads, _drop_atexit):
         try:
             reason = step(baseline)
         except Exception as exc:  # noqa: BLE001 - a state that cannot be put back means a new rank, not a failed run
@@ -190,6 +192,16 @@ _HOUSEKEEPERS: dict[str, Callable[[threading.Thread], Any]] = {
 def _native(thread: threading.Thread) -> bool:
     """A thread Python did not start (torch's autograd threads calling a hook): not the run's to end."""
     return isinstance(thread, getattr(threading, "_DummyThread", ()))
+
+
+def _ids() -> tuple[tuple[int, ...], tuple[int, ...], list[int]]:
+    return os.getresuid(), os.getresgid(), sorted(os.getgroups())
+
+
+def _check_ids(baseline: ProcessBaseline) -> str:
+    if _ids() != baseline.ids:  # a process that gave up its user cannot take it back
+        return f"the run changed the rank's user or groups (now uid {os.getuid()}, gid {os.getgid()})"
+    return ""
 
 
 def _restore_signals(baseline: ProcessBaseline) -> str:

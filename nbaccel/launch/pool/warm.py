@@ -15,8 +15,11 @@ supervised as every launch is (output, displays, figures, logs, progress, timeou
                         ─► run_fresh(caller snapshot, fn) on it ─► result; any failure closes it
 
 The rank is closed after any failure or interrupt (a CUDA error sticks to its context), when a
-user module it may have imported changed on disk, after :data:`IDLE_CLOSE_SECONDS` unused, when
-another launch or a pool needs its GPU, at ``%accel_workers stop``, and at interpreter exit.
+run left what cannot be undone in place (a thread still running, a setting torch takes once), when
+a user module it may have imported (in the caller, or in the rank by a run) changed on disk, after
+:data:`IDLE_CLOSE_SECONDS` unused, when another launch or a pool needs its GPU, at
+``%accel_workers stop``, and at interpreter exit. The rank belongs to the process that started it:
+a forked child of the caller forgets it (a launch there starts its own) and never closes it.
 ``fresh=True`` (``%%accel_launch --fresh``) runs in a new process instead. Where this differs from
 a fresh process on purpose: the function travels by pickling, as under spawn, so a cell reaches
 the notebook names it uses by name (not ``globals()["x"]``), and what it changes in imported
