@@ -57,7 +57,7 @@ __all__ = ["FREEZE_AFTER_SECONDS", "THREAD_GRACE", "ProcessBaseline", "RunStart"
 THREAD_GRACE = 0.5
 """Seconds a thread the run started has, after the run, to end by itself before the rank is replaced."""
 FREEZE_AFTER_SECONDS = 0.005
-"""A run's collection slower than this (about 10^4 surviving objects: a library a run imported) freezes
+"""A run's collection taking more CPU time than this (about 10^4 surviving objects: a library a run imported) freezes
 what survives, at the start of the next run, before its function and arguments exist."""
 
 _SIGNALS = [int(s) for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)]
@@ -118,9 +118,9 @@ def process_baseline() -> ProcessBaseline:
 def collect_garbage() -> None:
     """Collect what the run left (cycles included); note when the survivors make collections slow."""
     global _freeze_next
-    began = time.perf_counter()
+    began = time.thread_time()  # CPU time: a busy machine's preemption must not read as many objects
     gc.collect()
-    _freeze_next = _freeze_next or time.perf_counter() - began > FREEZE_AFTER_SECONDS
+    _freeze_next = _freeze_next or time.thread_time() - began > FREEZE_AFTER_SECONDS
 
 
 def freeze_long_lived() -> None:
