@@ -102,9 +102,11 @@ def test_a_sigterm_handler_left_by_a_run_does_not_slow_closing_the_rank():
     assert not alive(pid)
 
 
-def _keep() -> types.ModuleType:
-    """A module of the rank's that outlives runs (as a library's globals do)."""
-    return sys.modules.setdefault("nbaccel_test_keep", types.ModuleType("nbaccel_test_keep"))
+def _keep() -> types.SimpleNamespace:
+    """A module global of the rank's that outlives runs (on a module already imported: the run imports nothing)."""
+    if not hasattr(signal, "nbaccel_test_keep"):
+        signal.nbaccel_test_keep = types.SimpleNamespace()  # type: ignore[attr-defined]
+    return signal.nbaccel_test_keep  # type: ignore[attr-defined]
 
 
 def _change(setting: str) -> None:
@@ -258,11 +260,11 @@ def _keep_a_model_in_a_cycle(returned: bool) -> object:
 
 
 def _drop_the_kept_model() -> None:
-    sys.modules["nbaccel_test_keep"].__dict__.pop("model", None)
+    _keep().__dict__.pop("model", None)
 
 
 def _kept_model_collected() -> bool:
-    return sys.modules["nbaccel_test_keep"].ref() is None
+    return _keep().ref() is None
 
 
 @pytest.mark.parametrize("returned", [True, False])

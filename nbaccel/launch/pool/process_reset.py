@@ -56,9 +56,9 @@ __all__ = ["FREEZE_AFTER_SECONDS", "THREAD_GRACE", "ProcessBaseline", "RunStart"
 
 THREAD_GRACE = 0.5
 """Seconds a thread the run started has, after the run, to end by itself before the rank is replaced."""
-FREEZE_AFTER_SECONDS = 0.005
-"""A run's collection taking more CPU time than this (about 10^4 surviving objects: a library a run imported) freezes
-what survives, at the start of the next run, before its function and arguments exist."""
+FREEZE_AFTER_SECONDS = 0.001
+"""A run that imported modules and whose collection took more CPU time than this (a few thousand objects) has
+what survives frozen at the start of the next run, before that run's function and arguments exist."""
 
 _SIGNALS = [int(s) for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)]
 _TIMERS = [signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF]
@@ -93,6 +93,7 @@ class RunStart:
 
 _baseline: ProcessBaseline | None = None
 _freeze_next = False
+_modules_when_frozen = 0  # len(sys.modules) at the last freeze: more means runs imported modules since
 
 
 def process_baseline() -> ProcessBaseline:
@@ -109,6 +110,8 @@ def process_baseline() -> ProcessBaseline:
         _restore_logging(_baseline)  # takes every logger's state
         atexit.register = _recording_register  # so that what a run registers can be unregistered after it
         gc.freeze()  # what the rank held before any run is never a run's garbage: collections skip it
+        global _modules_when_frozen
+        _modules_when_frozen = len(sys.modules)
     torch = sys.modules.get("torch")
     if _baseline.torch_threads is None and torch is not None:
         _baseline.torch_threads = (torch.get_num_threads(), torch.get_num_interop_threads())
@@ -116,27 +119,30 @@ def process_baseline() -> ProcessBaseline:
 
 
 def collect_garbage() -> None:
-    """Collect what the run left (cycles included); note when the survivors make collections slow."""
+    """Collect what the run left (cycles included); note when modules runs imported make collections slow."""
     global _freeze_next
     began = time.thread_time()  # CPU time: a busy machine's preemption must not read as many objects
     gc.collect()
-    _freeze_next = _freeze_next or time.thread_time() - began > FREEZE_AFTER_SECONDS
+    slow = time.thread_time() - began > FREEZE_AFTER_SECONDS
+    _freeze_next = _freeze_next or (slow and len(sys.modules) != _modules_when_frozen)
 
 
 def freeze_long_lived() -> None:
     """At a run's start, before its function and arguments are loaded: freeze the survivors, when they are many.
 
-    What survives earlier runs is mostly what they imported (a library's modules, classes and
+    What survives runs that imported modules is mostly what those imports made (modules, classes,
     functions: never garbage), which every later collection would walk again (75-130 ms a run here
-    after a run imported transformers). Frozen, it is skipped. Anything earlier runs left reachable
-    from a module (a cache, a global) is frozen with it: a reference cycle among those objects is then
-    collected only when the rank is replaced.
+    after a run imported transformers; 1-2 ms after one that built an ``Accelerator`` and a model).
+    Frozen, it is skipped. Anything such a run left reachable from a module (a cache, a global) is
+    frozen with it: a reference cycle among those objects is then collected only when the rank is
+    replaced. Runs that import nothing never freeze what they leave.
     """
-    global _freeze_next
+    global _freeze_next, _modules_when_frozen
     if _freeze_next:
         _freeze_next = False
         gc.collect()
         gc.freeze()
+        _modules_when_frozen = len(sys.modules)
 
 
 def begin_run() -> RunStart:
