@@ -121,7 +121,7 @@ class WarmLauncher:
         rank_env = local_environments(request, None)[0]
         try:
             task = dumps_payload(request.function, request.args, request.kwargs)  # loaded after the rank's freeze
-            # run_fresh and the snapshot are importable and plain: pickle's own dumps is a third quicker than cloudpickle's
+            # run_fresh and the snapshot are importable and plain: pickle's dumps is a third quicker than cloudpickle's
             payload = pickle.dumps((run_fresh, (snapshot_caller(rank_env), task), {}), protocol=pickle.HIGHEST_PROTOCOL)
         except PayloadPicklingError:
             return LOCAL_LAUNCHER.launch(request)  # a fork reaches the caller's objects without pickling
