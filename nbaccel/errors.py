@@ -250,7 +250,8 @@ class WorkerPoolError(LaunchError):
     """A :class:`~nbaccel.WorkerPool` cannot run tasks: it was closed, or it is dead.
 
     Attributes:
-        state: ``"closed"`` (``close()`` was called) or ``"dead"`` (a worker died or had to be killed).
+        state: ``"closed"`` (``close()`` was called), ``"dead"`` (a worker died or had to be killed), or
+            ``"not owned"`` (used from a forked child of the process that started the workers).
         reason: why, in one line (the dead worker's rank and exit, say).
     """
 

@@ -20,7 +20,7 @@ import os
 import sys
 import threading
 
-__all__ = ["MARKER", "GroupReaper", "group_reaper"]
+__all__ = ["MARKER", "GroupReaper", "group_reaper", "remove_watched_folders"]
 
 MARKER = "nbaccel-group-reaper"
 """In the reaper's command line, so tools (and tests) can tell it from a worker."""
@@ -76,6 +76,7 @@ class GroupReaper:
         os.set_inheritable(write_end, False)
         self.owner = os.getpid()
         self.fd = write_end
+        self.folders: set[str] = set()  # what the reaper would remove: also removed here when this process ends
 
     def watch(self, pgid: int) -> None:
         """Kill group ``pgid`` if this process dies before :meth:`forget` is called for it."""
@@ -92,10 +93,12 @@ class GroupReaper:
             ValueError: ``path`` holds a newline (the reaper reads one entry per line).
         """
         self._send(b">" + _one_line(path) + b"\n")
+        self.folders.add(path)
 
     def forget_folder(self, path: str) -> None:
         """The folder ``path`` was removed by its owner: leave it alone."""
         self._send(b"<" + _one_line(path) + b"\n")
+        self.folders.discard(path)
 
     def _send(self, line: bytes) -> None:
         try:
@@ -110,6 +113,22 @@ def _one_line(path: str) -> bytes:
         raise ValueError(f"the reaper cannot watch a folder whose path holds a newline (got {path!r}). "
                          "Fix: use a temporary folder without one (set TMPDIR).")
     return raw
+
+
+def remove_watched_folders() -> None:
+    """Remove the folders this process's reaper watches, now: a worker ending its descendants ends its reaper too.
+
+    A launch's rank that holds a pool (or a warm rank) kills everything it started when it ends,
+    its own reaper included, so that reaper never gets to remove the pool's folder: the rank does.
+    """
+    reaper = _reaper
+    if reaper is None or reaper.owner != os.getpid() or not reaper.folders:
+        return
+    import shutil
+
+    for folder in list(reaper.folders):
+        shutil.rmtree(folder, ignore_errors=True)
+        reaper.forget_folder(folder)
 
 
 def group_reaper() -> GroupReaper:

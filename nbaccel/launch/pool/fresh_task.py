@@ -13,9 +13,14 @@ before the function runs and clears what the function left after it returns:
   Python's ``random`` reseeded from the OS (as Python does in every forked child); torch's default
   dtype, grad mode, determinism and TF32/cuDNN switches.
 - after: open figures shown (as a launch's worker does when it ends) and closed; a process group
-  the function made destroyed; the namespace emptied; garbage collected (and what survives frozen,
-  so a spawned rank's next collection does not walk torch's objects again: 40 ms); cached GPU
-  memory freed.
+  the function made destroyed; the namespace emptied; garbage collected (cycles included: nothing a
+  run made is frozen at its end); GPU memory: cached blocks freed, peak statistics reset, the
+  pinned host cache emptied; then the process itself (:mod:`nbaccel.launch.pool.process_reset`):
+  descendants killed, threads ended, signal handlers, umask, resource limits, recursion limit,
+  torch thread counts, atexit callbacks, warnings filters and logging put back.
+- reported to the caller (:class:`FreshResult`): whether the rank must be replaced (a thread that
+  would not end, a setting that cannot be put back: the caller closes it before the launch
+  returns), and the user's modules the run imported, which the caller then checks for edits.
 
 What this does not undo: changes a function makes to imported modules' globals (monkeypatching)
 stay in the rank until it is replaced. ``fresh=True`` runs in a new process.
@@ -29,14 +34,24 @@ import random
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
+
+import cloudpickle
 
 from nbaccel.environment import replace_environment, without_outer_job
+from nbaccel.launch.pool.process_reset import (
+    begin_run,
+    collect_garbage,
+    end_run,
+    freeze_long_lived,
+    process_baseline,
+)
 from nbaccel.launch.pool.serve import worker_namespace
+from nbaccel.launch.pool.user_modules import new_user_module_files
 from nbaccel.launch.worker.display import route_figures, show_open_figures
 from nbaccel.rank_resets import reset_rank_state
 
-__all__ = ["CallerSnapshot", "run_fresh", "snapshot_caller"]
+__all__ = ["CallerSnapshot", "FreshResult", "run_fresh", "snapshot_caller"]
 
 TORCH_DEFAULT_SEED = 67280421310721
 """The seed torch's generators start from in a new process (c10's ``default_rng_seed_val``)."""
@@ -45,6 +60,8 @@ TORCH_DEFAULT_SEED = 67280421310721
 _TORCH_DEFAULTS: dict[str, Any] = {
     "default_dtype": "float32", "grad_enabled": True, "deterministic": False, "matmul_precision": "highest",
     "cudnn_benchmark": False, "cudnn_deterministic": False, "cudnn_allow_tf32": True, "matmul_allow_tf32": False,
+    "anomaly": (False, True),
+    "print_options": {"precision": 4, "threshold": 1000, "edgeitems": 3, "linewidth": 80, "sci_mode": None},
 }
 
 
@@ -91,16 +108,41 @@ def snapshot_caller(rank_environment: Mapping[str, str]) -> CallerSnapshot:
         torch_switches=_torch_switches(torch) if torch is not None else dict(_TORCH_DEFAULTS))
 
 
-def run_fresh(snapshot: CallerSnapshot, function: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
-    """In the warm rank: take ``snapshot``'s state, run ``function(*args, **kwargs)``, clear what it left."""
+class FreshResult(NamedTuple):
+    """What a fresh run sends back: the function's value, and what the caller's side must know about the rank.
+
+    Attributes:
+        value: the function's return value.
+        replace: why the rank must be replaced before the launch returns (``""``: it is reusable).
+        module_files: the user's module files this run imported in the rank, first reported now.
+    """
+
+    value: Any
+    replace: str = ""
+    module_files: tuple[str, ...] = ()
+
+
+def run_fresh(snapshot: CallerSnapshot, task: bytes) -> FreshResult:
+    """In the warm rank: take ``snapshot``'s state, run the pickled ``(function, args, kwargs)``, clear what it left.
+
+    The task is loaded here, after :func:`freeze_long_lived`, so its function's and arguments'
+    objects are never frozen.
+    """
+    baseline = process_baseline()
+    freeze_long_lived()
+    function, args, kwargs = cloudpickle.loads(task)
     _restore(snapshot)
+    start = begin_run()
     ok = False
     try:
-        result = function(*args, **kwargs)
+        value = function(*args, **kwargs)
         ok = True
-        return result
     finally:
+        sys.setrecursionlimit(baseline.recursion_limit)  # first: the clean-up recurses, whatever the run left
+        del function, args, kwargs
         _clean_up(show_figures=ok)
+        replace = end_run(baseline, start)
+    return FreshResult(value, replace, new_user_module_files(start.module_count))
 
 
 def _restore(snapshot: CallerSnapshot) -> None:
@@ -139,11 +181,20 @@ def _clean_up(show_figures: bool) -> None:
     if dist is not None and dist.is_available() and dist.is_initialized():
         gc.collect()  # modules holding the group first: destroying gloo under them can deadlock
         dist.destroy_process_group()
-    gc.collect()  # what the function built is garbage now; cycles included
-    gc.freeze()  # what survives (modules the run imported) is never garbage: the next collection skips it
+    collect_garbage()  # what the function built is garbage now, cycles included
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()  # the GPU memory goes back to the device, not just to torch's cache
+        _release_gpu_memory(torch)
+
+
+def _release_gpu_memory(torch: Any) -> None:
+    """Cached GPU memory back to the device, peak statistics reset, and the pinned host cache emptied."""
+    torch.cuda.empty_cache()  # the GPU memory goes back to the device, not just to torch's cache
+    for device in range(torch.cuda.device_count()):
+        torch.cuda.reset_peak_memory_stats(device)  # max_memory_allocated() in the next run is that run's
+    host_empty_cache = getattr(torch._C, "_host_emptyCache", None)  # pinned host blocks (torch >= 2.1)
+    if host_empty_cache is not None:
+        host_empty_cache()
 
 
 def _torch_switches(torch: Any) -> dict[str, Any]:
@@ -156,6 +207,8 @@ def _torch_switches(torch: Any) -> dict[str, Any]:
         "cudnn_deterministic": torch.backends.cudnn.deterministic,
         "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
         "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "anomaly": (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
+        "print_options": dict(vars(torch._tensor_str.PRINT_OPTS)),
     }
 
 
@@ -170,3 +223,5 @@ def _set_torch_switches(torch: Any, switches: Mapping[str, Any]) -> None:
     torch.backends.cudnn.deterministic = switches["cudnn_deterministic"]
     torch.backends.cudnn.allow_tf32 = switches["cudnn_allow_tf32"]
     torch.backends.cuda.matmul.allow_tf32 = switches["matmul_allow_tf32"]
+    torch.set_anomaly_enabled(*switches["anomaly"])
+    vars(torch._tensor_str.PRINT_OPTS).update(switches["print_options"])

@@ -18,6 +18,7 @@ thread keeps its workers when that thread ends.
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
@@ -71,14 +72,19 @@ class PoolProcesses:
         self.folder = folder
         self.reaper = reaper
         self.closed = False
+        self.owner = os.getpid()
+        """The process that started the workers: only it may stop them (a forked child of it shares these
+        objects, and its exit runs their finalizers)."""
 
     def kill(self, members: list[PoolMember] | None = None) -> None:
         """SIGKILL ``members`` (default: all) with whatever they started, and reap them.
 
         Every worker leads its own process group (the starter puts it there), so the signal goes
         to the group: a child it started (a DataLoader worker, a subprocess) goes with it, also
-        when the worker itself had already died.
+        when the worker itself had already died. A no-op outside the :attr:`owner` process.
         """
+        if os.getpid() != self.owner:
+            return
         targets = members if members is not None else self.members
         for member in targets:
             member.handle.send_tree(signal.SIGKILL)
@@ -92,9 +98,10 @@ class PoolProcesses:
 
         Each worker is first sent ``SIGTERM``, on which it ends every process it started, daemons
         that left its process group included (:mod:`nbaccel.launch.worker.descendants`); whoever has not
-        exited within :data:`_STOP_GRACE` seconds is killed with its group.
+        exited within :data:`_STOP_GRACE` seconds is killed with its group. A no-op outside the
+        :attr:`owner` process: a forked child's exit must not stop its parent's workers.
         """
-        if self.closed:
+        if self.closed or os.getpid() != self.owner:
             return
         self.closed = True
         try:

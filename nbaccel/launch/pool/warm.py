@@ -15,8 +15,11 @@ supervised as every launch is (output, displays, figures, logs, progress, timeou
                         ─► run_fresh(caller snapshot, fn) on it ─► result; any failure closes it
 
 The rank is closed after any failure or interrupt (a CUDA error sticks to its context), when a
-user module it may have imported changed on disk, after :data:`IDLE_CLOSE_SECONDS` unused, when
-another launch or a pool needs its GPU, at ``%accel_workers stop``, and at interpreter exit.
+run left what cannot be undone in place (a thread still running, a setting torch takes once), when
+a user module it may have imported (in the caller, or in the rank by a run) changed on disk, after
+:data:`IDLE_CLOSE_SECONDS` unused, when another launch or a pool needs its GPU, at
+``%accel_workers stop``, and at interpreter exit. The rank belongs to the process that started it:
+a forked child of the caller forgets it (a launch there starts its own) and never closes it.
 ``fresh=True`` (``%%accel_launch --fresh``) runs in a new process instead. Where this differs from
 a fresh process on purpose: the function travels by pickling, as under spawn, so a cell reaches
 the notebook names it uses by name (not ``globals()["x"]``), and what it changes in imported
@@ -27,21 +30,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
-import sysconfig
+import pickle
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from nbaccel.errors import PayloadPicklingError
 from nbaccel.launch.local.launcher import LAUNCHER as LOCAL_LAUNCHER
 from nbaccel.launch.local.launcher import local_environments
 from nbaccel.launch.payload import dumps_payload
-from nbaccel.launch.pool.fresh_task import run_fresh, snapshot_caller
+from nbaccel.launch.pool.fresh_task import FreshResult, run_fresh, snapshot_caller
 from nbaccel.launch.pool.local_ranks import LocalPoolRanks
+from nbaccel.launch.pool.user_modules import changed_since, user_module_files
 from nbaccel.launch.registry import before_each_launch
 from nbaccel.launch.relay import request_relay
 from nbaccel.launch.request import LaunchRequest
@@ -84,6 +86,7 @@ class _WarmRank:
     started_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
     runs: int = 0
+    rank_files: dict[str, float] = field(default_factory=dict)  # user modules runs imported -> when that run began
     closed: threading.Event = field(default_factory=threading.Event)
     finalizer: weakref.finalize | None = None
     owner: int = field(default_factory=os.getpid)  # a forked child (a pool rank, say) inherits it, never owns it
@@ -114,6 +117,16 @@ def _forget_inherited() -> None:
         _warm = None
 
 
+def _forget_in_child() -> None:
+    """In a forked child: the kept rank is the parent's (its sockets are closed here); a launch here starts its own."""
+    global _lock, _warm
+    _lock = threading.RLock()  # another thread may have held it at the fork: it never lets go here
+    _warm = None  # its finalizer runs here and does nothing: the ranks' processes stop only in their owner
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 class WarmLauncher:
     """Runs a one-process request on the kept rank (see the module docstring)."""
 
@@ -123,8 +136,9 @@ class WarmLauncher:
         """Run ``request`` as a fresh run on the kept rank; a payload that cannot be pickled forks instead."""
         rank_env = local_environments(request, None)[0]
         try:
-            payload = dumps_payload(run_fresh, (snapshot_caller(rank_env), request.function, request.args,
-                                                dict(request.kwargs)), {})
+            task = dumps_payload(request.function, request.args, request.kwargs)  # loaded after the rank's freeze
+            # run_fresh and the snapshot are importable and plain: pickle's dumps is a third quicker than cloudpickle's
+            payload = pickle.dumps((run_fresh, (snapshot_caller(rank_env), task), {}), protocol=pickle.HIGHEST_PROTOCOL)
         except PayloadPicklingError:
             return LOCAL_LAUNCHER.launch(request)  # a fork reaches the caller's objects without pickling
         observer = request.observer
@@ -133,12 +147,16 @@ class WarmLauncher:
             if observer is not None:
                 observer.on_launch([0], "warm")
             ok = False
+            began = time.time()
             try:
                 policy = SupervisorPolicy(timeout=request.config.timeout, hang_timeout=request.hang_timeout)
-                results = warm.ranks.run_payload(payload, relay=request_relay(request), observer=observer,
-                                                 policy=policy, result_ranks=None)
+                fresh: FreshResult = warm.ranks.run_payload(payload, relay=request_relay(request), observer=observer,
+                                                            policy=policy, result_ranks=None)[0]
+                warm.rank_files.update(dict.fromkeys(fresh.module_files, began))
+                if fresh.replace:  # what the run left cannot be undone in place: the next launch gets a new rank
+                    _close_locked()
                 ok = True
-                return results
+                return {0: fresh.value}
             finally:
                 warm.runs += 1
                 warm.last_used = time.monotonic()
@@ -154,7 +172,7 @@ def _kept_rank(request: LaunchRequest, rank_env: dict[str, str]) -> _WarmRank:
     _forget_inherited()
     key = (request.plan.start_method, request.plan.device_kind, request.plan.visible_gpus,
            tuple(sorted(rank_env.items())))
-    stale = _warm is not None and (_warm.key != key or _warm.ranks.dead() or _modules_changed(_warm.started_at))
+    stale = _warm is not None and (_warm.key != key or _warm.ranks.dead() or _modules_changed(_warm))
     if stale:
         _close_locked()
     if _warm is None:
@@ -217,48 +235,10 @@ def release_warm_devices(request: LaunchRequest) -> None:
                 _close_locked()
 
 
-def _library_roots() -> tuple[str, ...]:
-    paths = sysconfig.get_paths()
-    roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, str(Path(__file__).resolve().parents[2]),  # nbaccel
-             *(paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths)}
-    roots = {r for r in roots if r}
-    return tuple({os.path.join(form, "") for r in roots for form in (os.path.abspath(r), os.path.realpath(r))})
-
-
-_LIBRARIES = _library_roots()
-_user_files: dict[str, bool] = {}  # a module's file -> whether it is the user's (not Python's, a package's, nbaccel's)
-_user_paths: tuple[int, list[str]] = (-1, [])  # (len(sys.modules) when listed, the user's module files then)
-
-
-def _user_module_files() -> list[str]:
-    """The files of the user's imported modules, listed again only when a module was imported or dropped."""
-    global _user_paths
-    count = len(sys.modules)
-    if _user_paths[0] != count:
-        paths = []
-        for module in list(sys.modules.values()):
-            path = getattr(module, "__file__", None)
-            if not isinstance(path, str):
-                continue
-            mine = _user_files.get(path)
-            if mine is None:  # realpath only where the path itself says nothing
-                mine = _user_files[path] = not (path.startswith(_LIBRARIES)
-                                                or os.path.realpath(path).startswith(_LIBRARIES))
-            if mine:
-                paths.append(path)
-        _user_paths = (count, paths)
-    return _user_paths[1]
-
-
-def _modules_changed(since: float) -> bool:
-    """Whether a module of the user's (outside Python, the environment's packages and nbaccel) changed on disk."""
-    for path in _user_module_files():
-        try:
-            if os.stat(path).st_mtime > since:
-                return True
-        except OSError:
-            continue
-    return False
+def _modules_changed(warm: _WarmRank) -> bool:
+    """Whether a module of the user's, imported in the caller or by a run in the rank, changed on disk since."""
+    return (changed_since((path, warm.started_at) for path in user_module_files())
+            or changed_since(warm.rank_files.items()))
 
 
 before_each_launch(release_warm_devices)

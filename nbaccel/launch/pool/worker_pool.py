@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 import threading
 import weakref
 from collections.abc import Callable, Collection, Iterable, Mapping
@@ -92,6 +93,12 @@ POOL_BACKENDS: dict[str, str] = {
 def _start_ranks(request: LaunchRequest, start_timeout: float) -> PoolRanks:
     module, name = POOL_BACKENDS[request.config.backend].split(":")
     return getattr(importlib.import_module(module), name).start(request, start_timeout)
+
+
+def _shutdown_if_owner(ranks: PoolRanks, owner: int) -> None:
+    """Shut ``ranks`` down, in the process that started them only (a forked child's exit runs finalizers too)."""
+    if os.getpid() == owner:
+        ranks.shutdown()
 
 
 def _pool_placeholder() -> None:
@@ -160,6 +167,7 @@ class WorkerPool:
         self.start_timeout = start_timeout
         self._ranks: PoolRanks | None = None
         self._finalizer: weakref.finalize | None = None
+        self._owner = os.getpid()
         self._dead = ""
         self._closed = False
         self._closes = 0  # close() calls so far: a run that sees it change was ended by close(), not by a fault
@@ -173,7 +181,8 @@ class WorkerPool:
         run_before_launch(self._request)  # as a launch does: a warm one-process rank gives its GPU up
         ranks = _start_ranks(self._request, self.start_timeout)
         self._ranks, self._dead, self._closed = ranks, "", False
-        self._finalizer = weakref.finalize(self, ranks.shutdown)  # also at interpreter exit
+        self._owner = os.getpid()
+        self._finalizer = weakref.finalize(self, _shutdown_if_owner, ranks, self._owner)  # also at interpreter exit
 
     def close(self) -> None:
         """Stop every worker and free what the pool holds; safe to call again.
@@ -215,8 +224,8 @@ class WorkerPool:
 
     @property
     def alive(self) -> bool:
-        """Whether the pool can run tasks: started, not closed, and no worker died."""
-        if self._closed or self._dead:
+        """Whether the pool can run tasks: started, not closed, no worker died, and asked from the pool's process."""
+        if self._closed or self._dead or os.getpid() != self._owner:
             return False
         return self._ranks is not None and not self._ranks.dead()
 
@@ -233,6 +242,11 @@ class WorkerPool:
         return [w.pid for w in self.workers()]
 
     def _usable(self) -> PoolRanks:
+        if self._ranks is not None and os.getpid() != self._owner:
+            raise WorkerPoolError(f"this WorkerPool belongs to process {self._owner}, which started its workers; "
+                                  f"this is process {os.getpid()}, forked from it, and cannot reach them. Fix: "
+                                  "create a WorkerPool in this process, or run the task from the pool's own process.",
+                                  state="not owned", reason=f"owned by process {self._owner}")
         if self._closed or self._ranks is None:
             raise WorkerPoolError("this WorkerPool was closed, so it runs nothing. Fix: pool.restart() to start "
                                   "fresh workers, or create a new WorkerPool.", state="closed", reason="close()")

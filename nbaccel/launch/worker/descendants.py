@@ -22,8 +22,9 @@ import ctypes
 import os
 import signal
 import sys
-from pathlib import Path
 from typing import Any
+
+from nbaccel.launch.reaper import remove_watched_folders
 
 __all__ = ["become_subreaper", "end_descendants", "end_descendants_on_sigterm"]
 
@@ -48,23 +49,36 @@ def become_subreaper() -> bool:
 
 
 def _children() -> list[int]:
-    """This process's direct children (every thread's), from /proc."""
-    pid = os.getpid()
+    """This process's direct children (every thread's), from /proc (os.listdir and open: half pathlib's cost)."""
     found: list[int] = []
+    tasks = f"/proc/{os.getpid()}/task"
     try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        threads = os.listdir(tasks)
     except OSError:
         return found
-    for task in tasks:
+    for thread in threads:
         try:
-            found += [int(c) for c in (task / "children").read_text().split()]
+            with open(f"{tasks}/{thread}/children", "rb") as children:
+                found += [int(c) for c in children.read().split()]
         except OSError:  # the thread ended, or a kernel without CONFIG_PROC_CHILDREN
             continue
     return found
 
 
+def _has_children() -> bool:
+    """Whether any process (live or exited) is a child of this one: one syscall, where /proc costs a read per thread."""
+    try:
+        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)  # reaps nothing; children of every thread
+    except ChildProcessError:
+        return False
+    return True
+
+
 def end_descendants() -> int:
-    """SIGKILL and reap every descendant of this process; returns how many were ended.
+    """SIGKILL and reap every descendant of this process, then remove the pool folders it made; returns how many.
+
+    A pool (or warm rank) this process holds is among the descendants; so is the group reaper that
+    would have removed its socket folder, so the folder is removed here.
 
     Example:
         >>> import subprocess
@@ -73,7 +87,7 @@ def end_descendants() -> int:
         1
     """
     ended = 0
-    for _ in range(_MAX_ROUNDS):
+    for _ in range(_MAX_ROUNDS if _has_children() else 0):
         children = _children()
         if not children:
             break
@@ -88,6 +102,7 @@ def end_descendants() -> int:
                 ended += 1
             except ChildProcessError:  # reaped by someone else (a Popen's own wait)
                 pass
+    remove_watched_folders()
     return ended
 
 
