@@ -25,7 +25,7 @@ __all__ = ["Claim", "RunBusyError", "claim", "claimed_by_this_thread", "needed_b
            "refuse_held", "release"]
 
 WARM_RANK = "the warm one-process rank"
-ALL_GPUS = "gpu:*"
+ALL_GPUS = "every GPU"
 
 
 class RunBusyError(EnvironmentStateError):
@@ -33,7 +33,7 @@ class RunBusyError(EnvironmentStateError):
 
     Attributes:
         run_id: the run holding it (``%accel_runs`` lists it).
-        resources: what is held, e.g. ``("gpu:0",)`` or ``("the warm one-process rank",)``.
+        resources: what is held, e.g. ``("GPU 0",)``, ``("every GPU",)`` or ``("the warm one-process rank",)``.
     """
 
     def __init__(self, msg: str, *, run_id: int, resources: tuple[str, ...]) -> None:
@@ -52,6 +52,7 @@ class Claim:
     resources: frozenset[str]
 
 
+_FRESH_HINT = "; or start a new process for it: fresh=True (%%accel_launch --fresh)"
 _lock = threading.Lock()
 _claims: dict[int, Claim] = {}
 _tokens = itertools.count(1)
@@ -70,7 +71,7 @@ def needed_by(request: LaunchRequest) -> frozenset[str]:
         needed.add(WARM_RANK)
     if request.plan.device_kind == "cuda":
         visible = request.plan.visible_gpus
-        needed |= {f"gpu:{g.strip()}" for g in visible.split(",") if g.strip()} if visible else {ALL_GPUS}
+        needed |= {f"GPU {g.strip()}" for g in visible.split(",") if g.strip()} if visible else {ALL_GPUS}
     return frozenset(needed)
 
 
@@ -99,11 +100,15 @@ def claimed_by_this_thread(held: Claim | None) -> None:
     _mine.token = held.token if held is not None else None
 
 
+def _is_gpu(resource: str) -> bool:
+    return resource == ALL_GPUS or resource.startswith("GPU ")
+
+
 def _overlap(wanted: frozenset[str], held: frozenset[str]) -> tuple[str, ...]:
     both = wanted & held
     if not both and (ALL_GPUS in wanted or ALL_GPUS in held):  # every GPU overlaps any one of them
-        gpus_wanted = {r for r in wanted if r.startswith("gpu:")}
-        gpus_held = {r for r in held if r.startswith("gpu:")}
+        gpus_wanted = {r for r in wanted if _is_gpu(r)}
+        gpus_held = {r for r in held if _is_gpu(r)}
         if gpus_wanted and gpus_held:
             both = gpus_held
     return tuple(sorted(both))
@@ -118,7 +123,8 @@ def _refuse_locked(wanted: frozenset[str], what: str) -> None:
                 f"{what} needs {', '.join(overlap)}, which background {held.label} holds until it ends. "
                 f"Valid: a launch that needs none of {sorted(held.resources)} while it runs. Fix: wait for it "
                 f"(run.wait(), or %accel_runs to see it), or cancel it (%accel_runs cancel {held.run_id}), "
-                "then run this again.", run_id=held.run_id, resources=overlap)
+                f"then run this again{_FRESH_HINT if WARM_RANK in overlap else ''}.", run_id=held.run_id,
+                resources=overlap)
 
 
 def refuse_held(resources: Iterable[str], what: str) -> None:
