@@ -120,8 +120,9 @@ class RunOutputView:
         lines = list(self._lines)
         hidden = max(0, self._count - len(lines))
         note = f"... {hidden} earlier lines: run.output has each rank's\n" if hidden else ""
-        self.text.value = (f"<pre style='max-height:24em;overflow:auto;margin:0'>"
-                           f"{html.escape(note + chr(10).join(lines))}</pre>")
+        # column-reverse: the box opens scrolled to its end, where the latest lines are
+        self.text.value = ("<div style='max-height:24em;overflow:auto;display:flex;flex-direction:column-reverse'>"
+                           f"<pre style='margin:0;flex-shrink:0'>{html.escape(note + chr(10).join(lines))}</pre></div>")
 
     def plain_text(self) -> str:
         """The output so far as text (what a saved notebook keeps)."""
