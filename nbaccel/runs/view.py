@@ -62,6 +62,7 @@ class RunOutputView:
         self._count = sum(r.line_count for r in record.records.values())
         self._dirty = True
         self._done = threading.Event()
+        self.handle: Any = None  # its display, updated at the end so a saved notebook keeps the final text
         self.text = widgets.HTML()
         self.text.add_class("nbaccel-run-output")
         self.shown = widgets.Output()
@@ -109,6 +110,8 @@ class RunOutputView:
             self.panel.ended = ended
             self.panel.draw(final=True)
         self._draw()
+        if self.handle is not None:
+            self.handle.update(self)
 
     def _tick(self) -> None:
         while not self._done.wait(self.interval):
@@ -129,7 +132,8 @@ class RunOutputView:
         return "\n".join(self._lines)
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
-        return widget_bundle(self.box, self.plain_text() or "(no output yet)")
+        empty = "(the run printed nothing)" if self._done.is_set() else "(no output yet)"
+        return widget_bundle(self.box, self.plain_text() or empty)
 
 
 def can_show_live() -> bool:
@@ -150,4 +154,4 @@ def show_run(run: Any) -> None:
     from IPython.display import display
 
     view = record.attach(RunOutputView)
-    display(view)
+    view.handle = display(view, display_id=True)
