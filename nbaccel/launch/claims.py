@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 from nbaccel.errors import EnvironmentStateError
 from nbaccel.launch.request import LaunchRequest
 
-__all__ = ["Claim", "RunBusyError", "claim", "claimed_by_this_thread", "needed_by", "pool_resource", "refuse_claimed",
-           "refuse_held", "release"]
+__all__ = ["ALL_GPUS", "WARM_RANK", "Claim", "RunBusyError", "cancel_holders", "claim", "claimed_by_this_thread",
+           "needed_by", "pool_resource", "refuse_claimed", "refuse_held", "release"]
 
 WARM_RANK = "the warm one-process rank"
 ALL_GPUS = "every GPU"
@@ -44,12 +44,13 @@ class RunBusyError(EnvironmentStateError):
 
 @dataclass(frozen=True)
 class Claim:
-    """One run's hold on ``resources``; ``label`` names the run in errors (``"run 3 (In[7])"``)."""
+    """One run's hold on ``resources``; ``label`` names the run in errors (``"run 3 (In[7])"``); ``cancel`` stops it."""
 
     token: int
     run_id: int
     label: str
     resources: frozenset[str]
+    cancel: Callable[[], object] | None = field(default=None, compare=False)
 
 
 _FRESH_HINT = "; or start a new process for it: fresh=True (%%accel_launch --fresh)"
@@ -75,8 +76,8 @@ def needed_by(request: LaunchRequest) -> frozenset[str]:
     return frozenset(needed)
 
 
-def claim(run_id: int, label: str, resources: Iterable[str]) -> Claim:
-    """Hold ``resources`` for run ``run_id``; :func:`release` gives them back.
+def claim(run_id: int, label: str, resources: Iterable[str], cancel: Callable[[], object] | None = None) -> Claim:
+    """Hold ``resources`` for run ``run_id`` (stopped by ``cancel``); :func:`release` gives them back.
 
     Raises:
         RunBusyError: another run holds one of them.
@@ -84,7 +85,7 @@ def claim(run_id: int, label: str, resources: Iterable[str]) -> Claim:
     wanted = frozenset(resources)
     with _lock:
         _refuse_locked(wanted, "this run")
-        held = Claim(next(_tokens), run_id, label, wanted)
+        held = Claim(next(_tokens), run_id, label, wanted, cancel)
         _claims[held.token] = held
     return held
 
@@ -135,6 +136,16 @@ def refuse_held(resources: Iterable[str], what: str) -> None:
     """
     with _lock:
         _refuse_locked(frozenset(resources), what)
+
+
+def cancel_holders(resources: Iterable[str]) -> list[int]:
+    """Cancel the background runs holding any of ``resources`` (their pool or warm rank is being closed); their ids."""
+    wanted, mine = frozenset(resources), getattr(_mine, "token", None)
+    with _lock:
+        holders = [c for c in _claims.values() if c.token != mine and c.cancel is not None and _overlap(wanted, c.resources)]
+    for holder in holders:  # outside the lock: a cancel waits for the run's thread, which releases its claim
+        holder.cancel()  # type: ignore[misc]
+    return [holder.run_id for holder in holders]
 
 
 def refuse_claimed(request: LaunchRequest) -> None:

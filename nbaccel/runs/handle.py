@@ -201,8 +201,8 @@ def start_run(launch: Callable[[], Any], record: RunRecord, *, cell: str, resour
         RunBusyError: another background run holds one of ``resources``.
     """
     run_id = next_run_id()
-    held = claim(run_id, f"run {run_id} ({cell})", resources)
     run = LaunchRun(run_id, cell, record, background=True)
+    held = claim(run_id, f"run {run_id} ({cell})", resources, cancel=run.cancel)
     run._in_launch = True
     run._thread = threading.Thread(target=run._main, args=(launch, held), name=f"nbaccel-run-{run_id}", daemon=True)
     add_run(run)

@@ -150,3 +150,14 @@ def test_a_launch_needing_the_gpus_of_a_background_run_is_refused_naming_it(tmp_
     run_id, resources, message = out["refused"]
     assert run_id == 1 and resources == ["every GPU"]
     assert "background run 1 (nap)" in message and "%accel_runs cancel 1" in message
+
+
+def test_closing_the_warm_rank_cancels_the_background_run_on_it(tmp_path):
+    from nbaccel.launch.pool.warm import close_warm_rank
+
+    run = notebook_launcher(sleep_and_say, (str(tmp_path),), num_processes=1, use_cpu=True, background=True)
+    pids = _started_pids(tmp_path, 1)
+    started = time.monotonic()
+    assert close_warm_rank() is True  # %accel_workers stop: it used to wait for the run to end
+    assert time.monotonic() - started < 20 and run.state == "cancelled"
+    assert wait_for(lambda: not any(alive(pid) for pid in pids), 10)

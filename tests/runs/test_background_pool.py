@@ -61,3 +61,11 @@ def test_a_run_on_a_pool_held_by_a_background_run_is_refused_naming_it(pool, tmp
     with pytest.raises(RunBusyError):
         pool.run(lambda: 1, background=True)
     assert run.cancel() and pool.run(lambda: 8) == 8
+
+
+def test_closing_a_pool_cancels_its_background_run_first(tmp_path):
+    with WorkerPool(num_processes=2, use_cpu=True, grace=1.0) as closing:
+        run = closing.run(sleep_until_cancelled, str(tmp_path), background=True)
+        assert wait_for(lambda: len([n for n in os.listdir(tmp_path) if n.startswith("running")]) == 2, 60)
+    assert run.state == "cancelled" and not closing.alive
+    assert {"cancelled-0", "cancelled-1"} <= set(os.listdir(tmp_path))  # stopped as an interrupt stops a task

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 from nbaccel.config import LaunchBackend, LaunchConfig, StartMethod
 from nbaccel.environment import MixedPrecision
 from nbaccel.errors import ConfigError, LaunchTimeoutError, WorkerPoolError
-from nbaccel.launch.claims import pool_resource, refuse_held
+from nbaccel.launch.claims import cancel_holders, pool_resource, refuse_held
 from nbaccel.launch.events import LaunchObserver
 from nbaccel.launch.output import OutputRelay
 from nbaccel.launch.preflight import say
@@ -176,12 +176,13 @@ class WorkerPool:
         self._finalizer = weakref.finalize(self, ranks.shutdown)  # also at interpreter exit
 
     def close(self) -> None:
-        """Stop every worker and free what the pool holds; safe to call again.
+        """Stop every worker and free what the pool holds; safe to call again (a background run on it is cancelled).
 
         Example:
             >>> pool.close(); pool.close(); pool.alive                  # doctest: +SKIP
             False
         """
+        cancel_holders([pool_resource(self)])  # a background run on it is cancelled first, as an interrupt would
         self._closed = True
         if self._finalizer is not None:
             self._finalizer()  # runs ranks.shutdown once
