@@ -126,24 +126,27 @@ class LaunchRun:
             return [dict(r) for r in self.record.metrics]
 
     # ------------------------------------------------------------------ acting on it
-    def cancel(self) -> bool:
+    def cancel(self, timeout: float | None = None) -> bool:
         """Stop the run as Ctrl-C stops a blocking launch (every rank stopped; a pool stays); whether it was running.
 
-        Returns once the run has ended.
+        Returns once the run has ended (or ``timeout`` seconds passed: at interpreter exit).
         """
         if self._thread is None or self._done.is_set():
             return False
         deadline = time.monotonic() + _TASK_WAIT
-        while (time.monotonic() < deadline and not self._done.is_set()
-               and any(r.state == "starting" for r in self.record.records.values())):
+        while time.monotonic() < deadline and not self._done.is_set() and self._starting():
             time.sleep(0.02)  # a task half-sent to a rank would break its stream: wait until each has it
         with self._lock:
             if self._in_launch and not self._cancelled and self._thread.ident is not None:
                 self._cancelled = True
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._thread.ident),
                                                            ctypes.py_object(KeyboardInterrupt))
-        self._done.wait()
+        self._done.wait(timeout)
         return True
+
+    def _starting(self) -> bool:
+        with self.record.lock:
+            return any(r.state == "starting" for r in self.record.records.values())
 
     def show(self) -> None:
         """Show the run's live view in the current cell: status, output so far, live chart; it keeps updating."""
@@ -180,7 +183,7 @@ class LaunchRun:
         self._outcome = outcome
         self.ended = time.time()
         if self.record.ok is None:  # the launch failed before its workers started: no on_end came
-            self.record.on_end(outcome[0] == "value")
+            self.record.end_record(outcome[0] == "value")
         self._done.set()
 
     # ------------------------------------------------------------------ text

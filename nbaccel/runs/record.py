@@ -166,6 +166,12 @@ class RunRecord(LaunchStatus):
 
     def on_end(self, ok: bool) -> None:
         """Every worker is gone: the log files are closed (they stay on disk), the views draw their last state."""
+        self.end_record(ok)
+        if self.inner is not None:
+            self.inner.on_end(ok)
+
+    def end_record(self, ok: bool) -> None:
+        """End the record and its views, not ``inner`` (a launch that failed before it started told it nothing)."""
         with self.lock:
             super().on_end(ok)
             for handle in self._logs.values():
@@ -176,8 +182,6 @@ class RunRecord(LaunchStatus):
                     view.on_end(ok)
                 except Exception:  # noqa: BLE001, S112 - one broken view must not hide the others' end
                     continue
-        if self.inner is not None:
-            self.inner.on_end(ok)
 
     # ------------------------------------------------------------------ output
     def _keep(self, rank: int, line: str) -> None:

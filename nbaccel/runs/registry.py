@@ -57,7 +57,7 @@ def cancel_running() -> list[int]:
     """Cancel every running background run (each rank stopped); the ids cancelled."""
     cancelled = []
     for run in all_runs():
-        if run.background and not run.done() and run.cancel():
+        if run.background and not run.done() and run.cancel(timeout=15):  # a kernel's exit must not hang on one
             cancelled.append(run.id)
     return cancelled
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from nbaccel import WorkerFailedError, notebook_launcher
-from nbaccel.errors import ConfigError
+from nbaccel.errors import ConfigError, PayloadPicklingError
 from nbaccel.launch.claims import RunBusyError
 from nbaccel.runs.record import OUTPUT_CHARS
 
@@ -161,3 +161,14 @@ def test_closing_the_warm_rank_cancels_the_background_run_on_it(tmp_path):
     assert close_warm_rank() is True  # %accel_workers stop: it used to wait for the run to end
     assert time.monotonic() - started < 20 and run.state == "cancelled"
     assert wait_for(lambda: not any(alive(pid) for pid in pids), 10)
+
+
+def test_a_launch_that_cannot_start_raises_its_error_from_result():
+    import threading
+
+    lock = threading.Lock()
+    run = notebook_launcher(lambda: lock.locked(), num_processes=2, use_cpu=True, start_method="spawn",
+                            background=True)
+    with pytest.raises(PayloadPicklingError):  # as the blocking launch raises it, before any worker starts
+        run.result(timeout=60)
+    assert run.state == "failed" and run.record.ok is False and children() == []
