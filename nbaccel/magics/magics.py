@@ -187,22 +187,13 @@ class AccelMagics(Magics):
 
     def _in_background(self, request: LaunchRequest, launch: Callable[[LaunchRequest], Any] | None,
                        args: argparse.Namespace, out_names: Sequence[str], cell: str, pool: Any = None) -> Any:
-        """Start the launch as a background run; its handle is the cell's value, its view shown in the cell."""
-        from nbaccel.launch.claims import pool_resource
-        from nbaccel.runs.start import cell_label, launch_in_background
+        """Start the launch as a background run (:func:`nbaccel.magics.runs.start_cell_run`); its handle."""
+        from nbaccel.magics.runs import start_cell_run
 
         def finish(req: LaunchRequest) -> Any:  # on the run's thread: -o names are set when it ends
             return self._finish(self._launch(req, launch), out_names, args.all_ranks, cell)
 
-        run = launch_in_background(request, finish, cell=cell_label("%%accel_launch"),
-                                   resources=[pool_resource(pool)] if pool is not None else [])
-        if isinstance(args.background, str):
-            self.shell.user_ns[args.background] = run
-        from nbaccel.runs.view import can_show_live
-
-        if args.status != "none" and can_show_live():
-            run.show()
-        return run
+        return start_cell_run(self.shell, request, finish, name=args.background, show=args.status != "none", pool=pool)
 
     def _config(self, args: argparse.Namespace) -> LaunchConfig:
         endpoint_host, endpoint_port = None, None

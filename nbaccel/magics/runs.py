@@ -16,7 +16,26 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from nbaccel.runs.registry import all_runs, find_run
 
-__all__ = ["RunsMagics", "format_runs"]
+__all__ = ["RunsMagics", "format_runs", "start_cell_run"]
+
+
+def start_cell_run(shell: Any, request: Any, finish: Any, *, name: str | bool, show: bool, pool: Any = None) -> Any:
+    """``%%accel_launch --background``: start ``finish(request)`` as a background run; its handle.
+
+    The run holds ``pool`` when given (``--persist``), is bound to ``name`` when it is one, and its
+    live view is shown in the cell when ``show`` and the frontend can show it.
+    """
+    from nbaccel.launch.claims import pool_resource
+    from nbaccel.runs.start import cell_label, launch_in_background
+    from nbaccel.runs.view import can_show_live
+
+    run = launch_in_background(request, finish, cell=cell_label("%%accel_launch"),
+                               resources=[pool_resource(pool)] if pool is not None else [])
+    if isinstance(name, str):
+        shell.user_ns[name] = run
+    if show and can_show_live():
+        run.show()
+    return run
 
 
 def format_runs(runs: list[Any]) -> str:
