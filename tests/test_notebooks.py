@@ -20,7 +20,7 @@ EXPECTED = {
     "01_quickstart": ["[rank1]: worker 1 of 2 on cpu", "[rank0]: epoch 20: loss", "evaluated 512 samples (of 512)",
                       "caught: bad batch on rank 1 | root cause rank: 1"],
     "02_training": ["128 records in the notebook", "TensorBoard: 128 loss points in runs/blobs", "resumed run matches the original exactly",
-                    "301 predictions gathered"],
+                    "301 predictions gathered", "background run finished: 128 records"],
     "06_warm_workers": ["2 warm workers (fork), alive", "model, optimizer", "trained 40 steps in two cells",
                         "caught: RuntimeError", "still here: DistributedDataParallel", "nbaccel: warm workers stopped"],
 }

@@ -59,6 +59,7 @@ def notebook_launcher(
     backend: LaunchBackend | None = None,
     ray_address: str | None = None,
     fresh: bool = False,
+    background: bool = False,
 ) -> Any:
     """Run ``function(*args, **kwargs)`` on ``num_processes`` workers and return its result.
 
@@ -113,9 +114,14 @@ def notebook_launcher(
             fresh run: the caller's environment, RNG state and working directory, nbaccel's state
             reset, GPU memory released after; see :mod:`nbaccel.launch.pool.warm` for what stays.
             nbaccel's own option: Accelerate runs one process in the notebook itself.
+        background: return at once with a :class:`~nbaccel.runs.handle.LaunchRun` while the ranks run
+            (the kernel stays free): ``run.result()`` is what this call would return (or raise),
+            ``run.cancel()`` stops it as Ctrl-C would, ``run.show()`` shows it live. The run holds
+            its GPUs (or the warm rank) until it ends. nbaccel's own option; one machine only.
 
     Returns:
-        Rank 0's return value (moved to CPU), or ``{rank: value}`` when ``return_all``.
+        Rank 0's return value (moved to CPU), or ``{rank: value}`` when ``return_all``; with
+        ``background=True``, the run's handle.
 
     Raises:
         ConfigError: an argument is invalid; nothing was started.
@@ -126,6 +132,7 @@ def notebook_launcher(
         KeyboardInterrupt: the caller was interrupted; every worker was stopped.
         WorkerFailedError: a worker failed, on this machine or another: the root-cause worker's own
             exception type joined with ``WorkerFailedError``, every rank's failure on ``failures``.
+        RunBusyError: a background run holds the GPUs (or the warm rank) this launch needs.
 
     Example:
         >>> def train(lr):
@@ -142,6 +149,11 @@ def notebook_launcher(
         log_line_prefix_template=log_line_prefix_template, num_processes=num_processes,
         mixed_precision=mixed_precision, use_cpu=use_cpu, machine_rank=node_rank, num_machines=num_nodes,
         start_method=start_method, timeout=timeout, backend=backend, ray_address=ray_address, fresh=fresh)
+    if background:
+        from nbaccel.runs.start import cell_label, launch_in_background
+
+        return launch_in_background(request, lambda req: run_with_restarts(lambda: launch(req), max_restarts),
+                                    cell=cell_label(getattr(function, "__name__", "notebook_launcher")))
     if request.rendezvous is not None:  # several machines: the elastic agent restarts
         return launch(request)
     return run_with_restarts(lambda: launch(request), max_restarts)

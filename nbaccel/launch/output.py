@@ -17,22 +17,29 @@ flush per line made 6,000 lines take 81 s to render), and always when a rank end
 published, or :meth:`OutputRelay.flush` is called; a bar being redrawn is written at most once
 per interval too. Redrawn lines (progress bars, which tqdm
 writes to stderr) are shown on stdout, so a finished bar does not read as an error.
+
+A run supervised on another thread (a background run, :mod:`nbaccel.runs`) must not write to
+``sys.stdout``: in a kernel that stream belongs to whichever cell executes at that moment. Such a
+thread calls :func:`route_output` first; every relay on that thread then writes to the route's
+streams and hands displays to the route's publisher instead.
 """
 
 from __future__ import annotations
 
 import codecs
+import contextlib
 import sys
+import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Container, Mapping
+from collections.abc import Callable, Collection, Container, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TextIO
 
 from nbaccel.launch.frames import DISPLAY_MARK
 from nbaccel.launch.output_log import MAX_LINE_CHARS, RankLogs
 
-__all__ = ["FLUSH_INTERVAL", "DisplayKind", "OutputRelay"]
+__all__ = ["FLUSH_INTERVAL", "DisplayKind", "OutputRelay", "OutputRoute", "route_output"]
 
 Stream = Literal["stdout", "stderr"]
 DisplayKind = Literal["display", "clear_output"]
@@ -43,6 +50,48 @@ FLUSH_INTERVAL = 0.2
 A Jupyter kernel sends one message per flush, plus one when its own timer (0.2 s after a write
 that follows a flush) fires: about 10 messages a second at most, whatever the ranks write
 (measured: 2 ranks redrawing 50 MB of bars sent 41 a second with a 0.1 s interval)."""
+
+
+@dataclass(frozen=True)
+class OutputRoute:
+    """Where the relays of one thread write instead of the caller's streams (see :func:`route_output`).
+
+    Attributes:
+        stdout: takes what would go to ``sys.stdout``.
+        stderr: takes what would go to ``sys.stderr``.
+        on_display: takes every display of a shown rank, as ``OutputRelay``'s ``on_display`` would.
+    """
+
+    stdout: TextIO
+    stderr: TextIO
+    on_display: Callable[[int, DisplayKind, dict[str, Any], bool], None] | None = None
+
+
+_routes = threading.local()
+
+
+@contextlib.contextmanager
+def route_output(route: OutputRoute) -> Iterator[None]:
+    """While the block runs, relays on this thread write to ``route``, not to ``sys.stdout``/``sys.stderr``.
+
+    Example:
+        >>> import io
+        >>> sink = io.StringIO()
+        >>> with route_output(OutputRoute(sink, sink)):
+        ...     relay = OutputRelay(); relay.feed(0, "stdout", b"hi\\n"); relay.flush()
+        >>> sink.getvalue()
+        '[rank0]: hi\\n'
+    """
+    previous = getattr(_routes, "route", None)
+    _routes.route = route
+    try:
+        yield
+    finally:
+        _routes.route = previous
+
+
+def _route() -> OutputRoute | None:
+    return getattr(_routes, "route", None)
 
 
 @dataclass
@@ -150,13 +199,16 @@ class OutputRelay:
     def flush(self) -> None:
         """Write and flush everything now (the end of a run, a display, a rank's exit)."""
         self._write_outbox()
-        for target in (sys.stdout, sys.stderr):
+        for target in (self._target("stdout"), self._target("stderr")):
             target.flush()
         self._unflushed = False
         self._flushed_at = time.monotonic()
 
     @staticmethod
     def _target(stream: Stream) -> TextIO:
+        route = _route()
+        if route is not None:
+            return route.stdout if stream == "stdout" else route.stderr
         return sys.stdout if stream == "stdout" else sys.stderr
 
     def _label(self, rank: int) -> str:
@@ -289,11 +341,13 @@ class OutputRelay:
         if not queued:
             return  # a mark without its frame: the worker died between the two writes
         kind, body = queued.popleft()
-        if self._on_display is None or rank not in self._display_ranks:
+        route = _route()
+        on_display = route.on_display if route is not None else self._on_display
+        if on_display is None or rank not in self._display_ranks:
             return
         self._close_open_line()
         self.flush()
-        self._on_display(rank, kind, body, len(self._display_ranks) > 1)
+        on_display(rank, kind, body, len(self._display_ranks) > 1)
 
 
 def _shortened(head: str, length: int, path: str) -> str:

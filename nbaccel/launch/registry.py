@@ -14,6 +14,7 @@ from typing import Any
 
 from nbaccel.errors import ConfigError
 from nbaccel.launch.base import Launcher
+from nbaccel.launch.claims import refuse_claimed
 from nbaccel.launch.preflight import say
 from nbaccel.launch.request import LaunchRequest
 
@@ -29,7 +30,8 @@ BUILTIN_LAUNCHERS: dict[str, str] = {
 }
 """Launcher name -> the module holding it as ``LAUNCHER``."""
 _registered: dict[str, Launcher] = {}
-_before_launch: list[Callable[[LaunchRequest], None]] = []
+# First: a GPU or the warm rank that a background run holds refuses the launch before anything is released.
+_before_launch: list[Callable[[LaunchRequest], None]] = [refuse_claimed]
 
 
 def before_each_launch(hook: Callable[[LaunchRequest], None]) -> None:

@@ -1,5 +1,5 @@
 """IPython magics: ``%load_ext nbaccel`` registers ``%%accel_launch``, ``%accel_workers``, ``%accel_config``,
-``%accel_env``.
+``%accel_env``, ``%accel_runs``.
 
 Loading imports only IPython and nbaccel's config (no torch, no ipywidgets, no device). Once a
 cell has imported torch, what DDP needs is imported in a background thread while the user types
@@ -12,7 +12,7 @@ from typing import Any
 
 __all__ = ["load_ipython_extension", "unload_ipython_extension"]
 
-_NAMES = {"cell": ("accel_launch",), "line": ("accel_config", "accel_env", "accel_workers")}
+_NAMES = {"cell": ("accel_launch",), "line": ("accel_config", "accel_env", "accel_runs", "accel_workers")}
 
 
 def load_ipython_extension(ipython: Any) -> None:
@@ -24,8 +24,10 @@ def load_ipython_extension(ipython: Any) -> None:
     """
     from nbaccel.launch.warmup import start_warmup
     from nbaccel.magics.magics import AccelMagics
+    from nbaccel.magics.runs import RunsMagics
 
     ipython.register_magics(AccelMagics(ipython))
+    ipython.register_magics(RunsMagics(ipython))
     events = getattr(ipython, "events", None)
     if events is not None and _warm_after_cell not in events.callbacks.get("post_run_cell", []):
         events.register("post_run_cell", _warm_after_cell)
@@ -45,6 +47,7 @@ def unload_ipython_extension(ipython: Any) -> None:
         for name in names:
             manager.magics[kind].pop(name, None)
     manager.registry.pop("AccelMagics", None)
+    manager.registry.pop("RunsMagics", None)
     events = getattr(ipython, "events", None)
     if events is not None and _warm_after_cell in events.callbacks.get("post_run_cell", []):
         events.unregister("post_run_cell", _warm_after_cell)

@@ -124,6 +124,9 @@ class AccelMagics(Magics):
               help="run on the warm workers of %%accel_workers start, in a namespace per rank that lasts between cells")
     @argument("--fresh", action="store_true",
               help="one process: start a new worker instead of the rank kept warm for this kernel")
+    @argument("--background", nargs="?", const=True, default=False, metavar="NAME",
+              help="return at once with the run's handle (set as NAME if given) and show it live; other "
+                   "cells run meanwhile. %%accel_runs lists runs")
     @cell_magic
     def accel_launch(self, line: str, cell: str) -> Any:
         """Run this cell on several worker processes, like ``notebook_launcher`` would run a function.
@@ -142,13 +145,18 @@ class AccelMagics(Magics):
         """
         args = parse_argstring(self.accel_launch, line)
         out_names = _out_names(args.out)
+        if isinstance(args.background, str) and not args.background.isidentifier():
+            raise UsageError(f"%%accel_launch: --background takes a variable name for the run (got "
+                             f"{args.background!r}). Fix: --background run, or --background alone.")
         if args.persist:
             return self._persisted(line, cell, args, out_names)
         config = self._config(args)
         program = self._program(line, cell, out_names, args.all_ranks)
         request = self._request(program, config, args)  # also fails early on what this machine cannot run
+        if args.background:
+            return self._in_background(request, None, args, out_names, cell)
         request = request.with_observer(self._observer(args.status, request))
-        results = self._launch(request)
+        results = self._recorded(request, None)
         return self._finish(results, out_names, args.all_ranks, cell)
 
     def _persisted(self, line: str, cell: str, args: argparse.Namespace, out_names: Sequence[str]) -> Any:
@@ -165,9 +173,27 @@ class AccelMagics(Magics):
             request = pool.request(run_cell_program, (program,), output_ranks=args.ranks, return_all=args.all_ranks)
         except ConfigError as exc:
             raise _usage(exc) from None
+        if args.background:
+            return self._in_background(request, persisted_launch(pool), args, out_names, cell, pool=pool)
         request = request.with_observer(self._observer(args.status, request))
-        results = self._launch(request, persisted_launch(pool))
+        results = self._recorded(request, persisted_launch(pool))
         return self._finish(results, out_names, args.all_ranks, cell)
+
+    def _recorded(self, request: LaunchRequest, launch: Callable[[LaunchRequest], Any] | None) -> Any:
+        """The launch, recorded as a run of the kernel so ``%accel_runs show`` can show it again."""
+        from nbaccel.runs.start import cell_label, launch_recorded
+
+        return launch_recorded(request, lambda req: self._launch(req, launch), cell=cell_label("%%accel_launch"))
+
+    def _in_background(self, request: LaunchRequest, launch: Callable[[LaunchRequest], Any] | None,
+                       args: argparse.Namespace, out_names: Sequence[str], cell: str, pool: Any = None) -> Any:
+        """Start the launch as a background run (:func:`nbaccel.magics.runs.start_cell_run`); its handle."""
+        from nbaccel.magics.runs import start_cell_run
+
+        def finish(req: LaunchRequest) -> Any:  # on the run's thread: -o names are set when it ends
+            return self._finish(self._launch(req, launch), out_names, args.all_ranks, cell)
+
+        return start_cell_run(self.shell, request, finish, name=args.background, show=args.status != "none", pool=pool)
 
     def _config(self, args: argparse.Namespace) -> LaunchConfig:
         endpoint_host, endpoint_port = None, None

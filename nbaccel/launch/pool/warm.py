@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbaccel.errors import PayloadPicklingError
+from nbaccel.launch.claims import WARM_RANK, cancel_holders
 from nbaccel.launch.local.launcher import LAUNCHER as LOCAL_LAUNCHER
 from nbaccel.launch.local.launcher import local_environments
 from nbaccel.launch.payload import dumps_payload
@@ -208,9 +209,13 @@ def _close_locked() -> None:
 
 
 def close_warm_rank() -> bool:
-    """Close the kept rank, if there is one (``%accel_workers stop``); whether there was one."""
+    """Close the kept rank, if there is one (``%accel_workers stop``); whether there was one.
+
+    A background run on it is cancelled first (it holds the rank's lock for as long as it runs).
+    """
+    cancelled = cancel_holders([WARM_RANK])  # its end closed the rank already (an interrupted rank is closed)
     with _lock:
-        had = _warm is not None
+        had = _warm is not None or bool(cancelled)
         _close_locked()
         return had
 

@@ -40,6 +40,7 @@ from typing import Any, Protocol
 from nbaccel.config import LaunchBackend, LaunchConfig, StartMethod
 from nbaccel.environment import MixedPrecision
 from nbaccel.errors import ConfigError, LaunchTimeoutError, WorkerPoolError
+from nbaccel.launch.claims import cancel_holders, pool_resource, refuse_held
 from nbaccel.launch.events import LaunchObserver
 from nbaccel.launch.output import OutputRelay
 from nbaccel.launch.preflight import say
@@ -185,12 +186,13 @@ class WorkerPool:
         self._finalizer = weakref.finalize(self, _shutdown_if_owner, ranks, self._owner)  # also at interpreter exit
 
     def close(self) -> None:
-        """Stop every worker and free what the pool holds; safe to call again.
+        """Stop every worker and free what the pool holds; safe to call again (a background run on it is cancelled).
 
         Example:
             >>> pool.close(); pool.close(); pool.alive                  # doctest: +SKIP
             False
         """
+        cancel_holders([pool_resource(self)])  # a background run on it is cancelled first, as an interrupt would
         self._closed = True
         self._closes += 1
         if self._finalizer is not None:
@@ -258,12 +260,15 @@ class WorkerPool:
         return self._ranks
 
     # ------------------------------------------------------------------ running
-    def run(self, function: Callable[..., Any], *args: Any, return_all: bool = False, **kwargs: Any) -> Any:
+    def run(self, function: Callable[..., Any], *args: Any, return_all: bool = False, background: bool = False,
+            **kwargs: Any) -> Any:
         """Run ``function(*args, **kwargs)`` on every worker; rank 0's value (``{rank: value}`` with ``return_all``).
 
         Output is shown live, labelled ``[rankN]:``; a failure raises the root-cause rank's exception
         (the :class:`~nbaccel.errors.WorkerFailedError` family) and keeps the pool; an interrupt
-        cancels the run in every rank and keeps the pool.
+        cancels the run in every rank and keeps the pool. With ``background=True`` it returns a
+        :class:`~nbaccel.runs.handle.LaunchRun` at once (``cancel()`` cancels the task and keeps the
+        pool); the pool refuses other runs until it ends.
 
         Raises:
             WorkerPoolError: the pool is closed or dead (restart it).
@@ -271,11 +276,16 @@ class WorkerPool:
             WorkerFailedError: a rank raised, or a worker died (then the pool is dead).
             LaunchTimeoutError: the run passed the pool's ``timeout`` (it was cancelled).
             KeyboardInterrupt: the caller was interrupted (the run was cancelled).
+            RunBusyError: a background run of this pool is running.
 
         Example:
             >>> pool.run(lambda: __import__("os").getpid(), return_all=True)   # doctest: +SKIP
             {0: 4711, 1: 4712}
         """
+        if background:
+            from nbaccel.runs.start import pool_in_background
+
+            return pool_in_background(self, function, args, kwargs, return_all)
         results = self._dispatch(function, args, kwargs, self._request.output_ranks, None,
                                  None if return_all else {0})
         if return_all:
@@ -314,6 +324,7 @@ class WorkerPool:
     def _dispatch(self, function: Callable[..., Any], args: Any, kwargs: Mapping[str, Any],
                   output_ranks: Any, observer: Any, result_ranks: set[int] | None) -> dict[int, Any]:
         """One run at a time: a second caller waits here for the first run to end."""
+        refuse_held([pool_resource(self)], "this WorkerPool's run")  # a background run's: refused, not waited for
         if self._runner == threading.get_ident():
             raise WorkerPoolError("this WorkerPool was asked to run a task from inside one of its own runs (an "
                                   "observer or output callback called pool.run), which would wait for itself "
