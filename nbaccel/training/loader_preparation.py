@@ -157,7 +157,10 @@ def _prepare_sampler_of_batches(dataloader: DataLoader, num_processes: int, proc
                                     split_batches=config.split_batches, even_batches=config.even_batches)
     size = getattr(batches, "batch_size", None)
     total = size if config.split_batches else (size * num_processes if size else None)
+    # a shuffling sampler inside must draw the same order on every rank, or ranks overlap
+    generator = _shuffle_generator(getattr(dataloader.sampler, "sampler", None), num_processes)
     return DataLoaderShard(dataloader.dataset, sampler=batches, batch_size=None, total_batch_size=total,
+                           sync_generator=generator,
                            source_drop_last=getattr(dataloader.sampler, "drop_last", False), **kwargs)
 
 
