@@ -111,3 +111,14 @@ def test_split_batches_needs_a_batch_size_the_processes_divide(batch_size):
         assert ours == {0: "ValueError 3", 1: "ValueError 3"}
     else:
         assert ours[0] == "batches [[0, 1], [4, 5], [8, 9]]"
+
+
+def test_recursively_apply_on_another_type_says_what_accelerate_says():
+    messages = []
+    for library in LIBRARIES:
+        with pytest.raises(TypeError) as info:
+            utils(library).recursively_apply(torch.neg, (torch.tensor(1), 1), error_on_other_type=True)
+        messages.append(str(info.value))
+    assert messages[0] == messages[1] == ("Unsupported types (<class 'int'>) passed to `neg`. Only nested "
+                                          "list/tuple/dicts of objects that are valid for `is_torch_tensor` should be "
+                                          "passed.")
