@@ -122,3 +122,16 @@ def test_recursively_apply_on_another_type_says_what_accelerate_says():
     assert messages[0] == messages[1] == ("Unsupported types (<class 'int'>) passed to `neg`. Only nested "
                                           "list/tuple/dicts of objects that are valid for `is_torch_tensor` should be "
                                           "passed.")
+
+
+def uncovered_message(library: str) -> str:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 5))
+    with pytest.raises(ValueError) as info:
+        utils(library).check_device_map(model, {"0": "cpu", "2": "cpu"})
+    return str(info.value).split(". Fix:")[0]
+
+
+def test_check_device_map_names_the_uncovered_tensors_as_accelerate_does():
+    assert uncovered_message("nbaccel") == uncovered_message("accelerate") == (
+        "The device_map provided does not give any device for the following parameters: 1.weight, 1.bias, "
+        "1.running_mean, 1.running_var, 1.num_batches_tracked")
