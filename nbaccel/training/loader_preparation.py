@@ -185,8 +185,9 @@ def _prepare_dispatcher(dataloader: DataLoader, num_processes: int, process_inde
     if config.split_batches and bs and bs % num_processes:
         from nbaccel.errors import ConfigError
 
-        raise ConfigError(f"with split_batches=True the batch size must be a multiple of num_processes="
-                          f"{num_processes} (got batch_size={bs})", key="batch_size", value=bs,
+        raise ConfigError(f"To use a `DataLoader` in `split_batches` mode, the batch size ({bs}) needs to be a round "
+                          f"multiple of the number of processes ({num_processes}). Fix: use batch_size="
+                          f"{bs - bs % num_processes or num_processes}.", key="batch_size", value=bs,
                           valid=f"a multiple of {num_processes}")
     total = bs if config.split_batches else (bs * num_processes if bs else None)
     return DataLoaderDispatcher(dataloader.dataset, batch_size=bs, drop_last=dataloader.drop_last,
