@@ -1,7 +1,8 @@
 """nbaccel: distributed PyTorch from a notebook, with Hugging Face Accelerate's API.
 
 Names and subpackages (``nbaccel.big_modeling``, ``nbaccel.utils``, ...) are loaded on first use,
-so ``import nbaccel`` stays fast and imports neither IPython nor ipywidgets. ``load_ipython_extension`` makes ``%load_ext nbaccel`` work.
+so ``import nbaccel`` stays fast and imports neither IPython nor ipywidgets.
+``load_ipython_extension`` makes ``%load_ext nbaccel`` work.
 """
 
 from __future__ import annotations
