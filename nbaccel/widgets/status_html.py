@@ -18,7 +18,7 @@ __all__ = ["STATE_COLORS", "output_html", "progress_cell_html", "rank_table_html
 STATE_COLORS: dict[str, str] = {"starting": "#6b7280", "running": "#2563eb", "finished": "#16a34a",
                                 "failed": "#dc2626", "stopped": "#d97706"}
 """The colour each rank state (and the launch's overall state) is shown in."""
-_PROGRESS_HEAD = "<th style='padding:0 8px;white-space:nowrap'>progress</th>"
+_PROGRESS_HEAD = "<th style='padding:0 8px;white-space:nowrap;text-align:left'>progress</th>"
 
 
 class RankRecord(Protocol):
