@@ -1,7 +1,8 @@
 """nbaccel: distributed PyTorch from a notebook, with Hugging Face Accelerate's API.
 
-Names are loaded on first use, so ``import nbaccel`` stays fast and imports neither IPython
-nor ipywidgets. ``load_ipython_extension`` makes ``%load_ext nbaccel`` work.
+Names and subpackages (``nbaccel.big_modeling``, ``nbaccel.utils``, ...) are loaded on first use,
+so ``import nbaccel`` stays fast and imports neither IPython nor ipywidgets.
+``load_ipython_extension`` makes ``%load_ext nbaccel`` work.
 """
 
 from __future__ import annotations
@@ -15,9 +16,17 @@ from nbaccel.version import __version__  # noqa: F401 - re-exported (in __all__)
 __all__ = sorted([*_EXPORTS, "__version__", "load_ipython_extension", "unload_ipython_extension"])
 
 
+# Accelerate's import paths and the pillars: `nbaccel.big_modeling.X` after `import nbaccel`, as
+# `accelerate.big_modeling.X` works after `import accelerate`; each is imported on first use.
+_SUBPACKAGES = frozenset({"big_modeling", "data_loader", "hooks", "launch", "state", "tracking", "training", "utils",
+                          "widgets"})
+
+
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
+        if name in _SUBPACKAGES:
+            return importlib.import_module(f"nbaccel.{name}")  # also binds it as this package's attribute
         raise AttributeError(f"module 'nbaccel' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
@@ -25,7 +34,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(set(globals()) | set(__all__) | _SUBPACKAGES)
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -146,6 +146,8 @@ def worker_environment(settings: WorkerSettings, dist: DistributedEnv | None = N
         f"{_PREFIX}MIXED_PRECISION": settings.mixed_precision,
         "ACCELERATE_MIXED_PRECISION": settings.mixed_precision,  # what Accelerate's own code in a worker reads
         f"{_PREFIX}USE_CPU": "1" if settings.use_cpu else "0",
+        # Accelerate's AcceleratorState picks MULTI_CPU only with cpu=True, which `accelerate launch --cpu` sets so
+        "ACCELERATE_USE_CPU": "true" if settings.use_cpu else "false",
         f"{_PREFIX}DISTRIBUTED_TYPE": str(settings.distributed_type),
         f"{_PREFIX}NUM_MACHINES": str(settings.num_machines),
         f"{_PREFIX}FSDP_CONFIG": json.dumps(dict(settings.fsdp_config)),

@@ -239,10 +239,10 @@ MIN_LINUX_KERNEL = (5, 5, 0)
 
 
 def check_os_kernel(release: str | None = None) -> str | None:
-    """Warn (and return the warning) when this Linux kernel is older than :data:`MIN_LINUX_KERNEL`.
+    """Log a warning (and return it) when this Linux kernel is older than :data:`MIN_LINUX_KERNEL`.
 
-    Accelerate's ``check_os_kernel``; it also returns the message, ``None`` when all is well
-    (not Linux, a recent kernel, or a release string without a version).
+    Accelerate's ``check_os_kernel``, a ``WARNING`` record as there; it also returns the message,
+    ``None`` when all is well (not Linux, a recent kernel, or a release string without a version).
 
     Args:
         release: the kernel release to check; ``platform.uname().release`` when ``None``.
@@ -251,9 +251,9 @@ def check_os_kernel(release: str | None = None) -> str | None:
         >>> check_os_kernel("6.8.0-generic") is None
         True
     """
+    import logging
     import platform
     import re
-    import warnings
 
     if release is None:
         if platform.system() != "Linux":
@@ -265,5 +265,5 @@ def check_os_kernel(release: str | None = None) -> str | None:
     version = match.group()
     msg = (f"Detected kernel version {version}, which is below the recommended minimum of "
            f"{'.'.join(map(str, MIN_LINUX_KERNEL))}; this can cause the process to hang. Fix: upgrade the kernel.")
-    warnings.warn(msg, RuntimeWarning, stacklevel=2)
+    logging.getLogger(__name__).warning(msg)
     return msg

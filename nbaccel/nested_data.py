@@ -60,9 +60,15 @@ def recursively_apply(func: Callable[..., Any], data: Any, *args: Any, test_type
     if test_type(data):
         return func(data, *args, **kwargs)
     if error_on_other_type:
-        raise TypeError(f"Unsupported type {type(data).__name__!r} passed to {getattr(func, '__name__', func)}: "
-                        "only nested lists/tuples/dicts of tensors are supported")
+        raise TypeError(f"Unsupported types ({type(data)}) passed to `{getattr(func, '__name__', func)}`. Only nested "
+                        "list/tuple/dicts of objects that are valid for "
+                        f"`{_test_name(test_type)}` should be passed.")  # Accelerate's words, which its tests check
     return data
+
+
+def _test_name(test_type: Callable[[Any], bool]) -> str:
+    # Accelerate's default test is its own is_torch_tensor; nbaccel's is torch.is_tensor, named so in the message
+    return "is_torch_tensor" if test_type is torch.is_tensor else getattr(test_type, "__name__", repr(test_type))
 
 
 def send_to_device(tensor: Any, device: torch.device | str | int, non_blocking: bool = False,

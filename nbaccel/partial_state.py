@@ -125,8 +125,11 @@ class AcceleratorState(PartialState):
     def __getattribute__(self, name: str) -> Any:
         if not name.startswith("_"):
             shared = object.__getattribute__(self, "__dict__")
-            if _FORGOTTEN in shared and (name in shared or isinstance(getattr(type(self), name, None), property)):
-                raise AttributeError(_forgotten(name))
+            if _FORGOTTEN in shared:
+                if name in _ASKS_PARTIAL_STATE:  # Accelerate's AcceleratorState answers these from PartialState()
+                    return getattr(PartialState(), name)
+                if name in shared or isinstance(getattr(type(self), name, None), property):
+                    raise AttributeError(_forgotten(name))
         return super().__getattribute__(name)
 
     def __getattr__(self, name: str) -> Any:  # only reached when the shared state was cleared
@@ -140,8 +143,11 @@ class AcceleratorState(PartialState):
 
         Until an ``Accelerator`` or ``AcceleratorState`` is made again, every ``AcceleratorState``
         (a live ``Accelerator``'s too) raises Accelerate's ``AttributeError`` on its settings, so
-        its next ``prepare`` fails as in Accelerate; ``PartialState`` keeps working unless
-        ``reset_partial_state``, which forgets the process state as well.
+        its next ``prepare`` fails as in Accelerate; the process flags Accelerate's state reads from
+        ``PartialState()`` (``is_main_process``, ``is_local_main_process``, ``is_last_process``,
+        ``use_distributed``, ``initialized``) keep working.
+        ``PartialState`` keeps working unless ``reset_partial_state``, which forgets the process
+        state as well.
         """
         if reset_partial_state:
             super()._reset_state()
@@ -152,6 +158,8 @@ class AcceleratorState(PartialState):
 
 
 _FORGOTTEN = "_accelerator_state_forgotten"
+_ASKS_PARTIAL_STATE = frozenset({"is_main_process", "is_local_main_process", "is_last_process", "use_distributed",
+                                 "initialized"})
 
 
 def _forgotten(name: str) -> str:

@@ -5,9 +5,10 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # The peer, for tests/training/test_accelerate_parity.py and tests/accelerate_compat/ (the same code
 # through Accelerate and nbaccel gives the same results), `datasets` for the Dataset cases there, and
-# `transformers` for the device-map zoo (models built from configs, nothing downloaded);
+# `transformers` for the device-map zoo (models built from configs, nothing downloaded), `evaluate` because
+# Accelerate's test_metrics script imports it (tests/accelerate_compat/test_accelerate_scripts.py);
 # nbaccel itself never imports any of them.
-.venv/bin/pip install -q --disable-pip-version-check accelerate datasets transformers 2> >(grep -v "is ignored: it is neither" >&2)
+.venv/bin/pip install -q --disable-pip-version-check accelerate datasets transformers evaluate 2> >(grep -v "is ignored: it is neither" >&2)
 if [ -f .ci/browser_setup.sh ]; then
   bash .ci/browser_setup.sh .venv
 fi

@@ -59,6 +59,19 @@ def test_import_does_not_pull_ipython_or_widgets():
     assert out.split() == ["False", "False"]
 
 
+def test_subpackages_are_attributes_after_a_plain_import_and_load_only_when_asked():
+    code = ("import sys, nbaccel\n"
+            "before = sorted(m for m in sys.modules if m.startswith('nbaccel.'))\n"
+            "with nbaccel.big_modeling.init_empty_weights():\n"
+            "    import torch; layer = torch.nn.Linear(2, 2)\n"
+            "print(before, layer.weight.device, nbaccel.utils.set_seed.__name__, nbaccel.hooks.ModelHook.__name__,\n"
+            "      nbaccel.state.PartialState is nbaccel.PartialState, nbaccel.data_loader.__name__,\n"
+            "      nbaccel.training.__name__, 'big_modeling' in dir(nbaccel))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["['nbaccel.exports',", "'nbaccel.version']", "meta", "set_seed", "ModelHook", "True",
+                           "nbaccel.data_loader", "nbaccel.training", "True"]
+
+
 def test_py_typed_ships():
     assert (Path(nbaccel.__file__).parent / "py.typed").exists()
 

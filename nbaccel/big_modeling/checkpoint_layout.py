@@ -89,16 +89,19 @@ class Checkpoint:
 def _index_files(index: Path) -> tuple[list[str], dict[str, str]]:
     try:
         with regular_file(index) as name:
-            weight_map = json.loads(Path(name).read_text())["weight_map"]
-        if not isinstance(weight_map, dict):
+            data = json.loads(Path(name).read_text())
+        # transformers writes {"metadata": ..., "weight_map": {...}}; Accelerate also takes the bare mapping
+        weight_map = data["weight_map"] if "weight_map" in data else data
+        if not isinstance(weight_map, dict) or not weight_map or not all(
+                isinstance(v, str) for v in weight_map.values()):
             raise TypeError
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint index {index} does not exist.",
                               path=str(index)) from None
     except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
         raise CheckpointError(
-            f"{index} is not a checkpoint index: expected JSON with a 'weight_map' object of "
-            "tensor name -> shard file. Save the checkpoint again.", path=str(index)) from None
+            f"{index} is not a checkpoint index: expected JSON mapping tensor name -> shard file (alone, or "
+            "under 'weight_map'). Save the checkpoint again.", path=str(index)) from None
     files = sorted(set(weight_map.values()))
     paths = {f: str(index.parent / f) for f in files}
     for f, p in paths.items():

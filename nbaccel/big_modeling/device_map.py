@@ -221,8 +221,8 @@ def check_device_map(model: nn.Module, device_map: Mapping[str, Device], *, on_t
     unplaced = [t for t in tensors if device_for(t, normalized) is None]
     if unplaced:
         raise DeviceMapError(
-            f"the device map leaves {len(unplaced)} tensor(s) without a device, first "
-            f"{unplaced[:3]}. Add their modules to the map, or add '' as a catch-all.",
+            "The device_map provided does not give any device for the following parameters: "  # Accelerate's words
+            f"{', '.join(unplaced)}. Fix: add their modules to the map, or add '' as a catch-all.",
             key=unplaced[0], value=None, valid="a device for every tensor")
     return normalized
 

@@ -85,9 +85,10 @@ def _sources(model: nn.Module, ckpt: Checkpoint, strict: bool) -> dict[str, str]
             mismatched_shapes=shapes)
     if unexpected:  # logged, not warned, as Accelerate does: a warning filter set to "error"
         # must not turn a checkpoint with extra tensors (a head, a buffer) into a failure
-        _log.warning("the checkpoint %s holds %d tensor(s) the model does not have, first %s; "
-                     "they were ignored (pass strict=True to make this an error).", ckpt.path,
-                     len(unexpected), unexpected[:5])
+        # Accelerate's words first: its tests (and users' log filters) look for "were not used when"
+        _log.warning("Some weights of the model checkpoint at %s were not used when initializing %s: %s (%d in all); "
+                     "they were ignored (pass strict=True to make this an error).", ckpt.path, type(model).__name__,
+                     unexpected[:5], len(unexpected))
     unloaded = [n for n in tensors if n not in sources]
     if unloaded:
         warnings.warn(f"the checkpoint {ckpt.path} has no values for {len(unloaded)} tensor(s), "

@@ -84,9 +84,9 @@ def set_module_tensor_to_device(module: nn.Module, tensor_name: str, device: Dev
     device = as_torch_device(device)
     if value is not None and tuple(value.shape) != tuple(old.shape):
         raise CheckpointMismatchError(
-            f"values for {tensor_name!r} have shape {tuple(value.shape)}, but the model's tensor "
-            f"has shape {tuple(old.shape)}. Check that the checkpoint was saved from this "
-            "model's configuration.",
+            f'Trying to set a tensor of shape {value.shape} in "{leaf}" (which has shape {old.shape}), this looks '
+            f"incorrect. Fix: check that the checkpoint holding {tensor_name!r} was saved from this model's "
+            "configuration.",  # Accelerate's words first: its tests check them
             mismatched_shapes={tensor_name: (tuple(value.shape), tuple(old.shape))})
     if value is None and old.device.type == "meta" and device.type != "meta":
         raise CheckpointError(

@@ -289,6 +289,7 @@ class OutputRelay:
         self._open = key
 
     def _emit(self, rank: int, stream: Stream, line: str) -> None:
+        line = _without_torchs_label(rank, line)
         bar = "\r" in line
         if bar:
             line = _last_state(line)
@@ -348,6 +349,21 @@ class OutputRelay:
         self._close_open_line()
         self.flush()
         on_display(rank, kind, body, len(self._display_ranks) > 1)
+
+
+def _without_torchs_label(rank: int, line: str) -> str:
+    """``line`` without the ``[rankN]:`` torch itself puts before its C++ log lines and uncaught
+    exceptions once a process group exists, so the relay's own label is not doubled.
+
+    Example:
+        >>> _without_torchs_label(0, "[rank0]:[W1205 reducer.cpp:1529] Warning: ...")
+        '[W1205 reducer.cpp:1529] Warning: ...'
+    """
+    own = f"[rank{rank}]:"
+    if not line.startswith(own):
+        return line
+    rest = line[len(own):]
+    return rest[1:] if rest.startswith(" ") else rest
 
 
 def _shortened(head: str, length: int, path: str) -> str:

@@ -168,6 +168,9 @@ def plan_launch(config: LaunchConfig) -> LaunchPlan:
                           valid=f"1..{usable}")
     if kind != "xla":
         _check_capacity(n, kind)
+    if kind == "cpu" and n > cpu_count():  # allowed (tests, debugging), but the user should know why it is slow
+        notes.append(f"nbaccel: {n} CPU processes on {cpu_count()} cores: they take turns, so each runs slower. "
+                     f"Pass num_processes<={cpu_count()} for one per core.")
     if kind == "xla":  # torch_xla.launch with fork, over 1 or every device the runtime reports
         from nbaccel.launch.xla.topology import check_xla_launch
 
@@ -204,6 +207,7 @@ def settings_for(config: LaunchConfig, kind: DeviceKind, world_size: int) -> Wor
 
 
 def say(note: str | None) -> None:
-    """Print a preflight note to the caller's stderr."""
+    """Print a preflight note: to stderr, or to stdout in a Jupyter kernel, where stderr is the pink warning box."""
     if note:
-        print(note, file=sys.stderr, flush=True)
+        in_kernel = type(sys.stderr).__module__.startswith("ipykernel")
+        print(note, file=sys.stdout if in_kernel else sys.stderr, flush=True)

@@ -19,7 +19,7 @@ from typing import Any, Literal, get_args
 from IPython.core.displayhook import DisplayHook
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
 
 from nbaccel.config import LaunchBackend, LaunchConfig, StartMethod, load_config
 from nbaccel.environment import MixedPrecision, config_file_path
@@ -33,6 +33,7 @@ from nbaccel.errors import (
 from nbaccel.hardware import in_colab, in_notebook
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.magics.cell import CellProgram, CellResult, run_cell_program
+from nbaccel.magics.flags import parse_flags
 from nbaccel.magics.render import attach_renderer, render_interrupt
 from nbaccel.magics.session import SessionDefaults
 from nbaccel.magics.workers import NotebookPool, plain_interrupt
@@ -143,7 +144,7 @@ class AccelMagics(Magics):
             losses = train(accelerator)
             accelerator.num_processes
         """
-        args = parse_argstring(self.accel_launch, line)
+        args = parse_flags(self.accel_launch, line, "%%accel_launch")
         out_names = _out_names(args.out)
         if isinstance(args.background, str) and not args.background.isidentifier():
             raise UsageError(f"%%accel_launch: --background takes a variable name for the run (got "
@@ -336,7 +337,7 @@ class AccelMagics(Magics):
             %accel_workers
             %accel_workers stop
         """
-        args = parse_argstring(self.accel_workers, line)
+        args = parse_flags(self.accel_workers, line, "%accel_workers")
         flags = [n for n, default in (("num_processes", None), ("mixed_precision", None), ("cpu", None),
                                       ("config_file", None), ("start_method", None), ("port", None),
                                       ("timeout", None), ("grace", 3.0), ("backend", None), ("ray_address", None))
@@ -369,7 +370,7 @@ class AccelMagics(Magics):
 
             %accel_config
         """
-        args = parse_argstring(self.accel_config, line)
+        args = parse_flags(self.accel_config, line, "%accel_config")
         if args.clear_session:
             self.session.clear()
             print("nbaccel: session defaults cleared; launches use the config file alone.")

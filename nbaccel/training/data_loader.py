@@ -31,6 +31,7 @@ from nbaccel.ops import broadcast_object_list
 from nbaccel.training.data_sharding import IterableDatasetShard
 from nbaccel.training.gradient_state import GradientState
 from nbaccel.training.loader_state import DataLoaderStateMixin
+from nbaccel.training.skip_loader import BaseDataloader
 
 __all__ = ["DataLoaderDispatcher", "DataLoaderShard", "draw_seed"]
 
@@ -50,7 +51,10 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
             original loader had no ``generator``), as a plain ``DataLoader`` does.
         reseeded_sampler: a ``RandomSampler`` without a generator (one process): each pass
             seeds it with a second draw from the global RNG, as it would seed itself.
+        base_dataloader: the loader itself (Accelerate's loaders wrap one; nbaccel's are one).
     """
+
+    base_dataloader = BaseDataloader()
 
     def __init__(self, dataset: Any, device: torch.device | None = None, *, gradient_state: GradientState | None = None,
                  non_blocking: bool = False, total_batch_size: int | None = None, skip_batches: int = 0,

@@ -90,8 +90,9 @@ class BatchSamplerShard(BatchSampler):
         self.drop_last: bool = getattr(batch_sampler, "drop_last", False)
         if split_batches and self.batch_size is not None and self.batch_size % num_processes != 0:
             raise ConfigError(
-                f"with split_batches=True the batch size must be a multiple of num_processes={num_processes} "
-                f"(got batch_size={self.batch_size}); use batch_size={self.batch_size - self.batch_size % num_processes or num_processes}",
+                f"To use `BatchSamplerShard` in `split_batches` mode, the batch size ({self.batch_size}) needs to be a "
+                f"round multiple of the number of processes ({num_processes}). Fix: use batch_size="
+                f"{self.batch_size - self.batch_size % num_processes or num_processes}.",
                 key="batch_size", value=self.batch_size, valid=f"a multiple of {num_processes}")
 
     @property
@@ -202,8 +203,9 @@ class IterableDatasetShard(IterableDataset):
                  process_index: int = 0, split_batches: bool = False) -> None:
         if split_batches and batch_size > 1 and batch_size % num_processes != 0:
             raise ConfigError(
-                f"with split_batches=True the batch size must be a multiple of num_processes={num_processes} "
-                f"(got batch_size={batch_size})", key="batch_size", value=batch_size,
+                f"To use `IterableDatasetShard` in `split_batches` mode, the batch size ({batch_size}) needs to be a "
+                f"round multiple of the number of processes ({num_processes}). Fix: use batch_size="
+                f"{batch_size - batch_size % num_processes or num_processes}.", key="batch_size", value=batch_size,
                 valid=f"a multiple of {num_processes}")
         self.dataset = dataset
         self.batch_size = batch_size

@@ -157,7 +157,10 @@ def _prepare_sampler_of_batches(dataloader: DataLoader, num_processes: int, proc
                                     split_batches=config.split_batches, even_batches=config.even_batches)
     size = getattr(batches, "batch_size", None)
     total = size if config.split_batches else (size * num_processes if size else None)
+    # a shuffling sampler inside must draw the same order on every rank, or ranks overlap
+    generator = _shuffle_generator(getattr(dataloader.sampler, "sampler", None), num_processes)
     return DataLoaderShard(dataloader.dataset, sampler=batches, batch_size=None, total_batch_size=total,
+                           sync_generator=generator,
                            source_drop_last=getattr(dataloader.sampler, "drop_last", False), **kwargs)
 
 
@@ -182,8 +185,9 @@ def _prepare_dispatcher(dataloader: DataLoader, num_processes: int, process_inde
     if config.split_batches and bs and bs % num_processes:
         from nbaccel.errors import ConfigError
 
-        raise ConfigError(f"with split_batches=True the batch size must be a multiple of num_processes="
-                          f"{num_processes} (got batch_size={bs})", key="batch_size", value=bs,
+        raise ConfigError(f"To use a `DataLoader` in `split_batches` mode, the batch size ({bs}) needs to be a round "
+                          f"multiple of the number of processes ({num_processes}). Fix: use batch_size="
+                          f"{bs - bs % num_processes or num_processes}.", key="batch_size", value=bs,
                           valid=f"a multiple of {num_processes}")
     total = bs if config.split_batches else (bs * num_processes if bs else None)
     return DataLoaderDispatcher(dataloader.dataset, batch_size=bs, drop_last=dataloader.drop_last,

@@ -7,7 +7,6 @@ machine's local main process) writes, so ranks never race on one file.
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -22,7 +21,8 @@ def save(obj: Any, f: str | os.PathLike, save_on_each_node: bool = False, safe_s
         obj: what to save; with ``safe_serialization``, a dict of tensors.
         f: the file.
         save_on_each_node: write on each machine's local main process (for disks not shared).
-        safe_serialization: write a safetensors file (metadata ``{"format": "pt"}``, as Accelerate's).
+        safe_serialization: write a safetensors file (metadata ``{"format": "pt"}``, as Accelerate's); of
+            tensors sharing storage only the first name is written, and the others are logged.
 
     Example:
         >>> import tempfile, pathlib
@@ -42,6 +42,9 @@ def save(obj: Any, f: str | os.PathLike, save_on_each_node: bool = False, safe_s
     if safe_serialization:
         from safetensors.torch import save_file
 
-        save_file(dict(obj) if isinstance(obj, OrderedDict) else obj, f, metadata={"format": "pt"})
+        from nbaccel.big_modeling.module_state import clean_state_dict_for_safetensors
+
+        # safetensors refuses tensors that share storage (tied weights); keep one name each, as Accelerate does
+        save_file(clean_state_dict_for_safetensors(dict(obj)), f, metadata={"format": "pt"})
     else:
         torch.save(obj, f)

@@ -14,7 +14,26 @@ from torch.utils.data import DataLoader, Dataset
 
 from nbaccel.errors import ConfigError
 
-__all__ = ["SkipDataLoader"]
+__all__ = ["BaseDataloader", "SkipDataLoader"]
+
+
+class BaseDataloader:
+    """Accelerate's ``loader.base_dataloader``: there a wrapped ``DataLoader``; nbaccel's loaders are one, so itself.
+
+    An attribute of a loader, not of its class (``DataLoaderShard.base_dataloader`` raises
+    ``AttributeError``, as in Accelerate).
+
+    Example:
+        >>> loader = SkipDataLoader(range(4), batch_size=2)
+        >>> loader.base_dataloader is loader
+        True
+    """
+
+    def __get__(self, loader: DataLoader | None, owner: type | None = None) -> DataLoader:
+        if loader is None:
+            name = owner.__name__ if owner is not None else "DataLoader"
+            raise AttributeError(f"'{name}.base_dataloader' is an attribute of a loader, not of the class")
+        return loader
 
 
 class SkipDataLoader(DataLoader):
@@ -49,6 +68,8 @@ class SkipDataLoader(DataLoader):
                               key="use_stateful_dataloader", value=True, valid=(False,))
         super().__init__(dataset, **kwargs)
         self.skip_batches = skip_batches
+
+    base_dataloader = BaseDataloader()
 
     def __iter__(self) -> Iterator[Any]:
         for index, batch in enumerate(super().__iter__()):

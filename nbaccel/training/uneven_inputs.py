@@ -50,8 +50,9 @@ class UnevenInputs:
         strangers = [type(j).__name__ for j in joinables if not isinstance(j, Joinable)]
         if strangers:  # FSDP, DeepSpeed, an unwrapped model: Join cannot take them (Accelerate too
             # warns and runs the block as it is, there on anything but multi-GPU)
-            warnings.warn(f"join_uneven_inputs needs DDP models (torch Joinables); got {strangers}, "
-                          "so it has no effect: the block runs as it is, with even_batches "
+            warnings.warn("Joining uneven inputs is only supported for multi-GPU or multi-CPU DDP models (torch "
+                          f"Joinables); got {strangers}, so join_uneven_inputs has no effect: the block runs as it is, "
+                          "with even_batches "
                           "unchanged. Fix: prepare the model for DDP, or keep even_batches=True.",
                           stacklevel=3)
             yield

@@ -22,6 +22,7 @@ import yaml
 
 from nbaccel.config import LaunchConfig, save_config
 from nbaccel.config_text import parse_config_text
+from nbaccel.distributed_type import LAUNCHABLE_TYPES, DistributedType
 from nbaccel.errors import ConfigError
 from nbaccel.hardware import cpu_count, cuda_device_count, tpu_detected
 from nbaccel.magics.session import changed_fields
@@ -133,7 +134,9 @@ def field_specs() -> list[FieldSpec]:
         if get_origin(tp) is Literal:
             spec = FieldSpec(f.name, "choice", optional, get_args(tp), helps.get(f.name, ""))
         elif isinstance(tp, type) and issubclass(tp, enum.Enum):
-            spec = FieldSpec(f.name, "choice", optional, tuple(m.value for m in tp), helps.get(f.name, ""))
+            # DistributedType names other hardware too; offer only what a launch takes (as the config checks)
+            members = LAUNCHABLE_TYPES if tp is DistributedType else tuple(tp)
+            spec = FieldSpec(f.name, "choice", optional, tuple(m.value for m in members), helps.get(f.name, ""))
         elif tp is bool:
             spec = FieldSpec(f.name, "bool", optional, (), helps.get(f.name, ""))
         elif tp in (int, float, str):

@@ -18,7 +18,7 @@ __all__ = ["STATE_COLORS", "output_html", "progress_cell_html", "rank_table_html
 STATE_COLORS: dict[str, str] = {"starting": "#6b7280", "running": "#2563eb", "finished": "#16a34a",
                                 "failed": "#dc2626", "stopped": "#d97706"}
 """The colour each rank state (and the launch's overall state) is shown in."""
-_PROGRESS_HEAD = "<th style='padding:0 8px'>progress</th>"
+_PROGRESS_HEAD = "<th style='padding:0 8px;white-space:nowrap;text-align:left'>progress</th>"
 
 
 class RankRecord(Protocol):
@@ -35,22 +35,36 @@ class RankRecord(Protocol):
 
 
 def rank_table_html(records: Sequence[RankRecord], launched: float | None, now: float) -> str:
-    """One row per rank: state, elapsed time, progress (a column only once some rank has a bar), last line."""
+    """One row per rank: state, elapsed time, progress (a column only once some rank has a bar), last line.
+
+    The table fits the cell's width whatever the line length: labels never wrap, and the last line
+    takes the room left and is cut with an ellipsis, its full text in the ``title`` (shown on hover).
+
+    Example:
+        >>> from nbaccel.widgets.status_panel import RankRecord
+        >>> "title='" + "x" * 300 + "'" in rank_table_html([RankRecord(0, last_line="x" * 300)], None, 0.0)
+        True
+    """
     bars = any(r.progress for r in records)
     rows = []
     for r in records:
+        last = html.escape(r.last_line, quote=True)
         rows.append(
-            f"<tr><td style='padding:0 8px'>rank {r.rank}</td>"
-            f"<td style='padding:0 8px;color:{STATE_COLORS[r.state]};font-weight:bold'>{r.state}</td>"
-            f"<td style='padding:0 8px;text-align:right'>{r.elapsed(now, launched):.1f} s</td>"
+            f"<tr><td class='nbaccel-rank-label' style='{_CELL}'>rank {r.rank}</td>"
+            f"<td style='{_CELL};color:{STATE_COLORS[r.state]};font-weight:bold'>{r.state}</td>"
+            f"<td style='{_CELL};text-align:right'>{r.elapsed(now, launched):.1f} s</td>"
             f"{progress_cell_html(r.progress) if bars else ''}"
-            f"<td style='padding:0 8px;font-family:monospace;max-width:60em;overflow:hidden;"
-            f"text-overflow:ellipsis;white-space:nowrap'>{html.escape(r.last_line)}</td></tr>")
-    head = ("<tr><th style='text-align:left;padding:0 8px'>rank</th><th style='text-align:left;"
-            "padding:0 8px'>state</th><th style='padding:0 8px'>elapsed</th>"
-            f"{_PROGRESS_HEAD if bars else ''}<th style='text-align:left;"
-            "padding:0 8px'>last line</th></tr>")
-    return f"<table class='nbaccel-ranks'>{head}{''.join(rows)}</table>"
+            f"<td class='nbaccel-last-line' title='{last}' style='{_CELL};{_FILL_AND_CUT}'>{last}</td></tr>")
+    head = (f"<tr><th style='{_CELL};text-align:left'>rank</th><th style='{_CELL};text-align:left'>state</th>"
+            f"<th style='{_CELL}'>elapsed</th>{_PROGRESS_HEAD if bars else ''}"
+            f"<th style='{_CELL};text-align:left'>last line</th></tr>")
+    return f"<table class='nbaccel-ranks' style='width:100%'>{head}{''.join(rows)}</table>"
+
+
+# max-width:0 with width:100% makes the cell take what the other columns leave, never more: a long line
+# then overflows the cell (cut with an ellipsis) instead of widening the table past the output area
+_CELL = "padding:0 8px;white-space:nowrap"
+_FILL_AND_CUT = "font-family:monospace;width:100%;max-width:0;overflow:hidden;text-overflow:ellipsis"
 
 
 def progress_cell_html(text: str) -> str:

@@ -27,6 +27,22 @@ def test_workers_see_the_launchs_mixed_precision_under_accelerates_name():
     assert results == {0: ("bf16", "bf16"), 1: ("bf16", "bf16")}  # Accelerate's Accelerator in the worker agrees
 
 
+def accelerates_own_job() -> tuple:
+    import accelerate
+    import torch
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # forked from a parent that may have made one
+    accelerator = accelerate.Accelerator()  # no cpu=True: the launch says CPU, as `accelerate launch --cpu` does
+    total = accelerator.reduce(torch.ones(1), reduction="sum")
+    return accelerator.distributed_type.value, accelerator.num_processes, accelerator.process_index, total.item()
+
+
+def test_accelerates_accelerator_in_a_cpu_launch_is_one_multi_cpu_job():
+    results = nbaccel.notebook_launcher(accelerates_own_job, num_processes=2, return_all=True, timeout=120)
+    assert results == {0: ("MULTI_CPU", 2, 0, 2.0), 1: ("MULTI_CPU", 2, 1, 2.0)}
+
+
 def fails_the_first_time(marker: str) -> int:
     state = nbaccel.PartialState()
     path = Path(marker)

@@ -104,3 +104,22 @@ def registered_then_dropped(library: str) -> dict:
 def test_the_gradient_state_holds_loaders_weakly():
     ours, theirs = registered_then_dropped("nbaccel"), registered_then_dropped("accelerate")
     assert ours == theirs == {"active while alive": True, "freed": True, "active after": None}
+
+
+def base_dataloaders(library: str) -> dict:
+    data_loader = importlib.import_module(f"{library}.data_loader")
+    loaders = {"skip": data_loader.SkipDataLoader(range(16), batch_size=4, skip_batches=2),
+               "shard": data_loader.DataLoaderShard(range(16), batch_size=4),
+               "dispatcher": data_loader.DataLoaderDispatcher(range(16), batch_size=4)}
+    seen = {name: isinstance(loader.base_dataloader, DataLoader) for name, loader in loaders.items()}
+    try:
+        data_loader.DataLoaderShard.base_dataloader  # noqa: B018 - an instance's attribute, not the class's
+        seen["on the class"] = "found"
+    except AttributeError:
+        seen["on the class"] = "AttributeError"
+    return seen
+
+
+def test_every_loader_has_a_base_dataloader_as_in_accelerate():
+    assert base_dataloaders("nbaccel") == base_dataloaders("accelerate") == {
+        "skip": True, "shard": True, "dispatcher": True, "on the class": "AttributeError"}

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import collections
 import importlib
+import logging
+import types
 import os
 import warnings
 
@@ -222,12 +224,49 @@ def test_save_matches(tmp_path):
     assert ours["meta"] == theirs["meta"] == {"format": "pt"}
 
 
-def test_check_os_kernel_warns_below_5_5_and_is_quiet_here():
+def saved_shared(lib: str, folder, caplog) -> dict:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = self.a
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        utils(lib).save(Tied().state_dict(), folder / f"{lib}.safetensors", safe_serialization=True)
+    from safetensors import safe_open
+
+    with safe_open(folder / f"{lib}.safetensors", "pt") as f:
+        keys = sorted(f.keys())
+    # Accelerate's logger puts "[RANK 0] " first once a state exists
+    return {"keys": keys, "logged": [(r.levelname, "Removed shared tensor" in r.getMessage(), "'b.weight'" in
+                                      r.getMessage()) for r in caplog.records]}
+
+
+def test_save_drops_shared_tensors_and_logs_it_as_accelerate_does(tmp_path, caplog):
+    theirs, ours = (saved_shared(lib, tmp_path, caplog) for lib in LIBRARIES)
+    assert ours == theirs
+    assert ours["keys"] == ["a.bias", "a.weight"] and ours["logged"] == [("WARNING", True, True)]
+
+
+def kernel_logs(lib: str, monkeypatch, caplog) -> list:
+    import platform
+
+    importlib.import_module(lib).PartialState()  # Accelerate's logger needs a state
+    caplog.clear()
+    with monkeypatch.context() as patched:  # Accelerate's own test patches uname the same way
+        patched.setattr(platform, "uname", lambda: types.SimpleNamespace(release="5.4.0-35-generic", system="Linux"))
+        utils(lib).check_os_kernel()
+    return [(r.levelname, "5.4.0" in r.msg, "5.5.0" in r.msg) for r in caplog.records]
+
+
+def test_check_os_kernel_logs_a_warning_below_5_5_and_is_quiet_here(monkeypatch, caplog):
     from accelerate.utils import check_os_kernel as theirs
 
     assert theirs() is None and utils("nbaccel").check_os_kernel() is None
-    with pytest.warns(RuntimeWarning, match="4.19.0"):
-        assert "below the recommended minimum" in utils("nbaccel").check_os_kernel("4.19.0-generic")
+    assert kernel_logs("nbaccel", monkeypatch, caplog) == kernel_logs("accelerate", monkeypatch, caplog) == [
+        ("WARNING", True, True)]
+    assert "below the recommended minimum" in utils("nbaccel").check_os_kernel("4.19.0-generic")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert utils("nbaccel").check_os_kernel("not a version") is None

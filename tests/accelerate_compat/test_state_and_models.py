@@ -45,6 +45,31 @@ def test_reset_state_under_a_live_accelerator_makes_prepare_raise(reset_partial_
     assert ours["first"].startswith("AttributeError: This happens if `AcceleratorState._reset_state()` was called")
 
 
+def after_reset(library: str) -> dict:
+    lib, state = module(library, ""), module(library, "state")
+    state.AcceleratorState._reset_state(reset_partial_state=True)
+    accelerator = lib.Accelerator(cpu=True)
+    state.AcceleratorState._reset_state()
+    seen = {}
+    for name in ("is_main_process", "is_local_main_process", "is_last_process", "use_distributed", "initialized",
+                 "num_processes", "process_index", "local_process_index", "device", "distributed_type",
+                 "mixed_precision"):
+        try:
+            seen[name] = repr(getattr(accelerator.state, name))
+        except AttributeError:
+            seen[name] = "AttributeError"
+    seen["accelerator.is_local_main_process"] = accelerator.is_local_main_process
+    state.AcceleratorState._reset_state(reset_partial_state=True)
+    return seen
+
+
+def test_after_reset_state_the_process_flags_keep_working_as_in_accelerate():
+    """Accelerate's ``test_metrics`` asks ``accelerator.is_local_main_process`` after ``_reset_state()``."""
+    theirs, ours = (after_reset(lib) for lib in LIBRARIES)
+    assert ours == theirs
+    assert ours["is_local_main_process"] == "True" and ours["num_processes"] == "AttributeError"
+
+
 def unwrapped(library: str) -> dict:
     extract = module(library, "utils").extract_model_from_parallel
     inner = nn.Linear(2, 2)

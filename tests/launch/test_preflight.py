@@ -133,3 +133,14 @@ def test_gpu_ids_as_uuids_reach_the_workers(gpus, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aaaa1111,GPU-bbbb2222")
     plan = plan_launch(LaunchConfig(gpu_ids="GPU-bbbb,0"))
     assert (plan.num_processes, plan.visible_gpus) == (2, "GPU-bbbb2222,GPU-aaaa1111")
+
+
+def test_more_cpu_processes_than_cores_gets_a_note_not_a_refusal(gpus):
+    from nbaccel.hardware import cpu_count
+
+    gpus(0)
+    cores = cpu_count()
+    plan = plan_launch(LaunchConfig(num_processes=cores + 1))
+    assert plan.num_processes == cores + 1 and plan.device_kind == "cpu"
+    assert f"nbaccel: {cores + 1} CPU processes on {cores} cores: they take turns" in plan.note
+    assert "take turns" not in (plan_launch(LaunchConfig(num_processes=cores)).note or "")

@@ -75,6 +75,27 @@ def test_output_is_labelled_whole_lines_including_fd_writes(capfd):
     assert all(line.startswith("[rank") for line in out.splitlines() if line)
 
 
+def _torch_warns() -> None:
+    import gc
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2), find_unused_parameters=True)
+    model(torch.ones(1, 2)).sum().backward()  # torch's C++ warns, its line starting "[rankN]:" already
+    del model
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def test_torchs_own_rank_prefix_is_not_doubled(capfd):
+    notebook_launcher(_torch_warns, num_processes=2)
+    err = capfd.readouterr().err
+    for rank in (0, 1):
+        assert f"[rank{rank}]: [W" in err and "find_unused_parameters=True was specified" in err
+    assert "[rank0]: [rank0]:" not in err and "[rank1]: [rank1]:" not in err
+
+
 def test_output_ranks_filter_shows_only_some_ranks(capfd):
     assert notebook_launcher(_talk, num_processes=3, output_ranks=[1], return_all=True) == {0: 0, 1: 1, 2: 2}
     out, _ = capfd.readouterr()

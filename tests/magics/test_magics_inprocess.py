@@ -71,6 +71,27 @@ def test_bad_option_is_a_usage_error_and_nothing_starts(ip, capfd, flags, messag
     assert "ran" not in capfd.readouterr().out
 
 
+@pytest.mark.parametrize(("line", "message"), [
+    ("%%accel_launch --mixedprecision bf16", "%%accel_launch: no flag --mixedprecision. Fix: did you mean "
+                                             "--mixed_precision?"),
+    ("%%accel_launch --num-processes 2", "did you mean --num_processes?"),
+    ("%%accel_launch --gpu_ids 0", "--gpu_ids is a flag of `nbaccel launch`; %%accel_launch does not take it"),
+    ("%%accel_launch --zzz", "%%accel_launch: no flag --zzz. Fix: use one of --num_processes, --mixed_precision"),
+    ("%%accel_launch -n 2 stray", "%%accel_launch: unexpected arguments 'stray'"),
+])
+def test_a_misspelled_flag_names_the_flag_meant(ip, capfd, line, message):
+    result = run(ip, f"{line}\nprint('ran')\n")
+    assert isinstance(result.error_in_exec, UsageError)
+    assert message in str(result.error_in_exec)
+    assert "ran" not in capfd.readouterr().out
+
+
+def test_a_misspelled_line_magic_flag_names_the_flag_meant(ip):
+    result = run(ip, "%accel_workers start --num_procesess 2")
+    assert isinstance(result.error_in_exec, UsageError)
+    assert "%accel_workers: no flag --num_procesess. Fix: did you mean --num_processes?" in str(result.error_in_exec)
+
+
 def test_unsafe_fork_request_is_a_usage_error(ip, monkeypatch):
     monkeypatch.setenv("NBACCEL_ASSUME_UNSAFE_FORK", "1")
     result = run(ip, "%%accel_launch -n 2 --start_method fork\n1\n")

@@ -34,6 +34,19 @@ def test_labelled_output_last_expression_and_out_names(kernel):
     assert result_text(kernel.run("y")) == "7"
 
 
+def test_launch_notes_are_plain_output_not_the_stderr_box(kernel):
+    chosen = kernel.run("%%accel_launch\nimport sys; print('ran', file=sys.stderr)\n")
+    assert error(chosen) is None, chosen.outputs
+    assert "nbaccel: no GPU found; using" in stream_text(chosen)
+    assert "no GPU found" not in stream_text(chosen, "stderr") and "ran" in stream_text(chosen, "stderr")
+    cores = int(result_text(kernel.run("from nbaccel.hardware import cpu_count; cpu_count()")))
+    crowded = kernel.run(f"%%accel_launch -n {cores + 1}\npass\n")
+    assert error(crowded) is None, crowded.outputs
+    assert (f"nbaccel: {cores + 1} CPU processes on {cores} cores: they take turns, so each runs slower. "
+            f"Pass num_processes<={cores} for one per core.") in stream_text(crowded)
+    assert "nbaccel:" not in stream_text(crowded, "stderr")
+
+
 def test_status_panel_is_a_widget_with_a_final_text_form(kernel):
     cell = kernel.run("%%accel_launch -n 2\nprint('step', os.environ['RANK'])\n")
     assert error(cell) is None, cell.outputs

@@ -155,7 +155,7 @@ def test_invalid_reduction_and_split_inputs_are_config_errors():
     with pytest.raises(nbaccel.ConfigError) as info:
         acc.reduce(torch.ones(1), "min")
     assert info.value.value == "min" and info.value.valid == ("sum", "mean", "max", "none")
-    with pytest.raises(TypeError, match="Unsupported type 'str'"):
+    with pytest.raises(TypeError, match=r"Unsupported types \(<class 'str'>\) passed to `_reduce"):
         acc.reduce("not a tensor")
     with pytest.raises(nbaccel.ConfigError):
         acc.on_process(lambda: 1)

@@ -173,6 +173,23 @@ def test_shuffling_agrees_across_ranks_even_with_different_seeds():
     assert sorted(sum(results[0], [])) == list(range(16))
 
 
+def _shuffled_batch_sampler() -> list:
+    from torch.utils.data import RandomSampler
+
+    accelerator = nbaccel.Accelerator()
+    nbaccel.set_seed(accelerator.process_index)
+    data = torch.arange(22)
+    sampler = BatchSampler(RandomSampler(data), batch_size=4, drop_last=False)  # the dataset reads whole batches
+    loader = accelerator.prepare(DataLoader(data, sampler=sampler, batch_size=None))
+    return sum((accelerator.gather_for_metrics(b).tolist() for b in loader), [])
+
+
+def test_a_shuffling_sampler_of_batches_agrees_across_ranks():
+    """Accelerate's test_distributed_data_loop: ``sampler=BatchSampler(RandomSampler(...))`` sees each sample once."""
+    results = launch(_shuffled_batch_sampler, 2)
+    assert sorted(results[0]) == list(range(22)) and results[0] == results[1]
+
+
 @pytest.mark.parametrize("num_processes", [1, 2])
 def test_set_epoch_reaches_a_sampler_and_a_dataset_that_take_it(num_processes):
     sampler, dataset = EpochRecordingSampler(8), EpochRecordingDataset(8)

@@ -260,3 +260,43 @@ def test_the_live_chart_and_each_ranks_bar_update_while_the_launch_runs(lab):
             raise
         finally:
             browser.close()
+
+
+LONG_LINE = ("%%accel_launch -n 2\n"
+             "import os\n"
+             "print('rank', os.environ['RANK'], 'says', 'x' * 300, 'END', flush=True)\n")
+
+
+@pytest.mark.parametrize("lab", [{"cells": ["%load_ext nbaccel", LONG_LINE]}], indirect=True)
+def test_a_300_character_last_line_is_cut_with_an_ellipsis_not_pushed_off_the_edge(lab):
+    from playwright.sync_api import expect, sync_playwright
+
+    url, _, _ = lab
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        page = browser.new_page(viewport={"width": 1000, "height": 900})
+        try:
+            page.goto(url)
+            page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=60_000)
+            expect(page.get_by_text("Python 3 (ipykernel) | Idle")).to_be_visible(timeout=60_000)
+            _run_cell(page, 0)
+            _run_cell(page, 1, wait_ms=120_000)
+            cell = page.locator(".jp-Notebook .jp-Cell").nth(1)
+            panel = cell.locator(".nbaccel-status")
+            expect(panel).to_contain_text("finished", timeout=30_000)
+            last = panel.locator(".nbaccel-last-line").first
+            expect(last).to_have_attribute("title", "rank 0 says " + "x" * 300 + " END")  # the full text on hover
+            for box in (panel, cell.locator(".jp-OutputArea-output").last, panel.locator(".nbaccel-ranks")):
+                sizes = box.evaluate("e => [e.scrollWidth, e.clientWidth]")
+                assert sizes[0] <= sizes[1], sizes  # nothing pushed off the right edge
+            assert last.evaluate("e => e.scrollWidth > e.clientWidth")  # cut, with CSS's ellipsis
+            assert last.evaluate("e => getComputedStyle(e).textOverflow") == "ellipsis"
+            for label in panel.locator(".nbaccel-rank-label").all():
+                assert label.evaluate("e => e.getClientRects().length") == 1  # "rank 0" on one line
+            panel.screenshot(path=str(ARTIFACTS / "status_panel_long_line.png"))
+        except BaseException:
+            page.screenshot(path=str(ARTIFACTS / "browser_failure.png"), full_page=True)
+            raise
+        finally:
+            browser.close()

@@ -104,6 +104,19 @@ def test_field_spec_parsing():
         FieldSpec("timeout", "float", True).parse("soon")
 
 
+def test_the_distributed_type_choices_are_the_kinds_a_launch_takes():
+    from nbaccel.distributed_type import LAUNCHABLE_TYPES
+
+    specs = {s.name: s for s in field_specs()}
+    assert specs["distributed_type"].choices == ("NO", "MULTI_CPU", "MULTI_GPU", "XLA", "FSDP", "DEEPSPEED")
+    assert specs["distributed_type"].choices == tuple(t.value for t in LAUNCHABLE_TYPES)
+    pytest.importorskip("ipywidgets")
+    panel = ConfigPanel(LaunchConfig(), path="/x.yaml")
+    panel.widget()
+    shown = panel._editors["distributed_type"].options
+    assert "MULTI_NPU" not in shown and "MEGATRON_LM" not in shown and "MULTI_CPU" in shown
+
+
 def test_without_ipywidgets_the_panel_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "ipywidgets", None)
     panel = ConfigPanel(LaunchConfig(), path="/x.yaml")
