@@ -69,9 +69,8 @@ ASSUME_UNSAFE_FORK = "NBACCEL_ASSUME_UNSAFE_FORK"
 """``1`` makes launches spawn as if fork were unsafe (:func:`nbaccel.hardware.fork_unsafe_reason`)."""
 _TORCHRUN_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK",
                   "MASTER_ADDR", "MASTER_PORT")
-_OUTER_JOB_KEYS = frozenset((*_TORCHRUN_KEYS, "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME",
-                             "ROLE_WORLD_SIZE"))
-"""What torchrun sets for a rank: in a process that launches, they describe the outer job, never the inner one."""
+# what torchrun sets for a rank: in a process that launches, they describe the outer job, never the inner one
+_OUTER_JOB_KEYS = frozenset((*_TORCHRUN_KEYS, "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE"))
 
 
 @dataclass(frozen=True)
@@ -146,8 +145,7 @@ def worker_environment(settings: WorkerSettings, dist: DistributedEnv | None = N
         f"{_PREFIX}MIXED_PRECISION": settings.mixed_precision,
         "ACCELERATE_MIXED_PRECISION": settings.mixed_precision,  # what Accelerate's own code in a worker reads
         f"{_PREFIX}USE_CPU": "1" if settings.use_cpu else "0",
-        # Accelerate's AcceleratorState picks MULTI_CPU only with cpu=True, which `accelerate launch --cpu` sets so
-        "ACCELERATE_USE_CPU": "true" if settings.use_cpu else "false",
+        "ACCELERATE_USE_CPU": "true" if settings.use_cpu else "false",  # Accelerate's MULTI_CPU needs it
         f"{_PREFIX}DISTRIBUTED_TYPE": str(settings.distributed_type),
         f"{_PREFIX}NUM_MACHINES": str(settings.num_machines),
         f"{_PREFIX}FSDP_CONFIG": json.dumps(dict(settings.fsdp_config)),

@@ -29,8 +29,8 @@ def cell_label(default: str) -> str:
         return default
     shell = shell_module.InteractiveShell.instance()
     running = getattr(shell.displayhook, "exec_result", None)  # this cell's In[N], however counted
-    number = getattr(running, "execution_count", None) or shell.execution_count
-    return f"In[{number}]"
+    number = getattr(running, "execution_count", None)
+    return f"In[{number}]" if number else default  # a shell that runs no cell now (a script, a test)
 
 
 def _title(kind: str, n: int, cell: str) -> str:
