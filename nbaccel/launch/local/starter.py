@@ -11,6 +11,7 @@ import gc
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -65,9 +66,16 @@ def start_forked(function: Callable[..., Any], args: Sequence[Any], kwargs: Mapp
         for rank, env in enumerate(envs):
             (ctl_r, ctl_w), (out_r, out_w), (err_r, err_w) = pipes[rank]
             own = {ctl_w, out_w, err_w}
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: fork with threads
-                pid = os.fork()
+            # Ctrl-C is held off across the fork: raised inside the parent's after-fork callbacks
+            # (logging's lock release) it is printed as "Exception ignored" and lost, and the
+            # launch would run on; held, it is raised at the unblock below, where it stops the launch.
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: fork with threads
+                    pid = os.fork()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             if pid == 0:  # the worker; never returns
                 os.setpgid(0, 0)  # its own group: what it starts is stopped with it, and a terminal's or
                 # Jupyter's interrupt reaches the launcher, which stops the workers in order
