@@ -165,6 +165,8 @@ class Supervisor:
 
     def _pump(self, wait: float) -> None:
         for key, _ in self._selector.select(wait):
+            if self._selector.get_map().get(key.fd) is not key:
+                continue  # an earlier read of this batch consumed it (a display mark drains the control pipe)
             handle, kind = key.data
             self._read(handle, kind, key.fd)
         self.relay.tick()  # lines written less than a flush interval ago go out now
