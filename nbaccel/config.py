@@ -259,7 +259,7 @@ def _check_type(name: str, value: Any, tp: Any) -> None:
                 continue
         raise ConfigError(f"{name!r} must be one of {[_type_name(o) for o in options]} (got {value!r})",
                           key=name, value=value, valid=options)
-    if origin is Literal or isinstance(tp, type) and issubclass(tp, enum.Enum):
+    if origin is Literal or (isinstance(tp, type) and issubclass(tp, enum.Enum)):
         choices = get_args(tp) if origin is Literal else tuple(m.value for m in tp)
         if tp is DistributedType:  # it names other hardware too; a launch takes only what nbaccel runs
             choices = tuple(m.value for m in LAUNCHABLE_TYPES)
@@ -287,10 +287,9 @@ def _check_type(name: str, value: Any, tp: Any) -> None:
             raise ConfigError(f"{name!r} must be a string (got {value!r} of type {type(value).__name__})",
                               key=name, value=value, valid="a string")
         return
-    if origin in (Mapping, dict) or tp is Mapping:
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{name!r} must be a mapping (got {value!r} of type {type(value).__name__})",
-                              key=name, value=value, valid="a mapping")
+    if (origin in (Mapping, dict) or tp is Mapping) and not isinstance(value, Mapping):
+        raise ConfigError(f"{name!r} must be a mapping (got {value!r} of type {type(value).__name__})",
+                          key=name, value=value, valid="a mapping")
 
 
 def _check_combinations(cfg: LaunchConfig) -> None:
@@ -322,7 +321,8 @@ def _check_combinations(cfg: LaunchConfig) -> None:
                   "the cluster), or use backend='local' for torch elastic.", 1)
     if cfg.backend == "ray" and cfg.distributed_type in ("XLA", "DEEPSPEED"):
         raise bad("distributed_type", f"backend='ray' runs CPU or GPU ranks, not distributed_type="
-                  f"'{cfg.distributed_type}'. Fix: use backend='local' for it.", ("NO", "MULTI_CPU", "MULTI_GPU", "FSDP"))
+                  f"'{cfg.distributed_type}'. Fix: use backend='local' for it.",
+                  ("NO", "MULTI_CPU", "MULTI_GPU", "FSDP"))
     if cfg.gpu_ids != "all":
         parts = [p.strip() for p in cfg.gpu_ids.split(",")]
         if not all(p.isdigit() or re.fullmatch(r"(GPU|MIG)-[\w\-/]+", p) for p in parts):

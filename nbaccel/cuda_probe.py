@@ -25,6 +25,7 @@ import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import ModuleType
 
 from nbaccel.errors import ConfigError
 
@@ -102,7 +103,7 @@ def gpu_driver_present() -> bool:
     return True
 
 
-def _torch_with_cuda():  # -> the torch module, or None: no GPU driver, no torch, or a CPU build
+def _torch_with_cuda() -> ModuleType | None:  # None: no GPU driver, no torch, or a CPU build
     torch = sys.modules.get("torch")
     if torch is None:
         if not gpu_driver_present() or importlib.util.find_spec("torch") is None:
@@ -244,7 +245,8 @@ def select_gpus(gpu_ids: str, visible: int, env: Mapping[str, str] | None = None
                                list(range(visible)))
             chosen.append(parent[int(item)] if parent is not None else item)
             continue
-        matches = [p for p in parent if p.startswith(item)] if parent is not None and not parent[0].isdigit() else [item]
+        matches = ([p for p in parent if p.startswith(item)]
+                   if parent is not None and not parent[0].isdigit() else [item])
         if len(matches) != 1:
             raise _bad_ids(gpu_ids, f"names {item!r}, which {'matches several' if matches else 'matches none'} of the "
                            f"visible GPUs {parent}", "give a full UUID from `nvidia-smi -L`", parent)

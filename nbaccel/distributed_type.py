@@ -50,7 +50,8 @@ class DistributedType(str, enum.Enum):
         return format(self.value, format_spec)
 
 
-LAUNCHABLE_TYPES: tuple[DistributedType, ...] = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU,
+LAUNCHABLE_TYPES: tuple[DistributedType, ...] = (DistributedType.NO, DistributedType.MULTI_CPU,
+                                                 DistributedType.MULTI_GPU,
                                                  DistributedType.XLA, DistributedType.FSDP, DistributedType.DEEPSPEED)
 """The kinds of job nbaccel can launch and run; the other members name hardware it has no engine for."""
 

@@ -67,10 +67,10 @@ FORCE_TPU = "NBACCEL_TPU"
 """``1``/``0`` overrides TPU detection (:func:`nbaccel.hardware.tpu_detected`)."""
 ASSUME_UNSAFE_FORK = "NBACCEL_ASSUME_UNSAFE_FORK"
 """``1`` makes launches spawn as if fork were unsafe (:func:`nbaccel.hardware.fork_unsafe_reason`)."""
-_TORCHRUN_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK",
-                  "MASTER_ADDR", "MASTER_PORT")
+_TORCHRUN_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
 # what torchrun sets for a rank: in a process that launches, they describe the outer job, never the inner one
-_OUTER_JOB_KEYS = frozenset((*_TORCHRUN_KEYS, "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE"))
+_OUTER_JOB_KEYS = frozenset((*_TORCHRUN_KEYS, "GROUP_RANK", "GROUP_WORLD_SIZE",
+                               "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE"))
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,7 @@ def env_flag(env: Mapping[str, str], name: str) -> bool:
 
 
 def str_to_bool(value: str, to_bool: bool = False) -> int | bool:
-    """Accelerate's ``str_to_bool``: ``"yes"``/``"true"``/``"on"``/``"1"``... -> 1, the negatives -> 0 (bools with ``to_bool``).
+    """Accelerate's ``str_to_bool``: ``"yes"``/``"true"``/``"on"``/``"1"``... -> 1, negatives -> 0 (or bools).
 
     Raises:
         ValueError: any other text, as in Accelerate.

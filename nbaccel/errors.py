@@ -168,7 +168,7 @@ class WorkerFailedError(LaunchError):
             self.failures = tuple(failures)
 
     @property
-    def root_cause(self):  # -> WorkerFailure | None
+    def root_cause(self):  # noqa: ANN201 - a WorkerFailure | None: naming it would import launch/ here
         """The earliest failure (the first of :attr:`failures`)."""
         return self.failures[0] if self.failures else None
 

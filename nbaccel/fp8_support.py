@@ -39,7 +39,8 @@ def require_torchao(needed_for: str) -> None:
 def _refuse(where: str, capability: tuple[int, int] | None, value: object) -> ConfigError:
     have = f"compute capability {capability[0]}.{capability[1]}" if capability else "no CUDA GPU"
     return ConfigError(f"mixed_precision='fp8' needs NVIDIA GPUs of compute capability "
-                       f"{FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} or newer (Ada, Hopper, Blackwell), but {where} "
+                       f"{FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} or newer (Ada, Hopper, Blackwell), "
+                       f"but {where} "
                        f"has {have}. Fix: use mixed_precision='bf16' (or 'fp16' on GPUs without bf16)",
                        key="mixed_precision", value=value, valid=("no", "fp16", "bf16"))
 

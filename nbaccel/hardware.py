@@ -65,7 +65,8 @@ def cpu_count() -> int:
 
 
 def cuda_device_count() -> int:
-    """Visible CUDA devices, counted without initializing CUDA or poisoning fork here (see :mod:`nbaccel.cuda_probe`)."""
+    """Visible CUDA devices, counted without initializing CUDA
+    or poisoning fork here (see :mod:`nbaccel.cuda_probe`)."""
     from nbaccel.cuda_probe import cuda_device_count as count
 
     return count()

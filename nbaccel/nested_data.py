@@ -38,7 +38,8 @@ __all__ = [
 ]
 
 
-def recursively_apply(func: Callable[..., Any], data: Any, *args: Any, test_type: Callable[[Any], bool] = torch.is_tensor,
+def recursively_apply(func: Callable[..., Any], data: Any, *args: Any,
+                      test_type: Callable[[Any], bool] = torch.is_tensor,
                       error_on_other_type: bool = False, **kwargs: Any) -> Any:
     """Apply ``func`` to every leaf of ``data`` that passes ``test_type``, keeping the nesting.
 

@@ -170,7 +170,8 @@ class ProcessState:
 
     # ------------------------------------------------------------------ process group
     def init_process_group(self) -> None:
-        """Join the process group from the environment (``env://``); only make this rank's GPU current if joined already.
+        """Join the process group from the environment (``env://``);
+        only make this rank's GPU current if joined already.
 
         Whoever made an existing group (user code, a pool, a script's own ``init_process_group``),
         this rank's current CUDA device is set from its local rank: otherwise every rank's stays

@@ -100,7 +100,8 @@ def load(f: Any, map_location: Any = None, **kwargs: Any) -> Any:
     Unlike :func:`load_state_file`, torch's own errors come through unchanged, as in Accelerate.
 
     Example:
-        >>> import io; buffer = io.BytesIO(); torch.save({"state": np.arange(2, dtype=np.uint32)}, buffer); _ = buffer.seek(0)
+        >>> import io; buffer = io.BytesIO()
+        >>> torch.save({"state": np.arange(2, dtype=np.uint32)}, buffer); _ = buffer.seek(0)
         >>> load(buffer)
         {'state': array([0, 1], dtype=uint32)}
     """

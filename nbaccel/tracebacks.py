@@ -15,7 +15,8 @@ from collections.abc import Mapping
 __all__ = ["clean_traceback"]
 
 _FRAME = re.compile(r'^  File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
-_MACHINERY = re.compile(r"(^<frozen runpy>|[/\\](nbaccel[/\\](launch|cli|magics)[/\\](?:[^/\\]+[/\\])*[^/\\]+\.py|runpy\.py|"
+_MACHINERY = re.compile(r"(^<frozen runpy>|[/\\](nbaccel[/\\](launch|cli|magics)[/\\](?:[^/\\]+[/\\])*[^/\\]+\.py|"
+                        r"runpy\.py|"
                         r"torch[/\\]distributed[/\\]elastic[/\\].+\.py))$")
 
 

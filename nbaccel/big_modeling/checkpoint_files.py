@@ -11,13 +11,15 @@ forward pass, maps its own pages (:func:`map_tensor`) and unmaps them when dropp
 truncated or corrupt file is found from the header before any weight is loaded; so are headers
 nested deeper than a writer makes them, and tensors whose bytes overlap or leave the data section.
 Only regular files are read: a FIFO, a device or a directory named like a checkpoint file is refused
-by name before any read (a FIFO would block every load, and Ctrl-C with it). ``.bin``/``.pt`` pickles are loaded with ``weights_only=True`` only
+by name before any read (a FIFO would block every load, and Ctrl-C with it).
+``.bin``/``.pt`` pickles are loaded with ``weights_only=True`` only
 (memory-mapped when saved in torch's zip format): a pickle that would run code is refused, and
 its code never runs.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import mmap
@@ -272,7 +274,7 @@ class SafetensorsFile:
         """Two tensors sharing bytes would alias each other once mapped; a writer never makes that."""
         spans = sorted((info.offset - self._data_start, info.offset - self._data_start + info.nbytes, name)
                        for name, info in self.tensors.items() if info.nbytes)
-        for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+        for (_, end, first), (begin, _, second) in itertools.pairwise(spans):
             if begin < end:
                 raise self._corrupt(f"tensors {first!r} and {second!r} overlap (data bytes {begin}..{end} are "
                                     "claimed by both)", key=second)

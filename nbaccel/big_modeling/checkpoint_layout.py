@@ -91,7 +91,7 @@ def _index_files(index: Path) -> tuple[list[str], dict[str, str]]:
         with regular_file(index) as name:
             data = json.loads(Path(name).read_text())
         # transformers writes {"metadata": ..., "weight_map": {...}}; Accelerate also takes the bare mapping
-        weight_map = data["weight_map"] if "weight_map" in data else data
+        weight_map = data.get("weight_map", data)
         if not isinstance(weight_map, dict) or not weight_map or not all(
                 isinstance(v, str) for v in weight_map.values()):
             raise TypeError

@@ -15,6 +15,7 @@ background thread before it computes. The map is recorded as ``model.hf_device_m
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -190,7 +191,7 @@ def _chain_prefetch(hooks: Sequence[tuple[AlignDevicesHook, list[str]]],
     stream)."""
     if device is not None and device.type == "cuda":
         stream_offloaded(hooks, device, slots=slots, blocks=blocks)
-    for (hook, _), (nxt, names) in zip(hooks, hooks[1:]):
+    for (hook, _), (nxt, names) in itertools.pairwise(hooks):
         prefetch = getattr(nxt.weights_map, "prefetch", None)
         if prefetch is not None and names:
             hook.prefetch = functools.partial(prefetch, names)
@@ -271,7 +272,7 @@ def dispatch_model(model: nn.Module, device_map: Mapping[str, Device],
     loader = _weights_map(model, offloaded_names, state_dict, offload_dir, offload_index) \
         if offloaded_names else None
     chain, blocks, no_split = [], [], no_split_classes(model, no_split_module_classes)
-    for entry, site, device, place, names in sites:
+    for _entry, site, device, place, names in sites:
         offload = device in offloaded
         hook = AlignDevicesHook(
             execution_device=_torch_device(main if offload else device), offload=offload,

@@ -8,7 +8,8 @@ the file, its pages mapped in at load (so processes on one machine share them); 
 or a file off that alignment, copies, on one thread pool for the whole load (:mod:`.cpu_copies`;
 a cast reads straight from the file's map). GPU weights are read by reader threads
 into their own pinned buffers, for all GPUs at once (:mod:`.device_reads`). A checkpoint of several
-files shows a "Loading checkpoint shards" bar (:mod:`.load_progress`). Weights mapped to ``"disk"`` that live in a safetensors
+files shows a "Loading checkpoint shards" bar (:mod:`.load_progress`).
+Weights mapped to ``"disk"`` that live in a safetensors
 file are not read either: the offload index points into the checkpoint's own file. Weights from
 ``.bin``/``.pt`` pickles come from ``torch.load`` (memory-mapped where its format allows) and are
 copied into the offload folder when offloaded. An error or an interrupt (Ctrl-C) part-way puts

@@ -239,7 +239,8 @@ def clean_device_map(device_map: dict[str, int | str | torch.device], module_nam
             del device_map[key]
         device_map[module_name] = values[0]
     depth = len(module_name.split(".")) + 1 if module_name else 1
-    children = {".".join(k.split(".")[:depth]) for k in device_map if k.startswith(prefix) and len(k) > len(module_name)}
+    children = {".".join(k.split(".")[:depth])
+                for k in device_map if k.startswith(prefix) and len(k) > len(module_name)}
     for child in children:
         clean_device_map(device_map, module_name=child)
     return device_map
@@ -284,7 +285,8 @@ def _device_of(name: str, device_map: Mapping[str, object]) -> object:
     return device_map[name]
 
 
-def check_tied_parameters_on_same_device(tied_params: Sequence[Sequence[str]], device_map: Mapping[str, object]) -> None:
+def check_tied_parameters_on_same_device(tied_params: Sequence[Sequence[str]],
+                                          device_map: Mapping[str, object]) -> None:
     """Warn (in the log, as Accelerate does) about tied parameters that ``device_map`` puts on different devices."""
     for group in tied_params:
         devices = {name: _device_of(name, device_map) for name in group}
@@ -307,7 +309,8 @@ def calculate_maximum_sizes(model: nn.Module) -> tuple[int, tuple[int, list[str]
 
 
 def clean_state_dict_for_safetensors(state_dict: dict) -> dict:
-    """``state_dict`` ready for safetensors: of tensors sharing storage only the first name kept (logged), all contiguous.
+    """``state_dict`` ready for safetensors: of tensors sharing storage only the first name kept (logged),
+    all contiguous.
 
     Example:
         >>> w = torch.ones(2, 2); sorted(clean_state_dict_for_safetensors({"a": w, "b": w, "c": w.t()}))
@@ -326,7 +329,8 @@ def clean_state_dict_for_safetensors(state_dict: dict) -> dict:
     return {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in state_dict.items()}
 
 
-def load_offloaded_weights(model: nn.Module, index: Mapping[str, dict] | None, offload_folder: str | os.PathLike) -> None:
+def load_offloaded_weights(model: nn.Module, index: Mapping[str, dict] | None,
+                           offload_folder: str | os.PathLike) -> None:
     """Load the weights an offload ``index`` lists (``<name>.dat`` files in ``offload_folder``) into ``model`` on CPU.
 
     Differs from Accelerate: bitsandbytes ``SCB`` statistics are not handled (nbaccel does not

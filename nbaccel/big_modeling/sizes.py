@@ -241,7 +241,8 @@ def planning_budget(max_memory: MaxMemory | None = None) -> dict[int | str, int]
     """
     if max_memory is None or not isinstance(max_memory, Mapping):
         return get_max_memory(max_memory)
-    return _sorted_budget({_device_key(key, _gpu_count(), planning=True): convert_file_size_to_int(size, key="max_memory")
+    return _sorted_budget({_device_key(key, _gpu_count(), planning=True):
+                           convert_file_size_to_int(size, key="max_memory")
                            for key, size in max_memory.items()})
 
 

@@ -1,4 +1,4 @@
-"""`load_state_dict`: one checkpoint file (safetensors or a torch pickle) read into a state dict, tensors on their devices.
+"""`load_state_dict`: one checkpoint file (safetensors or a torch pickle) read into a state dict on its devices.
 
 Accelerate's ``load_state_dict(checkpoint_file, device_map=None)``: with a device map each tensor
 is read onto the device its module is mapped to (``"disk"`` ones onto the CPU, to be offloaded);
@@ -56,7 +56,7 @@ def _read_safetensors(path: str, name: str, device_map: Mapping[str, int | str |
         if not metadata:
             logger.warning("The safetensors archive passed at %s does not contain metadata; reading it as 'pt'.", path)
         result = {}
-        for key in f.keys():
+        for key in f.keys():  # noqa: SIM118 - a safetensors file handle, not a dict: it has keys() only
             device = "cpu" if device_map is None else device_for(key, device_map, "cpu")
             device = "cpu" if device == "disk" else device
             result[key] = f.get_tensor(key).to(device if not isinstance(device, int) else f"cuda:{device}")

@@ -140,7 +140,8 @@ def named_module_tensors(module: nn.Module, include_buffers: bool = True, recurs
         skip: set[str] = set()
         if remove_non_persistent:
             modules = module.named_modules() if recurse else [("", module)]
-            skip = {f"{prefix}.{b}" if prefix else b for prefix, sub in modules for b in sub._non_persistent_buffers_set}
+            skip = {f"{prefix}.{b}" if prefix else b
+                    for prefix, sub in modules for b in sub._non_persistent_buffers_set}
         yield from ((n, b) for n, b in module.named_buffers(recurse=recurse, remove_duplicate=False) if n not in skip)
 
 

@@ -186,7 +186,8 @@ def ask_config(base: LaunchConfig, inp: TextIO, out: TextIO) -> LaunchConfig:
                       "yes" if base.use_cpu or not gpus else "no")
     default_n = base.num_processes or (gpus if gpus and not use_cpu else min(cpu_count(), _MAX_DEFAULT_CPU_PROCESSES))
     n = ask.ask("How many processes on this machine?", default_n, _int_in(1))
-    gpu_ids = ask.ask("Which GPUs (for example 0,1, or all)?", base.gpu_ids, _gpu_ids) if gpus and not use_cpu else "all"
+    gpu_ids = (ask.ask("Which GPUs (for example 0,1, or all)?", base.gpu_ids, _gpu_ids) if gpus and not use_cpu
+               else "all")
     precisions = get_args(MixedPrecision)
     mixed = ask.ask(f"Mixed precision ({'/'.join(precisions)})?", base.mixed_precision, _choice(precisions))
     method = ask.ask("Start method (auto/fork/spawn)?", base.start_method or "auto", _choice(("auto", "fork", "spawn")))

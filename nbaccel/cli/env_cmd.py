@@ -121,7 +121,8 @@ def _where_lines() -> list[str]:
 def _config_lines(config_file: str | os.PathLike[str] | None) -> list[str]:
     path = Path(config_file) if config_file is not None else config_file_path()
     if not path.exists() and config_file is None:
-        cfg, where = LaunchConfig(), f"- Config file: {path} (not written yet: nbaccel's defaults, `nbaccel config` writes one)"
+        cfg, where = LaunchConfig(), (f"- Config file: {path} (not written yet: "
+                                      "nbaccel's defaults, `nbaccel config` writes one)")
     else:
         try:
             cfg, where = load_config(path), f"- Config file: {path}"

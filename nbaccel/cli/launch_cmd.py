@@ -241,7 +241,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _dry_run(cfg: LaunchConfig, args: argparse.Namespace) -> int:
     import yaml
 
-    print(f"nbaccel launch (dry run): {'-m ' if args.module else ''}{args.script} {' '.join(args.script_args)}".rstrip())
+    command = f"{'-m ' if args.module else ''}{args.script} {' '.join(args.script_args)}"
+    print(f"nbaccel launch (dry run): {command}".rstrip())
     sys.stdout.write(yaml.safe_dump(cfg.to_mapping(), sort_keys=True))
     return 0
 
@@ -274,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
         if code is None:
             raise
         return code
-    except BaseException as exc:  # noqa: BLE001 - a worker's own exception type, re-raised here
+    except BaseException as exc:  # a worker's own exception type, re-raised here
         code = report_failure(exc, "nbaccel launch")
         if code is None:
             sigval = getattr(exc, "sigval", None)  # torch elastic's SignalException

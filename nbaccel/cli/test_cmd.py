@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     except LaunchTimeoutError as exc:
         print(f"nbaccel test: FAILED: the check did not finish ({exc.reason}).\n{exc}", file=sys.stderr, flush=True)
         return 1
-    except BaseException as exc:  # noqa: BLE001 - any worker failure is the verdict
+    except BaseException as exc:  # any worker failure is the verdict
         code = report_failure(exc, "nbaccel test", trim=False)
         if code is None:
             raise

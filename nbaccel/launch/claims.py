@@ -142,7 +142,8 @@ def cancel_holders(resources: Iterable[str]) -> list[int]:
     """Cancel the background runs holding any of ``resources`` (their pool or warm rank is being closed); their ids."""
     wanted, mine = frozenset(resources), getattr(_mine, "token", None)
     with _lock:
-        holders = [c for c in _claims.values() if c.token != mine and c.cancel is not None and _overlap(wanted, c.resources)]
+        holders = [c for c in _claims.values() if c.token != mine
+                   and c.cancel is not None and _overlap(wanted, c.resources)]
     for holder in holders:  # outside the lock: a cancel waits for the run's thread, which releases its claim
         holder.cancel()  # type: ignore[misc]
     return [holder.run_id for holder in holders]

@@ -197,7 +197,8 @@ def raise_failures(failures: Sequence[WorkerFailure], world_size: int,
 
 
 def _unrebuilt(root: WorkerFailure, why: str) -> str:
-    return f"rank {root.rank}'s {root.exc_type} could not be rebuilt here ({why}), so it is raised as a WorkerFailedError."
+    return (f"rank {root.rank}'s {root.exc_type} could not be rebuilt here ({why}), "
+            "so it is raised as a WorkerFailedError.")
 
 
 def _not_raised_here(exc: BaseException, rank: int) -> str:

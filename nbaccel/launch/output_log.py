@@ -42,7 +42,7 @@ class RankLogs:
             if self._folder is None:
                 stamp = time.strftime("%Y%m%d-%H%M%S")
                 self._folder = Path(tempfile.mkdtemp(prefix=f"nbaccel-output-{stamp}-"))  # 0700
-            handle = self._files[rank] = open(self._folder / f"rank{rank}.log", "a", encoding="utf-8",
+            handle = self._files[rank] = open(  # noqa: SIM115 - kept open across writes, closed by close()self._folder / f"rank{rank}.log", "a", encoding="utf-8",
                                               errors="replace")
         return handle
 

@@ -99,7 +99,7 @@ def dumps_payload(function: Callable[..., Any], args: Sequence[Any], kwargs: Map
     """
     try:
         return cloudpickle.dumps((function, tuple(args), dict(kwargs)), protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         found = _find_culprit(function, args, kwargs)
         if found is None:
             path, obj, error = "the function", function, exc
@@ -140,7 +140,7 @@ def load_result(rank: int, data: bytes) -> Any:
     """Unpickle rank ``rank``'s return value, or say plainly why it cannot live in this process."""
     try:
         return loads(data)
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure gets the same explanation
+    except Exception as exc:  # any unpickling failure gets the same explanation
         missing = f" (module {exc.name!r} is not importable here)" if isinstance(exc, ImportError) and exc.name else ""
         raise LaunchError(
             f"rank {rank} finished, but its return value cannot be unpickled in this process{missing}: "

@@ -104,7 +104,8 @@ def unpack_exception(data: bytes) -> BaseException:
 
 def _rebuild(kind: type[BaseException], args: tuple, state: dict,
              made: type[BaseException] | None = None) -> BaseException:
-    """An instance of ``made`` (default ``kind``) holding ``args`` and ``state``, without ``kind``'s own ``__init__``."""
+    """An instance of ``made`` (default ``kind``) holding ``args`` and ``state``,
+    without ``kind``'s own ``__init__``."""
     made = made or kind
     exc = made.__new__(made, *args)
     # A built-in type's __init__ only stores its arguments (UnicodeError's fields, say); a user's own

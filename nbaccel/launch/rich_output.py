@@ -70,7 +70,8 @@ def _print_text(rank: int, kind: DisplayKind, body: dict[str, Any]) -> None:
 
 
 class CellPublisher:
-    """Publishes one launch's worker displays in the caller (an :class:`~nbaccel.launch.output.OutputRelay` ``on_display``).
+    """Publishes one launch's worker displays in the caller
+    (an :class:`~nbaccel.launch.output.OutputRelay` ``on_display``).
 
     ``clear_output`` from a worker clears what *that rank* displayed in this launch, not the whole
     cell: the other ranks' output, the printed lines and the status panel stay (a notebook's own

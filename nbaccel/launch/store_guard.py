@@ -19,7 +19,8 @@ What always holds once :meth:`StoreGuard.start` returned: every connection the r
 serves is the store's own (made before the filter, and checked to be ours) or one the relay made
 for a checked rank. The filter lists only ports the relay holds bound at that moment: a port is
 added before the relay's socket connects and removed before it closes, so a port freed by a
-closing pair (a pool task's ``destroy_process_group()``) never lets in whoever binds it next. Where the kernel answers neither by netlink nor in ``/proc/net/tcp`` (not
+closing pair (a pool task's ``destroy_process_group()``) never lets in whoever binds it next.
+Where the kernel answers neither by netlink nor in ``/proc/net/tcp`` (not
 Linux) the front cannot check, and accepts (said in SECURITY.md).
 """
 
@@ -51,7 +52,7 @@ def _filter_program(ports: Collection[int]) -> list[tuple[int, int, int, int]]:
                (0x28, 0, 0, 0)]                                 # A = source port
     for port in sorted(ports):
         program += [(0x15, 0, 1, port), (0x06, 0, 0, 0xFFFFFFFF)]  # one of ours: accept
-    return program + [(0x06, 0, 0, 0)]
+    return [*program, (0x06, 0, 0, 0)]
 
 
 def _attach_filter(sock: socket.socket, ports: Collection[int]) -> None:

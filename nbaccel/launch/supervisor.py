@@ -268,7 +268,8 @@ class Supervisor:
         elif handle.exitcode == 0:
             message = "exited with code 0 before returning (sys.exit(0) or os._exit(0) outside the function's return)"
         else:
-            message = "the process exited without reporting an exception (os._exit, a crash in native code, or an OOM kill)"
+            message = ("the process exited without reporting an exception "
+                       "(os._exit, a crash in native code, or an OOM kill)")
         return WorkerFailure(
             rank=handle.rank, pid=handle.pid, time=error.get("time", time.time()), exitcode=handle.exitcode,
             signal=handle.signal, message=error.get("message", message),

@@ -292,7 +292,7 @@ class AccelMagics(Magics):
             if not isinstance(exc, WorkerFailedError):
                 raise _usage(exc) from None
             raise attach_renderer(exc, self.shell)  # noqa: B904 - a worker's own ConfigError
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - re-raised as it is, with a renderer attached
             raise attach_renderer(exc, self.shell)  # noqa: B904 - keep the worker's exception as it is
 
     def _finish(self, results: Any, out_names: Sequence[str], all_ranks: bool, cell: str) -> Any:

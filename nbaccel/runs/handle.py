@@ -179,7 +179,8 @@ class LaunchRun:
 
     def _settle(self, outcome: tuple[str, Any]) -> None:
         if self._cancelled and outcome[0] == "error" and type(outcome[1]) is KeyboardInterrupt and not outcome[1].args:
-            outcome = ("error", KeyboardInterrupt(f"run {self.id} was cancelled (run.cancel()); every rank was stopped"))
+            outcome = ("error", KeyboardInterrupt(f"run {self.id} was cancelled (run.cancel()); "
+                                                  "every rank was stopped"))
         self._outcome = outcome
         self.ended = time.time()
         if self.record.ok is None:  # the launch failed before its workers started: no on_end came
@@ -193,7 +194,8 @@ class LaunchRun:
 
     def __repr__(self) -> str:
         how = "background" if self.background else "blocking"
-        return (f"<LaunchRun {self.id}: {self.state}, {self.num_processes} rank{'s' if self.num_processes != 1 else ''}, "
+        return (f"<LaunchRun {self.id}: {self.state}, "
+                f"{self.num_processes} rank{'s' if self.num_processes != 1 else ''}, "
                 f"{self.cell}, {how}, {self.elapsed():.1f} s; run.show() shows it live, %accel_runs lists runs>")
 
 

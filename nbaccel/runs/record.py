@@ -180,7 +180,7 @@ class RunRecord(LaunchStatus):
             for view in views:
                 try:
                     view.on_end(ok)
-                except Exception:  # noqa: BLE001, S112 - one broken view must not hide the others' end
+                except Exception:  # noqa: BLE001 - one broken view must not hide the others' end
                     continue
 
     # ------------------------------------------------------------------ output
@@ -202,7 +202,8 @@ class RunRecord(LaunchStatus):
     def _open_log(self, rank: int, kept: deque[str]) -> IO[str]:
         if self._folder is None:
             self._folder = Path(tempfile.mkdtemp(prefix="nbaccel-run-"))  # 0700: the user's own
-        handle = self._logs[rank] = open(self._folder / f"rank{rank}.log", "a", encoding="utf-8", errors="replace")
+        handle = self._logs[rank] = open(  # noqa: SIM115 - kept open across writes, closed at the run's end
+            self._folder / f"rank{rank}.log", "a", encoding="utf-8", errors="replace")
         handle.write("".join(line + "\n" for line in kept))
         handle.flush()
         return handle

@@ -122,7 +122,7 @@ def _has_marker(fd: int) -> bool:
 def _accelerate_layout(fd: int) -> bool:
     """Written by Accelerate: no marker, but its file names."""
     names = os.listdir(fd)
-    return (any(n.startswith("model") for n in names) and "optimizer.bin" in names
+    return ((any(n.startswith("model") for n in names) and "optimizer.bin" in names)
             or any(n.startswith("random_states_") and n.endswith(".pkl") for n in names))
 
 

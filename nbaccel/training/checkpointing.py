@@ -167,7 +167,8 @@ def save_model_shards(state_dict: Mapping[str, Any], save_directory: Path, max_s
     base = SAFE_WEIGHTS if safe_serialization else TORCH_WEIGHTS
     stem, ext = base.rsplit(".", 1)
     save_directory.mkdir(parents=True, exist_ok=True)
-    names = [base] if len(shards) == 1 else [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.{ext}" for i in range(len(shards))]
+    names = ([base] if len(shards) == 1
+             else [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.{ext}" for i in range(len(shards))])
     pattern = re.compile(rf"{re.escape(stem)}(-\d{{5}}-of-\d{{5}})?\.{re.escape(ext)}(\.index\.json)?")
     for old in save_directory.iterdir():
         if old.is_file() and pattern.fullmatch(old.name) and old.name not in names:

@@ -164,7 +164,8 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
 
     # ------------------------------------------------------------------ iteration
     def begin(self) -> None:
-        """Start a pass (:class:`DataLoaderStateMixin`), the remainder counted unless the source drops its last batch."""
+        """Start a pass (:class:`DataLoaderStateMixin`),
+        the remainder counted unless the source drops its last batch."""
         self._drop_last = self.source_drop_last
         super().begin()
 

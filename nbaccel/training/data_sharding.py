@@ -168,8 +168,8 @@ class BatchSamplerShard(BatchSampler):
                 yield mine
             while len(first_batches) < n:
                 first_batches += first_batches
-            for cursor, idx in enumerate(range(idx + 1, -(-(idx + 1) // n) * n)):
-                if idx % n == rank:
+            for cursor, later in enumerate(range(idx + 1, -(-(idx + 1) // n) * n)):
+                if later % n == rank:
                     yield first_batches[cursor]
             return
         if len(mine) == bs:

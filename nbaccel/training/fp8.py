@@ -11,6 +11,8 @@ and must not import training code); they are re-exported here under their old na
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from nbaccel.fp8_support import (
@@ -25,7 +27,7 @@ __all__ = ["FP8_MIN_CAPABILITY", "check_fp8_device", "check_fp8_launch", "conver
            "fp8_layer_filter", "gpu_capabilities"]
 
 
-def fp8_layer_filter(model: torch.nn.Module):  # -> Callable[[nn.Module, str], bool]
+def fp8_layer_filter(model: torch.nn.Module) -> Callable[[torch.nn.Module, str], bool]:
     """Accelerate's filter: ``nn.Linear`` layers with sizes divisible by 16, except the first and last."""
     linears = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
     skipped = {linears[0], linears[-1]} if linears else set()

@@ -33,7 +33,8 @@ def is_fsdp_model(model: Any) -> bool:
 
 
 def _upcast_trainable(model: torch.nn.Module) -> None:
-    """Make trainable parameters float32, shard by shard: FSDP2 needs one dtype per group, and the policy casts for compute.
+    """Make trainable parameters float32, shard by shard:
+    FSDP2 needs one dtype per group, and the policy casts for compute.
 
     Run after ``fully_shard``, so each rank converts only its own shard (never the full model).
     ``FSDPModule._apply`` re-registers the converted shards, as it does for ``model.to(dtype)``; only
@@ -127,7 +128,8 @@ def _truthy(value: Any) -> bool:
 
 
 def _check_group_carries_cpu() -> None:
-    """CPU-offloaded shards are reduced on CPU (``clip_grad_norm_``): plain NCCL cannot carry them (torch issue 148532)."""
+    """CPU-offloaded shards are reduced on CPU (``clip_grad_norm_``):
+    plain NCCL cannot carry them (torch issue 148532)."""
     import torch.distributed as dist
 
     from nbaccel.ops import group_device_types

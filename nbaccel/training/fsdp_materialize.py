@@ -78,7 +78,8 @@ class Materialization:
 
 def plan_materialization(model: torch.nn.Module, device: torch.device, cpu_offload: bool,
                          from_rank0: bool = False) -> Materialization:
-    """Decide where ``model``'s values come from and, for ``"broadcast"``, empty it (call on every rank, before sharding).
+    """Decide where ``model``'s values come from and, for ``"broadcast"``, empty it
+    (call on every rank, before sharding).
 
     A collective: every rank tells whether its model has ``meta`` tensors.
 

@@ -30,7 +30,8 @@ class GradientClipping:
 
     def unscale_gradients(self, optimizer: Any = None) -> None:
         """Divide gradients by the fp16 loss scale (done for you by the ``clip_grad_*`` methods)."""
-        targets = self.prepared.optimizers if optimizer is None else (optimizer if isinstance(optimizer, list) else [optimizer])
+        targets = (self.prepared.optimizers if optimizer is None
+                   else (optimizer if isinstance(optimizer, list) else [optimizer]))
         for opt in targets:
             if isinstance(opt, AcceleratedOptimizer):
                 opt.unscale_()

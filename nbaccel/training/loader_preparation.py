@@ -209,7 +209,8 @@ def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoad
         [[4, 5]]
     """
     if not isinstance(dataloader, DataLoaderShard):
-        if getattr(dataloader, "batch_sampler", None) is not None and not isinstance(dataloader.dataset, IterableDataset):
+        if (getattr(dataloader, "batch_sampler", None) is not None
+                and not isinstance(dataloader.dataset, IterableDataset)):
             kw = _loader_kwargs(dataloader)
             return DataLoader(dataloader.dataset, batch_sampler=SkipBatchSampler(dataloader.batch_sampler, num_batches),
                               **kw)

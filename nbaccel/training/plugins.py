@@ -318,7 +318,8 @@ class DeepSpeedPlugin:
 
     @classmethod
     def from_config(cls, config: Mapping[str, object]) -> DeepSpeedPlugin:
-        """Build the plugin from Accelerate's ``deepspeed_config`` keys (``zero_stage``, ``deepspeed_config_file``, ...)."""
+        """Build the plugin from Accelerate's ``deepspeed_config`` keys
+        (``zero_stage``, ``deepspeed_config_file``, ...)."""
         return cls(hf_ds_config=config.get("deepspeed_config_file"),
                    gradient_accumulation_steps=config.get("gradient_accumulation_steps"),  # type: ignore[arg-type]
                    gradient_clipping=config.get("gradient_clipping"),  # type: ignore[arg-type]

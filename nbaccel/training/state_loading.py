@@ -6,7 +6,8 @@ model keys and shapes, optimizer parameter groups); only when all of them pass a
 optimizers, schedulers, dataloaders, scaler, registered objects and RNG states changed. No file
 runs code while loaded unless ``load_kwargs={"weights_only": False}`` opts in (see
 :mod:`nbaccel.safe_load`). Every file comes from one save, even while another process saves
-into the same folder (:mod:`nbaccel.training.checkpoint_generations` holds that save open). DeepSpeed engines and sharded FSDP models read their own files,
+into the same folder (:mod:`nbaccel.training.checkpoint_generations` holds that save open).
+DeepSpeed engines and sharded FSDP models read their own files,
 after the checks of everything else. A full FSDP model's weights and optimizer state are read
 by rank 0 alone and broadcast into the shards, so an N-rank machine holds one copy in host
 memory, not N; every rank then learns whether any rank refused the checkpoint, and all raise.

@@ -217,7 +217,7 @@ def _write_state(prepared: PreparedObjects, context: CheckpointContext, tmp: Pat
     writers = context.writer_ranks() if any(is_fsdp_model(m) for m in prepared.models) else (0,)
     _write_models(prepared, context, tmp, safe_serialization, writers)
     for i, optimizer in enumerate(prepared.optimizers):
-        if (context.sharded_fsdp and i < len(prepared.models) and is_fsdp_model(prepared.models[i])
+        if ((context.sharded_fsdp and i < len(prepared.models) and is_fsdp_model(prepared.models[i]))
                 or engine_owned(optimizer)):
             continue
         state = _optimizer_state(prepared, context, i, optimizer, writers)

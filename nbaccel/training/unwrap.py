@@ -1,4 +1,4 @@
-"""Undoing ``prepare``'s wrappers: the model under DDP / DataParallel, a DeepSpeed engine, ``torch.compile``, autocast."""
+"""Undoing ``prepare``'s wrappers: the model under DDP / DataParallel, a DeepSpeed engine, torch.compile, autocast."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ def is_compiled_module(module: torch.nn.Module) -> bool:
 
 
 def has_compiled_regions(module: torch.nn.Module) -> bool:
-    """Whether ``module`` has submodules (or is one) compiled with ``torch.compile``, as regional compilation leaves them.
+    """Whether ``module`` has submodules (or is one) compiled with ``torch.compile``,
+    as regional compilation leaves them.
 
     Example:
         >>> has_compiled_regions(torch.nn.Sequential(torch.nn.Linear(1, 1)))
@@ -43,7 +44,8 @@ def unwrap_model(model: torch.nn.Module, keep_fp32_wrapper: bool = True,
     """
     compiled: torch.nn.Module | None = None
     while True:
-        if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)) or is_deepspeed_engine(model):
+        if (isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel))
+                or is_deepspeed_engine(model)):
             model = model.module
         elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):
             compiled = model if compiled is None else compiled

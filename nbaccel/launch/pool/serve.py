@@ -6,7 +6,8 @@ pool's private Unix socket, joins the process group once (``ProcessState``), say
 then waits. Each task (a cloudpickled ``(function, args, kwargs)``) runs through the same worker
 body as every launch (:func:`~nbaccel.launch.worker.process.run_body`: ``started``, then ``result`` or
 ``error``), with the socket as its control channel. A task says whether its caller wants this
-rank's return value; when not, the value is never pickled (only that the rank finished is sent). What a task leaves behind stays: the process
+rank's return value; when not, the value is never pickled (only that the rank finished is sent).
+What a task leaves behind stays: the process
 group, the ``Accelerator``'s shared state, imported modules, and :func:`worker_namespace`.
 
 Signals: the worker leads its own process group (as every started worker does), so a terminal's

@@ -20,7 +20,8 @@ from typing import Any
 
 from nbaccel.errors import ConfigError, LaunchError, MissingDependencyError
 
-__all__ = ["Placement", "RankLayout", "RankSite", "bundle_for", "check_room", "cluster_totals", "connect", "layout_ranks",
+__all__ = ["Placement", "RankLayout", "RankSite", "bundle_for", "check_room", "cluster_totals", "connect",
+           "layout_ranks",
            "place_bundles", "require_ray"]
 
 _INSTALL = "pip install 'nbaccel[ray]'"

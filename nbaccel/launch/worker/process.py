@@ -262,7 +262,7 @@ def run_body(ctl_fd: int, rank: int, identity: WorkerIdentity | None, function: 
             return None
         try:
             payload = dumps_result(result)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise PayloadPicklingError(
                 f"rank {rank} returned a {type(result).__qualname__} that cannot be pickled back to "
                 f"the caller: {exc}. Fix: return plain data (tensors, numbers, dicts, state_dict()).",
@@ -295,7 +295,7 @@ def run_worker(spec: WorkerSpec, function: Callable[..., Any], args: Sequence[An
     try:
         try:
             _setup_process(spec)
-        except BaseException as exc:  # noqa: BLE001 - reported like a failure of the function
+        except BaseException as exc:  # reported like a failure of the function
             report_error(spec.ctl_fd, exc)
             raise
         dist = read_distributed_env()  # what the launcher exported for this rank (torchrun's variables)
