@@ -319,17 +319,17 @@ class OutputRelay:
     def flush_rank(self, rank: int) -> None:
         """Write out what ``rank`` left without a final newline (call once it has exited)."""
         for stream in ("stdout", "stderr"):
-            state = self._states.get((rank, stream))  # type: ignore[arg-type]
+            state = self._states.get((rank, stream))
             if state is None:
                 continue
             rest = state.decoder.decode(b"", final=True)
             if state.cut is not None:
-                self._lines(rank, stream, rest)  # type: ignore[arg-type]
+                self._lines(rank, stream, rest)
                 if state.cut is not None:
-                    self._end_cut(rank, stream, state)  # type: ignore[arg-type]
+                    self._end_cut(rank, stream, state)
             elif state.pending + rest:
-                self._emit(rank, stream, state.pending + rest)  # type: ignore[arg-type]
-            del self._states[(rank, stream)]  # type: ignore[index]
+                self._emit(rank, stream, state.pending + rest)
+            del self._states[(rank, stream)]
         self._close_open_line()
         self.flush()
 

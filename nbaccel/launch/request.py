@@ -99,7 +99,7 @@ def _port_number(use_port: int | str | None) -> int | None:
     if use_port in (None, ""):
         return None
     try:
-        return int(use_port)  # type: ignore[arg-type]
+        return int(use_port)
     except (TypeError, ValueError):
         raise ConfigError(f"use_port must be a port number from 1 to 65535, or None for a free one (got "
                           f"{use_port!r}). Fix: pass use_port=None, or a number such as 29500.", key="use_port",

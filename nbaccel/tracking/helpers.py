@@ -151,4 +151,4 @@ class TrackingHelpers:
         """
         for tracker in self.trackers:
             tracker.finish()
-        self.wait_for_everyone()  # type: ignore[attr-defined] - ProcessHelpers, beside this in Accelerator
+        self.wait_for_everyone()  # type: ignore[attr-defined]  # ProcessHelpers, beside this in Accelerator

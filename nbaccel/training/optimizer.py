@@ -52,7 +52,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     # The wrapped optimizer's own attributes, seen through the wrapper.
     @property
-    def state(self) -> Any:  # type: ignore[override]
+    def state(self) -> Any:
         return self.optimizer.state
 
     @state.setter
@@ -60,7 +60,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.optimizer.state = value
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
     @param_groups.setter
@@ -68,7 +68,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.optimizer.param_groups = value
 
     @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults
 
     @defaults.setter
@@ -111,7 +111,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.scaler.unscale_(self.optimizer)
         self._unscaled = True
 
-    def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
         """Update the parameters, unless gradients are still accumulating."""
         if not self.gradient_state.sync_gradients:
             return None

@@ -47,7 +47,7 @@ def validate_mixed_precision(value: object) -> MixedPrecision:
     if value not in _VALID:
         raise ConfigError(f"`mixed_precision` must be one of {list(_VALID)} (got {value!r}). Fix: pass "
                           "mixed_precision='bf16' (or 'no')", key="mixed_precision", value=value, valid=_VALID)
-    return value  # type: ignore[return-value]
+    return value
 
 
 def autocast_context(mixed_precision: MixedPrecision, device: torch.device,
@@ -156,7 +156,7 @@ def wrap_forward(model: torch.nn.Module, mixed_precision: MixedPrecision, device
         return recursively_apply(_to_fp32, out)
 
     forward._nbaccel_original = original  # type: ignore[attr-defined]
-    model.forward = forward  # type: ignore[method-assign]
+    model.forward = forward
 
 
 def unwrap_forward(model: torch.nn.Module) -> None:
@@ -167,4 +167,4 @@ def unwrap_forward(model: torch.nn.Module) -> None:
         if getattr(original, "__self__", None) is model and original.__func__ is type(model).forward:
             del model.__dict__["forward"]
         else:
-            model.forward = original  # type: ignore[method-assign]
+            model.forward = original

@@ -140,7 +140,7 @@ def field_specs() -> list[FieldSpec]:
         elif tp is bool:
             spec = FieldSpec(f.name, "bool", optional, (), helps.get(f.name, ""))
         elif tp in (int, float, str):
-            spec = FieldSpec(f.name, tp.__name__, optional, (), helps.get(f.name, ""))  # type: ignore[arg-type]
+            spec = FieldSpec(f.name, tp.__name__, optional, (), helps.get(f.name, ""))
         else:
             spec = FieldSpec(f.name, "mapping", optional, (), helps.get(f.name, ""))
         specs.append(spec)

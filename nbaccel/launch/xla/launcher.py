@@ -124,7 +124,7 @@ class _RoutedStream(io.TextIOBase):
         streams = getattr(_local, "streams", None)
         return streams[self._name] if streams else self._fallback
 
-    def write(self, text: str) -> int:  # type: ignore[override]
+    def write(self, text: str) -> int:
         return self._target().write(text)
 
     def flush(self) -> None:
@@ -157,8 +157,8 @@ def _setup_process_once(job: _ReplicaJob) -> bool:
             if os.getpid() != job.host_pid:
                 die_with_parent(job.host_pid)
             if shared:
-                sys.stdout = _RoutedStream("stdout", sys.stdout)  # type: ignore[assignment]
-                sys.stderr = _RoutedStream("stderr", sys.stderr)  # type: ignore[assignment]
+                sys.stdout = _RoutedStream("stdout", sys.stdout)
+                sys.stderr = _RoutedStream("stderr", sys.stderr)
                 faulthandler.enable(all_threads=True)  # native crashes: every thread's stack, [xla]-labelled
         return shared
 
