@@ -26,6 +26,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 from nbaccel.errors import ConfigError
 
@@ -104,7 +105,7 @@ def gpu_driver_present() -> bool:
 
 
 def _torch_with_cuda() -> ModuleType | None:  # None: no GPU driver, no torch, or a CPU build
-    torch = sys.modules.get("torch")
+    torch: Any = sys.modules.get("torch")  # Any: the `import torch` below rebinds it to the module
     if torch is None:
         if not gpu_driver_present() or importlib.util.find_spec("torch") is None:
             return None

@@ -267,10 +267,10 @@ def read_worker_settings(env: Mapping[str, str] | None = None) -> WorkerSettings
     mp_default = env.get("ACCELERATE_MIXED_PRECISION", "no")
     cpu_name = f"{_PREFIX}USE_CPU" if f"{_PREFIX}USE_CPU" in env else "ACCELERATE_USE_CPU"
     return WorkerSettings(
-        mixed_precision=_choice(env, f"{_PREFIX}MIXED_PRECISION", mp_default,  # type: ignore[arg-type]
+        mixed_precision=_choice(env, f"{_PREFIX}MIXED_PRECISION", mp_default,  # type: ignore[arg-type]  # _choice returns one of the Literal's values, as str
                                 get_args(MixedPrecision)),
         use_cpu=env_flag(env, cpu_name),
-        distributed_type=_choice(env, f"{_PREFIX}DISTRIBUTED_TYPE", "NO",  # type: ignore[arg-type]
+        distributed_type=_choice(env, f"{_PREFIX}DISTRIBUTED_TYPE", "NO",  # type: ignore[arg-type]  # _choice returns one of the Literal's values, as str
                                  tuple(t.value for t in LAUNCHABLE_TYPES)),
         num_machines=_int(env, f"{_PREFIX}NUM_MACHINES", 1),
         fsdp_config=_json(env, f"{_PREFIX}FSDP_CONFIG"),
@@ -417,4 +417,4 @@ def config_file_path() -> Path:
 def settings_from_fields(**fields: object) -> WorkerSettings:
     """Build :class:`WorkerSettings` from the fields it knows, ignoring the rest."""
     names = {f.name for f in dataclasses.fields(WorkerSettings)}
-    return WorkerSettings(**{k: v for k, v in fields.items() if k in names})  # type: ignore[arg-type]
+    return WorkerSettings(**{k: v for k, v in fields.items() if k in names})  # type: ignore[arg-type]  # the callers pass WorkerSettings' own fields

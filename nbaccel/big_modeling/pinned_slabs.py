@@ -31,7 +31,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -267,7 +267,7 @@ def pinned_cap(share: float = PINNED_SHARE) -> int:
     return int(available_memory() * share)
 
 
-def _copy_job(target: torch.Tensor, source: torch.Tensor, first: int, last: int):  # noqa: ANN202
+def _copy_job(target: torch.Tensor, source: torch.Tensor, first: int, last: int) -> Callable[[], None]:
     def job() -> None:
         # Faulting the fresh pages in is half the cost of pinning: done here, on several threads.
         populate(target.data_ptr() + first, last - first, MADV_POPULATE_WRITE)

@@ -145,7 +145,7 @@ def cancel_holders(resources: Iterable[str]) -> list[int]:
         holders = [c for c in _claims.values() if c.token != mine
                    and c.cancel is not None and _overlap(wanted, c.resources)]
     for holder in holders:  # outside the lock: a cancel waits for the run's thread, which releases its claim
-        holder.cancel()  # type: ignore[misc]
+        holder.cancel()  # type: ignore[misc]  # cancel is not None: filtered above
     return [holder.run_id for holder in holders]
 
 

@@ -173,12 +173,12 @@ class OutputRelay:
         current: Stream | None = None
         for stream, text in self._outbox:
             if stream != current and run:
-                self._target(current).write("".join(run))  # type: ignore[arg-type]
+                self._target(current).write("".join(run))  # type: ignore[arg-type]  # current is set once run holds text
                 run = []
             current = stream
             run.append(text)
         if run:
-            self._target(current).write("".join(run))  # type: ignore[arg-type]
+            self._target(current).write("".join(run))  # type: ignore[arg-type]  # current is set once run holds text
         self._outbox.clear()
 
     def _send(self) -> None:
@@ -269,7 +269,7 @@ class OutputRelay:
     def _end_cut(self, rank: int, stream: Stream, state: _LineState) -> None:
         cut, state.cut = state.cut, None
         path = self.logs.append(rank, "\n")
-        self._deliver(rank, stream, _shortened(cut.head, cut.length, path), bar=False)  # type: ignore[union-attr]
+        self._deliver(rank, stream, _shortened(cut.head, cut.length, path), bar=False)  # type: ignore[union-attr]  # called only while a cut is open
 
     def _visible(self, rank: int) -> bool:
         return self._show is None or rank in self._show or rank in self._labels

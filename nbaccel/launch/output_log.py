@@ -42,8 +42,8 @@ class RankLogs:
             if self._folder is None:
                 stamp = time.strftime("%Y%m%d-%H%M%S")
                 self._folder = Path(tempfile.mkdtemp(prefix=f"nbaccel-output-{stamp}-"))  # 0700
-            handle = self._files[rank] = open(  # noqa: SIM115 - kept open across writes, closed by close()self._folder / f"rank{rank}.log", "a", encoding="utf-8",
-                                              errors="replace")
+            handle = self._files[rank] = open(  # noqa: SIM115 - kept open across writes, closed by close()
+                self._folder / f"rank{rank}.log", "a", encoding="utf-8", errors="replace")
         return handle
 
     def path(self, rank: int) -> str:

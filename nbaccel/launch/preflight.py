@@ -201,7 +201,7 @@ def settings_for(config: LaunchConfig, kind: DeviceKind, world_size: int) -> Wor
         dtype = "NO"
     return WorkerSettings(
         mixed_precision=config.mixed_precision, use_cpu=config.use_cpu or kind == "cpu",
-        distributed_type=dtype,  # type: ignore[arg-type]
+        distributed_type=dtype,  # type: ignore[arg-type]  # one of the DistributedType values set above
         num_machines=config.num_machines, fsdp_config=dict(config.fsdp_config),
         deepspeed_config=dict(config.deepspeed_config), debug=config.debug, launched=True)
 

@@ -146,7 +146,7 @@ def joined_type(kind: type[BaseException]) -> type[BaseException] | None:
 
 
 def _reduce_joined(self: BaseException) -> tuple:
-    return (_rebuild_joined, (type(self)._rank_type, self.args, dict(self.__dict__)))  # type: ignore[attr-defined]
+    return (_rebuild_joined, (type(self)._rank_type, self.args, dict(self.__dict__)))  # type: ignore[attr-defined]  # set on the joined classes built at run time
 
 
 def _rebuild_joined(kind: type[BaseException], args: tuple, state: dict) -> BaseException:
@@ -166,9 +166,9 @@ def in_family(exc: BaseException, failures: tuple) -> BaseException:
         except Exception:  # noqa: BLE001 - an odd constructor: keep the exception as it came
             pass
     try:
-        exc.failures = failures  # type: ignore[attr-defined]
+        exc.failures = failures  # type: ignore[attr-defined]  # added to an exception of any type
         if not isinstance(exc, WorkerFailedError):
-            exc.launch_failures = failures  # type: ignore[attr-defined]
+            exc.launch_failures = failures  # type: ignore[attr-defined]  # added to an exception of any type
     except AttributeError:  # an exception type without a __dict__
         pass
     return exc

@@ -37,7 +37,7 @@ class LoopbackStore:
         # importing torch leaves it half-initialised, and the next launch's import then crashes
         # the interpreter (seen as a kernel that dies after the stop button). Forked workers
         # also inherit the imported module instead of each importing it again.
-        import torch.distributed  # noqa: F401
+        import torch.distributed  # noqa: F401 - imported for its side effect, see above
         try:
             self.guard = StoreGuard(host, port)
         except OSError as exc:

@@ -144,7 +144,7 @@ def _rendezvous(cfg: LaunchConfig, *, backend: str | None, endpoint: str, conf: 
     settings = dict(conf or {})
     if chosen == "static":
         settings.setdefault("rank", cfg.machine_rank)
-    return Rendezvous(backend=chosen, endpoint=endpoint, conf=settings, run_id=run_id,  # type: ignore[arg-type]
+    return Rendezvous(backend=chosen, endpoint=endpoint, conf=settings, run_id=run_id,  # type: ignore[arg-type]  # chosen checked against RdzvBackend above
                       max_restarts=max_restarts, monitor_interval=monitor_interval,
                       log_line_prefix_template=prefix)
 

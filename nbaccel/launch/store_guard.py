@@ -205,7 +205,7 @@ class StoreGuard:
                     if key.fileobj is self.front:
                         self._accept(selector)
                     else:
-                        self._pump(selector, key.fileobj)  # type: ignore[arg-type]
+                        self._pump(selector, key.fileobj)  # type: ignore[arg-type]  # every other registered file object is a socket
         finally:
             self._forget_ports(list(self._pairs))  # the store may outlive the relay: no port stays open
             for sock in list(self._pairs):

@@ -197,7 +197,7 @@ class Supervisor:
                 pass  # the display frame was written before its mark: it is in the control pipe
             self.relay.feed(handle.rank, kind, data)
         else:
-            self.relay.feed(handle.rank, kind, data)  # type: ignore[arg-type]
+            self.relay.feed(handle.rank, kind, data)  # type: ignore[arg-type]  # kind is a stream name in this branch
         return True
 
     def _drain(self, handle: WorkerHandle) -> None:
@@ -234,7 +234,7 @@ class Supervisor:
         elif kind == "error":
             handle.error = body
         elif kind in ("display", "clear_output"):
-            self.relay.queue_display(handle.rank, kind, body)  # type: ignore[arg-type]
+            self.relay.queue_display(handle.rank, kind, body)  # type: ignore[arg-type]  # kind is display or clear_output here
         elif kind == "log":
             on_log = getattr(self.observer, "on_log", None)  # optional in the observer protocol
             for record in self.run_log.add(handle.rank, body):

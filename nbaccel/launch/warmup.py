@@ -136,7 +136,7 @@ def used_names(function: Callable[..., Any] | None = None, names: Iterable[str] 
     if function is not None:
         used |= _function_names(function)
     for name in list(used & set(namespace or {})):
-        value = namespace[name]  # type: ignore[index]
+        value = namespace[name]  # type: ignore[index]  # namespace is not None: used is empty otherwise
         if isinstance(value, types.FunctionType):
             used |= _function_names(value)
     return used

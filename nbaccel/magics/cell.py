@@ -66,12 +66,12 @@ def _compile(source: str, filename: str, first_line: int) -> tuple[types.CodeTyp
         if exc.lineno is not None:
             exc.lineno += first_line - 1
         if getattr(exc, "end_lineno", None) is not None:
-            exc.end_lineno += first_line - 1  # type: ignore[operator]
+            exc.end_lineno += first_line - 1  # type: ignore[operator]  # not None: checked just above
         raise
     keeps_value = bool(tree.body) and isinstance(tree.body[-1], ast.Expr)
     if keeps_value:
         last = tree.body[-1]
-        assign = ast.Assign(targets=[ast.Name(id=_LAST, ctx=ast.Store())], value=last.value)  # type: ignore[attr-defined]
+        assign = ast.Assign(targets=[ast.Name(id=_LAST, ctx=ast.Store())], value=last.value)  # type: ignore[attr-defined]  # an ast.Expr: checked in keeps_value
         tree.body[-1] = ast.copy_location(assign, last)
         ast.fix_missing_locations(tree)
     ast.increment_lineno(tree, first_line - 1)

@@ -43,7 +43,7 @@ def attach_renderer(exc: BaseException, shell: Any) -> BaseException:
     else:
         lines = [f"{type(exc).__name__}: {exc}"]
     try:
-        exc._render_traceback_ = lambda: lines  # type: ignore[attr-defined]
+        exc._render_traceback_ = lambda: lines  # type: ignore[attr-defined]  # IPython's hook on the exception object
     except AttributeError:  # an exception type without a __dict__: IPython's own traceback then
         pass
     return exc
@@ -56,5 +56,5 @@ def render_interrupt(observer: Any) -> KeyboardInterrupt:
     if records:
         stopped = f" ({len(records)} ranks)"
     exc = KeyboardInterrupt(f"the launch was interrupted; every worker{stopped} was stopped")
-    exc._render_traceback_ = lambda: [f"KeyboardInterrupt: {exc}"]  # type: ignore[attr-defined]
+    exc._render_traceback_ = lambda: [f"KeyboardInterrupt: {exc}"]  # type: ignore[attr-defined]  # IPython's hook on the exception object
     return exc

@@ -137,5 +137,5 @@ def persisted_launch(pool: WorkerPool) -> Any:
 def plain_interrupt(message: str) -> KeyboardInterrupt:
     """The ``KeyboardInterrupt`` a persisted cell shows: the pool's message, no traceback."""
     exc = KeyboardInterrupt(message)
-    exc._render_traceback_ = lambda: [f"KeyboardInterrupt: {message}"]  # type: ignore[attr-defined]
+    exc._render_traceback_ = lambda: [f"KeyboardInterrupt: {message}"]  # type: ignore[attr-defined]  # IPython's hook on the exception object
     return exc

@@ -78,7 +78,7 @@ def on_main_process(function: F) -> F:
             return None
         return function(self, *args, **kwargs)
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper  # type: ignore[return-value]  # functools.wraps keeps the signature
 
 
 class GeneralTracker:

@@ -102,10 +102,10 @@ class BatchSamplerShard(BatchSampler):
 
     @property
     def total_length(self) -> int:
-        return len(self.batch_sampler)  # type: ignore[arg-type]
+        return len(self.batch_sampler)  # type: ignore[arg-type]  # a sized sampler here
 
     def __len__(self) -> int:
-        total = len(self.batch_sampler)  # type: ignore[arg-type]
+        total = len(self.batch_sampler)  # type: ignore[arg-type]  # a sized sampler here
         if self.split_batches:
             return total
         full, rest = divmod(total, self.num_processes)
@@ -223,7 +223,7 @@ class IterableDatasetShard(IterableDataset):
             self.dataset.set_epoch(epoch)
 
     def __len__(self) -> int:
-        total = len(self.dataset)  # type: ignore[arg-type]
+        total = len(self.dataset)  # type: ignore[arg-type]  # a sized dataset here
         chunk = self.batch_size if self.split_batches else self.batch_size * self.num_processes
         per = chunk // self.num_processes
         rounds = total // chunk if self.drop_last else -(-total // chunk)
@@ -278,4 +278,4 @@ class SkipBatchSampler(Sampler[list[int]]):
                 yield batch
 
     def __len__(self) -> int:
-        return max(len(self.batch_sampler) - self.skip_batches, 0)  # type: ignore[arg-type]
+        return max(len(self.batch_sampler) - self.skip_batches, 0)  # type: ignore[arg-type]  # a sized sampler here

@@ -46,7 +46,7 @@ class DeepSpeedOptimizerWrapper(AcceleratedOptimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """No-op: the engine clears gradients when it steps."""
 
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]  # the engine steps without a closure
         """No-op: ``Accelerator.backward`` steps the engine."""
 
     @property

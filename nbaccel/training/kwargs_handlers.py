@@ -27,7 +27,7 @@ class KwargsHandler:
     def to_kwargs(self) -> dict[str, Any]:
         """The fields whose values differ from the defaults, as a dict."""
         default = type(self)()
-        return {f.name: getattr(self, f.name) for f in fields(self)  # type: ignore[arg-type]
+        return {f.name: getattr(self, f.name) for f in fields(self)  # type: ignore[arg-type]  # self is a dataclass
                 if getattr(self, f.name) != getattr(default, f.name)}
 
 

@@ -48,12 +48,12 @@ class DataLoaderStateMixin:
         total = getattr(self, "total_batch_size", None)
         if not drop_last and total:
             try:
-                length = getattr(self.dataset, "total_dataset_length", None) or len(self.dataset)  # type: ignore[attr-defined]
+                length = getattr(self.dataset, "total_dataset_length", None) or len(self.dataset)  # type: ignore[attr-defined]  # the DataLoader's, mixed into
                 self.remainder = length % total
             except TypeError:  # an iterable dataset without a length
                 pass
-        self.gradient_state._add_dataloader(self)  # type: ignore[attr-defined]
+        self.gradient_state._add_dataloader(self)  # type: ignore[attr-defined]  # set by the loader class this mixes into
 
     def end(self) -> None:
         """End a pass: the gradient state forgets this loader."""
-        self.gradient_state._remove_dataloader(self)  # type: ignore[attr-defined]
+        self.gradient_state._remove_dataloader(self)  # type: ignore[attr-defined]  # set by the loader class this mixes into

@@ -155,7 +155,7 @@ def wrap_forward(model: torch.nn.Module, mixed_precision: MixedPrecision, device
             out = original(*args, **kwargs)
         return recursively_apply(_to_fp32, out)
 
-    forward._nbaccel_original = original  # type: ignore[attr-defined]
+    forward._nbaccel_original = original  # type: ignore[attr-defined]  # marks the wrapper for unwrapping
     model.forward = forward
 
 

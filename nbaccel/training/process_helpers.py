@@ -200,7 +200,7 @@ class ProcessHelpers:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             return function(*args, **kwargs) if condition() else None
 
-        return wrapper  # type: ignore[return-value]
+        return wrapper  # type: ignore[return-value]  # functools.wraps keeps the signature
 
     # ------------------------------------------------------------------ triggers
     def set_trigger(self) -> None:

@@ -201,7 +201,7 @@ def _synchronize(rng_type: str, generator: torch.Generator | None) -> None:
     elif rng_type == "xla":
         rng = torch.tensor(xm.get_rng_state())
     else:
-        rng = generator.get_state()  # type: ignore[union-attr]
+        rng = generator.get_state()  # type: ignore[union-attr]  # a generator for the other types
     # `broadcast` carries a CPU state through the device when the group needs it (NCCL) and returns it on CPU.
     rng = broadcast(rng, from_process=0).cpu()
     if rng_type == "torch":
@@ -211,4 +211,4 @@ def _synchronize(rng_type: str, generator: torch.Generator | None) -> None:
     elif rng_type == "xla":
         xm.set_rng_state(int(rng.item()))
     else:
-        generator.set_state(rng)  # type: ignore[union-attr]
+        generator.set_state(rng)  # type: ignore[union-attr]  # a generator for the other types

@@ -128,7 +128,7 @@ class PoolChannels:
             self._drop(fd, close=kind != "task")  # the socket object closes its own descriptor
             return []
         if kind in ("stdout", "stderr"):
-            self.relay.feed(member.rank, kind, data)  # type: ignore[arg-type]
+            self.relay.feed(member.rank, kind, data)  # type: ignore[arg-type]  # kind is a stream name here
             return []
         if kind == "ctl":
             return [(member, f"ctl:{k}", body) for k, body in member.handle.frames.feed(data)]

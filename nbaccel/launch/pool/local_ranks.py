@@ -128,7 +128,7 @@ def describe_exit(member: PoolMember, when: str = "") -> str:
 
 def _send_task(member: PoolMember, payload: bytes, send_result: bool) -> None:
     """Write one task frame whole: the socket is non-blocking for the supervisor, blocking for this write."""
-    fd = member.sock.fileno()  # type: ignore[union-attr]
+    fd = member.sock.fileno()  # type: ignore[union-attr]  # a started member has its socket
     os.set_blocking(fd, True)  # an idle rank reads at once; a payload larger than the buffer waits for it
     try:
         write_frame(fd, "task", (payload, send_result))

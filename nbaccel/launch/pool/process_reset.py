@@ -191,7 +191,7 @@ def _end_threads(start: RunStart) -> str:
 # library's own way of ending them (the library starts a new one when it next needs it). Replacing
 # the rank after every run that showed a progress bar would cost each such launch a new rank.
 _HOUSEKEEPERS: dict[str, Callable[[threading.Thread], Any]] = {
-    "tqdm._monitor.TMonitor": lambda monitor: monitor.exit(),  # type: ignore[attr-defined]
+    "tqdm._monitor.TMonitor": lambda monitor: monitor.exit(),  # type: ignore[attr-defined]  # tqdm's TMonitor, typed as a Thread here
 }
 
 

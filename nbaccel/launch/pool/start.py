@@ -237,9 +237,9 @@ def _check_starting(processes: PoolProcesses, wait: float) -> None:
 
 def _on_start_event(processes: PoolProcesses, member: PoolMember, kind: str, body: object) -> WorkerFailure | None:
     if kind == "ready":
-        member.ready, member.device = True, body["device"]  # type: ignore[index]
+        member.ready, member.device = True, body["device"]  # type: ignore[index]  # a ready frame's body is a dict
     elif kind == "ctl:error":
-        member.handle.error = body  # type: ignore[assignment]
+        member.handle.error = body  # type: ignore[assignment]  # a ctl:error frame's body is the error dict
     elif kind == "exit":
         for _, later, error in processes.channels.drain(member):
             if later == "ctl:error":  # the report may still have been in the pipe

@@ -36,7 +36,7 @@ __all__ = ["TaskHandle"]
 class TaskHandle(WorkerHandle):
     """One task of pool member ``member``: ended by the rank's reply or its death (see the module docstring)."""
 
-    member: PoolMember = field(default=None)  # type: ignore[assignment]
+    member: PoolMember = field(default=None)  # type: ignore[assignment]  # always passed; a default because the base's fields have them
     cancel_pending: bool = False
     killed: bool = False
     """The supervisor killed the rank (it did not stop when cancelled): the rank is gone."""

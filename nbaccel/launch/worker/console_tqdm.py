@@ -70,7 +70,7 @@ def use_console_tqdm() -> None:
         from tqdm.std import trange
 
         for name in loaded:
-            sys.modules[name].tqdm = console_tqdm  # type: ignore[attr-defined]
-            sys.modules[name].trange = trange  # type: ignore[attr-defined]
+            sys.modules[name].tqdm = console_tqdm  # type: ignore[attr-defined]  # replaced on the loaded module
+            sys.modules[name].trange = trange  # type: ignore[attr-defined]  # replaced on the loaded module
     if not any(isinstance(finder, _ConsoleTqdmFinder) for finder in sys.meta_path):
         sys.meta_path.insert(0, _ConsoleTqdmFinder())

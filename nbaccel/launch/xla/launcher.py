@@ -137,7 +137,7 @@ class _RoutedStream(io.TextIOBase):
         return False
 
     @property
-    def encoding(self) -> str:  # type: ignore[override]
+    def encoding(self) -> str:  # type: ignore[override]  # a property where TextIO has an attribute
         return "utf-8"
 
 
@@ -293,11 +293,11 @@ def _start_host(function: Callable[..., Any], args: Sequence[Any], kwargs: Mappi
         try:
             os.setpgid(0, 0)  # Jupyter's interrupt (sent to the kernel's group) reaches only the caller
             job = _ReplicaJob(function=function, args=tuple(args), kwargs=dict(kwargs), world_size=n,
-                              pipes=tuple(tuple(w for _, w in trio) for trio in rank_pipes),  # type: ignore[misc]
+                              pipes=tuple(tuple(w for _, w in trio) for trio in rank_pipes),  # type: ignore[misc]  # three write ends per rank
                               host_pid=os.getpid(), settings=settings)
             spec = WorkerSpec(rank=HOST_RANK, env=env, ctl_fd=host_pipes[0][1], parent_pid=parent,
                               out_fd=host_pipes[1][1], err_fd=host_pipes[2][1], close_fds=read_ends)
-        except BaseException:  # noqa: BLE001
+        except BaseException:  # noqa: BLE001 - the forked child must never return into the caller's code
             os._exit(1)
         run_worker(spec, _host_main, (job, n == 1), {})
     try:
