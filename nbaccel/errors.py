@@ -220,7 +220,7 @@ def _child_failed_type(cls: type[WorkerFailedError]) -> type[WorkerFailedError]:
 
 
 def _reduce_as(cls: type[BaseException]):  # noqa: ANN202 - a __reduce__ for the joined type
-    def reduce(self: BaseException) -> tuple:
+    def reduce(self: BaseException) -> str | tuple:
         reduced = cls.__reduce__(self)
         if reduced[0] is _rebuild_error:  # pickle under the importable class; rebuilt joined
             return (_rebuild_error, (cls, *reduced[1][1:]))

@@ -309,6 +309,6 @@ def _run(jobs: list[Callable[[], None]], threads: int, on_wait: Callable[[], Non
         wait_all(futures, on_wait, wake)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-    failed = next((f for f in futures if not f.cancelled() and f.exception() is not None), None)
-    if failed is not None:
-        raise failed.exception()
+    error = next((e for f in futures if not f.cancelled() and (e := f.exception()) is not None), None)
+    if error is not None:
+        raise error

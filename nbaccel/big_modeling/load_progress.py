@@ -57,7 +57,7 @@ class ShardProgress:
         """Report ``key`` loaded; its file's step is taken when it was the file's last key."""
         file = self._file_of.get(key)
         with self._lock:
-            left = self._left.get(file)
+            left = self._left.get(file) if file is not None else None
             if left is None or key not in left:
                 return
             left.discard(key)

@@ -69,9 +69,9 @@ class SplitReads:
                 futures += [self.pool.submit(read_into, info, view[a:b], a)
                             for a, b in pieces(len(view), self.piece_bytes)]
             done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-            failed = next((f for f in done if f.exception() is not None), None)
-            if failed is not None:
-                raise failed.exception()
+            error = next((e for f in done if (e := f.exception()) is not None), None)
+            if error is not None:
+                raise error
         finally:
             for future in futures:
                 future.cancel()  # those not started; the running ones finish their one piece

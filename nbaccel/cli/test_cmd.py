@@ -34,7 +34,7 @@ def _ddp_step(state: Any) -> float:
     import torch.distributed as dist
 
     torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1).to(state.device)
+    model: torch.nn.Module = torch.nn.Linear(4, 1).to(state.device)
     if state.use_distributed:
         model = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -111,7 +111,7 @@ def _overlap(wanted: frozenset[str], held: frozenset[str]) -> tuple[str, ...]:
         gpus_wanted = {r for r in wanted if _is_gpu(r)}
         gpus_held = {r for r in held if _is_gpu(r)}
         if gpus_wanted and gpus_held:
-            both = gpus_held
+            both = frozenset(gpus_held)
     return tuple(sorted(both))
 
 
