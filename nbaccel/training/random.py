@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import random as _py_random
 from collections.abc import Iterable
-from typing import Any, Literal, get_args
+from typing import Any, Literal, cast, get_args
 
 import numpy as np
 import torch
@@ -97,7 +97,9 @@ def _xla_model() -> Any:
 
 def _numpy_state_as_plain_values() -> tuple[Any, ...]:
     """NumPy's legacy RNG state with its key as a list of ints: loadable with ``weights_only=True`` anywhere."""
-    name, key, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    # legacy=True gives the 5-tuple; numpy's stub unions it with the dict that legacy=False gives.
+    state = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state(legacy=True))
+    name, key, pos, has_gauss, cached_gaussian = state
     return (name, key.tolist(), int(pos), int(has_gauss), float(cached_gaussian))
 
 
@@ -198,17 +200,19 @@ def _synchronize(rng_type: str, generator: torch.Generator | None) -> None:
         rng = torch.get_rng_state()
     elif rng_type == "cuda":
         rng = torch.cuda.get_rng_state()
-    elif rng_type == "xla":
+    elif xm is not None:  # rng_type "xla", checked above
         rng = torch.tensor(xm.get_rng_state())
     else:
-        rng = generator.get_state()  # type: ignore[union-attr]  # a generator for the other types
+        assert generator is not None  # rng_type "generator": checked above
+        rng = generator.get_state()
     # `broadcast` carries a CPU state through the device when the group needs it (NCCL) and returns it on CPU.
     rng = broadcast(rng, from_process=0).cpu()
     if rng_type == "torch":
         torch.set_rng_state(rng)
     elif rng_type == "cuda":
         torch.cuda.set_rng_state(rng)
-    elif rng_type == "xla":
+    elif xm is not None:
         xm.set_rng_state(int(rng.item()))
     else:
-        generator.set_state(rng)  # type: ignore[union-attr]  # a generator for the other types
+        assert generator is not None
+        generator.set_state(rng)
