@@ -173,12 +173,12 @@ class OutputRelay:
         current: Stream | None = None
         for stream, text in self._outbox:
             if stream != current and run:
-                self._target(current).write("".join(run))  # type: ignore[arg-type]  # current is set once run holds text
+                self._target(current).write("".join(run))  # type: ignore[arg-type]  # set once run holds text
                 run = []
             current = stream
             run.append(text)
         if run:
-            self._target(current).write("".join(run))  # type: ignore[arg-type]  # current is set once run holds text
+            self._target(current).write("".join(run))  # type: ignore[arg-type]  # set once run holds text
         self._outbox.clear()
 
     def _send(self) -> None:

@@ -234,7 +234,7 @@ class Supervisor:
         elif kind == "error":
             handle.error = body
         elif kind in ("display", "clear_output"):
-            self.relay.queue_display(handle.rank, kind, body)  # type: ignore[arg-type]  # kind is display or clear_output here
+            self.relay.queue_display(handle.rank, kind, body)  # type: ignore[arg-type]  # display or clear_output here
         elif kind == "log":
             on_log = getattr(self.observer, "on_log", None)  # optional in the observer protocol
             for record in self.run_log.add(handle.rank, body):

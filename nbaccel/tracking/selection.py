@@ -162,5 +162,5 @@ def build_tracker(spec: TrackerSpec, project_name: str, logging_dir: str | None,
                           value=kwargs, valid="dict")
     cls = _tracker_class(spec)
     if cls.requires_logging_directory:
-        return cls(project_name, logging_dir, **kwargs)  # type: ignore[call-arg]  # the tracker class's own constructor
-    return cls(project_name, logging_dir=logging_dir, **kwargs)  # type: ignore[call-arg]  # the tracker class's own constructor
+        return cls(project_name, logging_dir, **kwargs)  # type: ignore[call-arg]  # the tracker's own init
+    return cls(project_name, logging_dir=logging_dir, **kwargs)  # type: ignore[call-arg]  # the tracker's own init

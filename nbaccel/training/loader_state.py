@@ -52,8 +52,8 @@ class DataLoaderStateMixin:
                 self.remainder = length % total
             except TypeError:  # an iterable dataset without a length
                 pass
-        self.gradient_state._add_dataloader(self)  # type: ignore[attr-defined]  # set by the loader class this mixes into
+        self.gradient_state._add_dataloader(self)  # type: ignore[attr-defined]  # set by the loader class
 
     def end(self) -> None:
         """End a pass: the gradient state forgets this loader."""
-        self.gradient_state._remove_dataloader(self)  # type: ignore[attr-defined]  # set by the loader class this mixes into
+        self.gradient_state._remove_dataloader(self)  # type: ignore[attr-defined]  # set by the loader class

@@ -36,7 +36,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             for callback in callbacks:
                 callback(module)
 
-        spec.loader.exec_module = exec_module  # type: ignore[method-assign]  # the loader's own method, wrapped on purpose
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]  # wrapped on purpose
         return spec
 
 
