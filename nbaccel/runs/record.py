@@ -23,7 +23,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO, Any, Literal, Protocol
+from typing import IO, Any, Literal, Protocol, TypeVar
 
 from nbaccel.launch.events import LaunchObserver, RankState
 from nbaccel.widgets.status_panel import LaunchStatus
@@ -62,6 +62,9 @@ class RunView(Protocol):
     def on_end(self, ok: bool) -> None: ...
 
 
+_View = TypeVar("_View", bound=RunView)  # attach returns the factory's own view type
+
+
 class RunRecord(LaunchStatus):
     """The record of one run (see the module docstring).
 
@@ -93,7 +96,7 @@ class RunRecord(LaunchStatus):
         self._folder: Path | None = None
 
     # ------------------------------------------------------------------ views
-    def attach(self, view_factory: Callable[[RunRecord], RunView]) -> RunView:
+    def attach(self, view_factory: Callable[[RunRecord], _View]) -> _View:
         """Build a view from the record as it is now (under the lock) and send it every later event."""
         with self.lock:
             view = view_factory(self)

@@ -25,6 +25,7 @@ import socket
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from nbaccel.errors import LaunchError
 from nbaccel.launch.failures import WorkerFailure, raise_failures
@@ -207,7 +208,8 @@ def _accept(processes: PoolProcesses, listener: socket.socket, deadline: float, 
             _check_starting(processes, 0)
             continue
         conn.settimeout(30)
-        reader, frames = FrameReader(), []
+        reader = FrameReader()
+        frames: list[tuple[str, Any]] = []
         while not frames:
             data = conn.recv(4096)
             if not data:
