@@ -167,6 +167,17 @@ def test_the_folder_check_sees_a_cycle_through_an_import_inside_a_function():
     assert _folder_cycles(_folder_imports(edges)) == {("nbaccel", "nbaccel.training"),
                                                       ("nbaccel.magics", "nbaccel.widgets")}
 
+
+def test_one_module_asks_psutil_and_one_loads_nvml():
+    """Process and memory facts come from psutil in host_memory.py; NVML is loaded by cuda_probe.py alone."""
+    root = Path(nbaccel.__file__).parent
+    psutil_users = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
+                          if "psutil" in _imported_names(ast.parse(p.read_text())))
+    nvml_loaders = sorted(str(p.relative_to(root)) for p in root.rglob("*.py") if "libnvidia-ml" in p.read_text())
+    proc_readers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
+                          if any(f in p.read_text() for f in ("VmRSS", "MemAvailable:", "/proc/meminfo\"")))
+    assert (psutil_users, nvml_loaders, proc_readers) == (["host_memory.py"], ["cuda_probe.py"], [])
+
 def test_no_private_name_is_imported_across_modules():
     """A leading underscore means "this module's own": another module reaching for it couples the two."""
     import ast
