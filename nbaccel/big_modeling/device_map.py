@@ -114,15 +114,15 @@ class _Placement:
     def of(cls, model: nn.Module, no_split_module_classes: Sequence[str] | str | None,
            dtype: torch.dtype | str | None, special_dtypes: Mapping[str, torch.dtype] | None,
            offload_buffers: bool, fallback_allocation: bool = False, verbose: bool = False) -> _Placement:
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype.removeprefix("torch."))
+        """The inputs prepared: ``dtype`` as a ``torch.dtype``, no-split classes as a list, tied groups found."""
+        as_dtype: torch.dtype | None = getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
         if isinstance(no_split_module_classes, str):
             no_split_module_classes = [no_split_module_classes]
         tied = find_tied_parameters(model)
         if not tied and check_tied_parameters_in_config(model):  # as Accelerate: a map for untied weights
             _log.warning("the model's config ties weights, but its weights are not tied, so they may be "
                          "placed apart. Fix: call model.tie_weights() before infer_auto_device_map.")
-        return cls(model, list(no_split_module_classes or ()), dtype, dict(special_dtypes or {}), tied,
+        return cls(model, list(no_split_module_classes or ()), as_dtype, dict(special_dtypes or {}), tied,
                    offload_buffers, fallback_allocation, verbose)
 
     def place(self, budget: dict[MapDevice, int]) -> dict[str, MapDevice]:
