@@ -33,7 +33,8 @@ from nbaccel.distributed_type import (
 from nbaccel.environment import MixedPrecision, config_file_path
 from nbaccel.errors import ConfigError
 
-__all__ = ["LaunchBackend", "LaunchConfig", "PlacementStrategy", "StartMethod", "load_config", "save_config"]
+__all__ = ["LaunchBackend", "LaunchConfig", "PlacementStrategy", "StartMethod", "changed_fields", "load_config",
+           "save_config"]
 
 StartMethod = Literal["fork", "spawn"]
 RdzvBackend = Literal["static", "c10d"]
@@ -328,6 +329,17 @@ def _check_combinations(cfg: LaunchConfig) -> None:
         if not all(p.isdigit() or re.fullmatch(r"(GPU|MIG)-[\w\-/]+", p) for p in parts):
             raise bad("gpu_ids", f"'gpu_ids' must be 'all' or comma-separated GPU numbers or UUIDs like '0,1' or "
                       f"'GPU-8f3c...' (got {cfg.gpu_ids!r})", "'all', '0,1,...' or 'GPU-...,...'")
+
+
+def changed_fields(config: LaunchConfig, base: LaunchConfig) -> dict[str, Any]:
+    """The fields of ``config`` whose values differ from ``base``'s, as ``{name: value}``.
+
+    Example:
+        >>> changed_fields(LaunchConfig(num_processes=3), LaunchConfig())
+        {'num_processes': 3}
+    """
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+            if getattr(config, f.name) != getattr(base, f.name)}
 
 
 def load_config(path: str | os.PathLike[str] | None = None, *, missing_ok: bool = True) -> LaunchConfig:

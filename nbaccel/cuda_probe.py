@@ -26,9 +26,12 @@ import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nbaccel.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ctypes import CDLL
 
 __all__ = ["GpuSelection", "NvmlGpu", "cuda_device_count", "cuda_fork_poisoned", "gpu_driver_present",
            "nccl_p2p_workaround", "nvml_gpus", "run_in_fork", "select_gpus", "torch_cuda_built"]
@@ -95,13 +98,18 @@ def gpu_driver_present() -> bool:
         >>> gpu_driver_present()   # no GPU driver here
         False
     """
+    return _nvml() is not None or os.path.exists("/dev/kfd")
+
+
+@functools.lru_cache(maxsize=1)
+def _nvml() -> CDLL | None:
+    """NVML's library, loaded once for every question asked of it here (``None``: no NVIDIA driver)."""
     from ctypes import CDLL
 
     try:
-        CDLL("libnvidia-ml.so.1")
+        return CDLL("libnvidia-ml.so.1")
     except OSError:
-        return os.path.exists("/dev/kfd")
-    return True
+        return None
 
 
 def _torch_with_cuda() -> ModuleType | None:  # None: no GPU driver, no torch, or a CPU build
@@ -273,17 +281,17 @@ class NvmlGpu:
 def nvml_gpus() -> tuple[str, tuple[NvmlGpu, ...]] | None:
     """The driver version and every physical GPU (NVML order), or ``None`` where NVML cannot tell.
 
-    Reads NVML through ``ctypes``: CUDA is not initialized and fork stays safe. Cached: the
+    Reads NVML through ``ctypes`` (the one place nbaccel loads it; torch's own count goes through
+    torch): CUDA is not initialized and fork stays safe. Cached: the
     hardware does not change while a kernel runs.
 
     Example:
         >>> nvml_gpus()   # no NVIDIA driver here
     """
-    from ctypes import CDLL, byref, c_int, c_void_p, create_string_buffer
+    from ctypes import byref, c_int, c_void_p, create_string_buffer
 
-    try:
-        nvml = CDLL("libnvidia-ml.so.1")
-    except OSError:
+    nvml = _nvml()
+    if nvml is None:
         return None
     count, driver = c_int(0), create_string_buffer(96)
     if (nvml.nvmlInit_v2() != 0 or nvml.nvmlDeviceGetCount_v2(byref(count)) != 0

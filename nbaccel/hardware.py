@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from nbaccel.environment import ASSUME_UNSAFE_FORK, FORCE_TPU, env_flag
-from nbaccel.host_memory import available_memory
+from nbaccel.host_memory import available_memory, open_descriptors
 
 __all__ = [
     "available_cpu_memory",
@@ -227,9 +227,8 @@ def open_file_budget() -> tuple[int, int] | None:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return None
-    try:
-        in_use = len(os.listdir("/proc/self/fd"))
-    except OSError:  # pragma: no cover - no procfs
+    in_use = open_descriptors()
+    if in_use is None:  # pragma: no cover - a system that does not say
         return None
     return max(soft - in_use, 0), soft
 

@@ -1,9 +1,11 @@
-"""How much host memory this process may still take: the kernel's ``MemAvailable`` and its cgroup's limit.
+"""This host's memory and process facts: psutil's answers, capped by the memory cgroup that psutil does not read.
 
-In a container (Docker, Kubernetes, Colab, Kaggle) the machine's free memory is not this
-process's: its memory cgroup has a limit, and going past it gets the process OOM-killed, however
-much ``/proc/meminfo`` says is free. Both cgroup layouts are read, from the files the kernel
-exposes (no library):
+psutil (which Accelerate depends on too) answers what the kernel says: free memory
+(``MemAvailable``), a process's resident memory, its open descriptors. nbaccel asks them here
+and nowhere else. What psutil leaves out is the container: in Docker, Kubernetes, Colab or Kaggle
+the machine's free memory is not this process's: its memory cgroup has a limit, and going past it
+gets the process OOM-killed, however much ``/proc/meminfo`` says is free. Both cgroup layouts are
+read, from the files the kernel exposes:
 
 - v2 (one hierarchy, ``cgroup2`` in ``mountinfo``, ``0::/path`` in ``/proc/self/cgroup``):
   ``memory.max`` (``max`` means none), ``memory.current``, ``inactive_file`` in ``memory.stat``;
@@ -15,7 +17,7 @@ tightest one binds (a parent's limit caps its children); a cgroup's headroom is 
 its usage less the inactive page cache (which the kernel reclaims before it OOM-kills, as
 Docker's and the kubelet's "working set" count it); a file that is missing or unreadable is
 skipped, never an error (no cgroup, not Linux, a hybrid layout whose v2 half has no memory
-controller).
+controller). psutil is imported on first use, not with nbaccel (it takes about 30 ms).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["CgroupMemory", "available_memory", "cgroup_memory", "meminfo_available"]
+__all__ = ["CgroupMemory", "available_memory", "cgroup_memory", "open_descriptors", "resident_bytes"]
 
 UNLIMITED = 2**60  # v1 writes "no limit" as PAGE_COUNTER_MAX pages (about 2**63 bytes)
 _FILES = {  # layout -> (limit, usage, the inactive page-cache key in memory.stat)
@@ -150,28 +152,51 @@ def cgroup_memory(proc: str = "/proc/self") -> CgroupMemory | None:
     return tightest
 
 
-def meminfo_available(meminfo: str = "/proc/meminfo") -> int | None:
-    """``MemAvailable`` in bytes, or ``None`` where there is no such file (not Linux).
+def available_memory(proc: str = "/proc/self", free: int | None = None) -> int:
+    """Bytes this process may still take: the least of the free memory and its cgroup's headroom.
 
-    Example:
-        >>> (meminfo_available() or 1) > 0
-        True
-    """
-    for line in (_read(meminfo) or "").splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return None
-
-
-def available_memory(proc: str = "/proc/self", meminfo: str = "/proc/meminfo") -> int:
-    """Bytes this process may still take: the least of ``MemAvailable`` and its cgroup's headroom.
+    Args:
+        proc: where to read ``cgroup`` and ``mountinfo`` (a test points it at its own files).
+        free: the machine's free memory; default psutil's ``available`` (``MemAvailable`` on Linux).
 
     Example:
         >>> available_memory() > 0
         True
     """
-    free = meminfo_available(meminfo)
-    if free is None:  # not Linux: what the system says it has free
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if free is None:
+        import psutil
+
+        free = psutil.virtual_memory().available
     limited = cgroup_memory(proc)
     return free if limited is None else min(free, limited.headroom)
+
+
+def resident_bytes(pid: int | None = None) -> int | None:
+    """A process's resident memory in bytes (this one's by default), ``None`` when it is gone or unreadable.
+
+    Example:
+        >>> resident_bytes() > 0
+        True
+    """
+    import psutil
+
+    try:
+        rss = psutil.Process(pid).memory_info().rss
+    except psutil.Error:  # gone, or not ours to read
+        return None
+    return rss or None  # a zombie keeps no memory; /proc lists no resident size for it, so "unknown", not 0
+
+
+def open_descriptors() -> int | None:
+    """How many file descriptors this process has open, ``None`` where the system does not say.
+
+    Example:
+        >>> open_descriptors() >= 3   # stdin, stdout, stderr at least
+        True
+    """
+    import psutil
+
+    try:
+        return psutil.Process().num_fds()
+    except (psutil.Error, AttributeError):  # AttributeError: no num_fds (Windows)
+        return None

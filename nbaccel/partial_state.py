@@ -6,7 +6,7 @@ per process (rank, world size, device, backend) and its attribute names, which a
 ``backend``, ``is_main_process``, ``is_local_main_process``, ``is_last_process``,
 ``use_distributed``, ``mixed_precision``. They add the per-process helpers Accelerate's
 ``PartialState`` has (``print``, ``main_process_first``, ``split_between_processes``, the
-``on_*`` decorators), taken from :class:`~nbaccel.training.process_helpers.ProcessHelpers`.
+``on_*`` decorators), taken from :class:`~nbaccel.state_helpers.StateHelpers` (the ``Accelerator``'s too).
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ from typing import Any, TypeVar
 import torch
 
 from nbaccel.process_state import ProcessState, shared_state
-from nbaccel.training.process_helpers import ProcessHelpers
+from nbaccel.state_helpers import StateHelpers
 
 __all__ = ["AcceleratorState", "PartialState"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class _Helpers(ProcessHelpers):
-    """The helpers that need only a process state (no gradient state), bound to one."""
+class _Helpers(StateHelpers):
+    """The helpers that need only a process state, bound to one."""
 
     def __init__(self, state: ProcessState) -> None:
         self.state = state

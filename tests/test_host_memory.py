@@ -1,13 +1,18 @@
 """The memory a process may still take: cgroup v1 and v2 limits read from files laid out as the
-kernel lays them out (written here under a temporary root), and this machine's own cgroup."""
+kernel lays them out (written here under a temporary root), and this machine's own cgroup; free
+memory, a process's resident memory and its descriptors as psutil tells them."""
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
+
+import psutil
 
 from nbaccel.big_modeling.pinned_slabs import pinned_cap
 from nbaccel.hardware import available_cpu_memory
-from nbaccel.host_memory import available_memory, cgroup_memory, meminfo_available
+from nbaccel.host_memory import available_memory, cgroup_memory, open_descriptors, resident_bytes
 
 GiB = 2**30
 V1_UNLIMITED = "9223372036854771712"
@@ -20,11 +25,10 @@ def _files(root: Path, files: dict[str, str]) -> None:
         path.write_text(text)
 
 
-def _proc(root: Path, cgroup: str, mounts: list[str], available: int = 20 * GiB) -> Path:
-    """``/proc/self`` and ``/proc/meminfo`` as the kernel writes them, mount points under ``root``."""
+def _proc(root: Path, cgroup: str, mounts: list[str]) -> Path:
+    """``/proc/self`` as the kernel writes it, mount points under ``root``."""
     proc = root / "proc" / "self"
-    _files(root, {"proc/self/cgroup": cgroup, "proc/meminfo":
-                  f"MemTotal:       {available // 512} kB\nMemAvailable:   {available // 1024} kB\n"})
+    _files(root, {"proc/self/cgroup": cgroup})
     lines = [f"{30 + k} 23 0:{28 + k} {m.format(root=root)}" for k, m in enumerate(mounts)]
     (proc / "mountinfo").write_text("\n".join(lines) + "\n")
     return proc
@@ -44,7 +48,7 @@ def test_a_v2_limit_on_a_parent_binds_and_inactive_page_cache_does_not_count(tmp
     assert found is not None and found.layout == "v2"
     assert Path(found.path) == group / "user.slice" and found.limit == 4 * GiB
     assert found.headroom == 2 * GiB  # 4 GiB - (3 GiB used - 1 GiB reclaimable cache)
-    assert available_memory(str(proc), str(tmp_path / "proc/meminfo")) == 2 * GiB
+    assert available_memory(str(proc), free=20 * GiB) == 2 * GiB
 
 
 def test_a_v1_memory_controller_limit_is_read_from_its_own_mount(tmp_path) -> None:
@@ -65,7 +69,7 @@ def test_a_v1_memory_controller_limit_is_read_from_its_own_mount(tmp_path) -> No
     found = cgroup_memory(str(proc))
     assert found is not None and found.layout == "v1" and Path(found.path) == memory / "docker/abc"
     assert found.headroom == 3 * GiB
-    assert available_memory(str(proc), str(tmp_path / "proc/meminfo")) == 3 * GiB
+    assert available_memory(str(proc), free=20 * GiB) == 3 * GiB
 
 
 def test_a_container_without_a_cgroup_namespace_reads_the_mount_it_sees(tmp_path) -> None:
@@ -79,13 +83,35 @@ def test_a_container_without_a_cgroup_namespace_reads_the_mount_it_sees(tmp_path
 
 
 def test_no_limit_or_no_cgroup_leaves_meminfo(tmp_path) -> None:
-    proc = _proc(tmp_path, "0::/\n", ["/ {root}/sys/fs/cgroup rw - cgroup2 cgroup2 rw"],
-                 available=5 * GiB)
+    proc = _proc(tmp_path, "0::/\n", ["/ {root}/sys/fs/cgroup rw - cgroup2 cgroup2 rw"])
     _files(tmp_path / "sys/fs/cgroup", {"memory.max": "max\n", "memory.current": "1\n"})
     assert cgroup_memory(str(proc)) is None
-    assert available_memory(str(proc), str(tmp_path / "proc/meminfo")) == 5 * GiB
+    assert available_memory(str(proc), free=5 * GiB) == 5 * GiB
     assert cgroup_memory(str(tmp_path / "nowhere")) is None  # not Linux, no procfs
-    assert meminfo_available(str(tmp_path / "nowhere")) is None
+
+
+def test_free_memory_resident_memory_and_descriptors_are_what_the_kernel_says(tmp_path) -> None:
+    free = available_memory(str(tmp_path / "nowhere"))  # no cgroup: the kernel's MemAvailable
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    assert abs(free - int(meminfo["MemAvailable"].split()[0]) * 1024) < 256 * 2**20
+    vm_rss = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmRSS:"))
+    assert abs(resident_bytes() - int(vm_rss.split()[1]) * 1024) < 64 * 2**20
+    before = open_descriptors()
+    with open(__file__):
+        assert open_descriptors() == before + 1 == len(os.listdir("/proc/self/fd"))
+    assert open_descriptors() == before
+
+
+def test_a_finished_or_dead_process_has_no_resident_memory() -> None:
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    deadline = time.monotonic() + 10
+    while psutil.Process(pid).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert resident_bytes(pid) is None  # a zombie: /proc shows no VmRSS
+    os.waitpid(pid, 0)
+    assert resident_bytes(pid) is None  # gone
 
 
 def test_this_machines_cgroup_is_read_and_caps_the_pinned_memory() -> None:

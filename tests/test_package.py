@@ -110,6 +110,74 @@ def test_no_import_cycle_even_through_imports_inside_functions():
     assert sorted(in_cycle) == []
 
 
+# The package's faces: Accelerate's import paths and the entry points. They gather names from every
+# folder for users and sit above them all; nothing inside nbaccel imports them (checked below for state).
+FACADES = ("nbaccel", "nbaccel.__main__", "nbaccel.data_loader", "nbaccel.hooks", "nbaccel.state", "nbaccel.utils")
+# A folder import that closes a cycle, which another part of issue 36 removes (the launch core's own
+# code); each must still be there, so its allowance goes as soon as the import does.
+KNOWN_BACK_EDGES = {("nbaccel.launch", "nbaccel.runs"): "launch/launcher.py and pool/worker_pool.py start "
+                    "background runs (nbaccel.runs.start) from inside the launch core"}
+
+
+def _folder(module: str) -> str:
+    """The folder a module lives in: ``nbaccel`` for the root's modules, else ``nbaccel.<subpackage>``."""
+    parts = module.split(".")
+    is_package = (Path(nbaccel.__file__).parent.parent.joinpath(*parts) / "__init__.py").exists()
+    return ".".join(parts[:2]) if len(parts) > 2 or (len(parts) == 2 and is_package) else "nbaccel"
+
+
+def _folder_imports(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    """``{folder: the other folders its modules import}``, the facades left out."""
+    folders: dict[str, set[str]] = {}
+    for module, targets in edges.items():
+        if module not in FACADES:
+            folders.setdefault(_folder(module), set()).update(
+                _folder(t) for t in targets if t not in FACADES and _folder(t) != _folder(module))
+    return folders
+
+
+def _folder_cycles(folders: dict[str, set[str]]) -> set[tuple[str, ...]]:
+    """Each set of folders that import each other in a ring (a strongly connected set), sorted."""
+    reach: dict[str, set[str]] = {f: set() for f in folders}
+    for start in folders:  # what each folder reaches, directly or through others
+        todo = list(folders[start])
+        while todo:
+            folder = todo.pop()
+            if folder not in reach[start]:
+                reach[start].add(folder)
+                todo.extend(folders.get(folder, ()))
+    return {tuple(sorted({f} | {g for g in reach[f] if f in reach.get(g, ())})) for f in folders if f in reach[f]}
+
+
+def test_no_folder_cycle_between_subpackages_and_the_root():
+    """Folders form layers: the root's modules, then the pillars, then the front ends; none imports back up."""
+    folders = _folder_imports(_nbaccel_imports())
+    assert sorted((a, b) for a, b in KNOWN_BACK_EDGES if b not in folders.get(a, ())) == [], \
+        "a known back edge is gone: remove its allowance"
+    for a, b in KNOWN_BACK_EDGES:
+        folders[a].discard(b)
+    assert sorted(_folder_cycles(folders)) == []
+
+
+def test_the_folder_check_sees_a_cycle_through_an_import_inside_a_function():
+    edges = {"nbaccel.errors": set(), "nbaccel.partial_state": {"nbaccel.training.process_helpers"},
+             "nbaccel.training.process_helpers": {"nbaccel.errors"}, "nbaccel.widgets.config_panel":
+             {"nbaccel.magics.session"}, "nbaccel.magics.session": set(), "nbaccel.magics.magics":
+             {"nbaccel.widgets.config_panel"}, "nbaccel.utils": {"nbaccel.training.process_helpers"}}
+    assert _folder_cycles(_folder_imports(edges)) == {("nbaccel", "nbaccel.training"),
+                                                      ("nbaccel.magics", "nbaccel.widgets")}
+
+
+def test_one_module_asks_psutil_and_one_loads_nvml():
+    """Process and memory facts come from psutil in host_memory.py; NVML is loaded by cuda_probe.py alone."""
+    root = Path(nbaccel.__file__).parent
+    psutil_users = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
+                          if "psutil" in _imported_names(ast.parse(p.read_text())))
+    nvml_loaders = sorted(str(p.relative_to(root)) for p in root.rglob("*.py") if "libnvidia-ml" in p.read_text())
+    proc_readers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
+                          if any(f in p.read_text() for f in ("VmRSS", "MemAvailable:", "/proc/meminfo\"")))
+    assert (psutil_users, nvml_loaders, proc_readers) == (["host_memory.py"], ["cuda_probe.py"], [])
+
 def test_no_private_name_is_imported_across_modules():
     """A leading underscore means "this module's own": another module reaching for it couples the two."""
     import ast

@@ -38,6 +38,7 @@ __all__ = [
     "check_device_map",
     "device_for",
     "infer_auto_device_map",
+    "map_device",
     "plan_device_map",
     "resolve_device_map",
 ]
@@ -87,18 +88,52 @@ def infer_auto_device_map(model: nn.Module, max_memory: MaxMemory | None = None,
         >>> infer_auto_device_map(m, {"cpu": 700})
         {'0': 'cpu', '1': 'disk', '2': 'disk', '3': 'disk'}
     """
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype.removeprefix("torch."))
-    if isinstance(no_split_module_classes, str):
-        no_split_module_classes = [no_split_module_classes]
-    tied = find_tied_parameters(model)
-    if not tied and check_tied_parameters_in_config(model):  # as Accelerate: a map for untied weights
-        _log.warning("the model's config ties weights, but its weights are not tied, so they may be "
-                     "placed apart. Fix: call model.tie_weights() before infer_auto_device_map.")
-    device_map = place(model, planning_budget(max_memory), list(no_split_module_classes or ()),
-                       dtype, dict(special_dtypes or {}), tied, fallback_allocation, offload_buffers,
-                       verbose)
+    placement = _Placement.of(model, no_split_module_classes, dtype, special_dtypes, offload_buffers,
+                              fallback_allocation, verbose)
+    # place() itself, not placement.place: its buffer warning points stacklevel=4 at this function's caller
+    device_map = place(model, planning_budget(max_memory), placement.no_split, placement.dtype, placement.special,
+                       placement.tied, fallback_allocation, offload_buffers, verbose)
     return _clean(model, device_map) if clean_result else device_map
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """One model's placement inputs, prepared once (dtype, no-split classes, tied groups), placed
+    against one budget or, when offload slots are reserved, against a few."""
+
+    model: nn.Module
+    no_split: list[str]
+    dtype: torch.dtype | None
+    special: dict[str, torch.dtype]
+    tied: list[list[str]]
+    offload_buffers: bool
+    fallback_allocation: bool = False
+    verbose: bool = False
+
+    @classmethod
+    def of(cls, model: nn.Module, no_split_module_classes: Sequence[str] | str | None,
+           dtype: torch.dtype | str | None, special_dtypes: Mapping[str, torch.dtype] | None,
+           offload_buffers: bool, fallback_allocation: bool = False, verbose: bool = False) -> _Placement:
+        """The inputs prepared: ``dtype`` as a ``torch.dtype``, no-split classes as a list, tied groups found."""
+        as_dtype: torch.dtype | None = getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
+        if isinstance(no_split_module_classes, str):
+            no_split_module_classes = [no_split_module_classes]
+        tied = find_tied_parameters(model)
+        if not tied and check_tied_parameters_in_config(model):  # as Accelerate: a map for untied weights
+            _log.warning("the model's config ties weights, but its weights are not tied, so they may be "
+                         "placed apart. Fix: call model.tie_weights() before infer_auto_device_map.")
+        return cls(model, list(no_split_module_classes or ()), as_dtype, dict(special_dtypes or {}), tied,
+                   offload_buffers, fallback_allocation, verbose)
+
+    def place(self, budget: dict[MapDevice, int]) -> dict[str, MapDevice]:
+        """The raw (uncleaned) map for ``budget``."""
+        return place(self.model, budget, self.no_split, self.dtype, self.special, self.tied,
+                     self.fallback_allocation, self.offload_buffers, self.verbose)
+
+    def largest_layer(self) -> int:
+        """Bytes of the largest piece that is never split (a leaf, or a no-split block)."""
+        sizes = compute_module_sizes(self.model, dtype=self.dtype, special_dtypes=self.special)
+        return get_max_layer_size(list(self.model.named_children()), sizes, self.no_split)[0]
 
 
 def _clean(model: nn.Module, device_map: dict[str, MapDevice]) -> dict[str, MapDevice]:
@@ -162,6 +197,25 @@ def _normalize_device(name: str, device: object, gpus: int, planning: bool = Fal
         f"the device map puts {name!r} on {device!r} ({type(device).__name__}), which is not a "
         f"device. Valid devices: {valid}. For example: {{{name!r}: 'cpu'}}.",
         key=name, value=device, valid=valid)
+
+
+def map_device(device: Device, *, on_this_machine: bool = True) -> MapDevice:
+    """One device as a device map writes it: a GPU index, ``"cpu"``, ``"disk"``, ``"mps"`` or ``"meta"``.
+
+    Args:
+        device: a GPU index, ``"cuda"``, ``"cuda:N"``, a ``torch.device``, or a named device.
+        on_this_machine: require a GPU to be visible here (``False``: any index, as planning accepts).
+
+    Raises:
+        DeviceMapError: not a device, or (``on_this_machine``) a GPU this machine lacks.
+
+    Example:
+        >>> map_device(torch.device("cpu")), map_device("cuda:1", on_this_machine=False)
+        ('cpu', 1)
+    """
+    from nbaccel.hardware import cuda_device_count
+
+    return _normalize_device("", device, cuda_device_count(), planning=not on_this_machine)
 
 
 def check_device_map(model: nn.Module, device_map: Mapping[str, Device], *, on_this_machine: bool = False
@@ -305,37 +359,42 @@ def plan_device_map(model: nn.Module, device_map: DeviceMapStrategy | Mapping[st
         if device_map != "sequential":
             max_memory = get_balanced_memory(model, max_memory, no_split_module_classes, dtype,
                                              low_zero=device_map == "balanced_low_0")
-        inferred = infer_auto_device_map(model, max_memory, no_split_module_classes, dtype,
-                                         offload_buffers=offload_buffers)
-        device_map, slots = _reserve_slots(model, inferred, max_memory, reserved_slots,
-                                           no_split_module_classes, dtype, offload_buffers)
-        gpus = [d for d in planning_budget(max_memory) if isinstance(d, int)]
+        budget = planning_budget(max_memory)  # measured once (when None), for every pass below
+        placement = _Placement.of(model, no_split_module_classes, dtype, None, offload_buffers)
+        device_map, slots = _reserve_slots(placement, budget, reserved_slots)
+        gpus = [d for d in budget if isinstance(d, int)]
         main = gpus[0] if gpus else None
     return DevicePlan(check_device_map(model, device_map, on_this_machine=True), slots, main)
 
 
-def _reserve_slots(model: nn.Module, device_map: dict[str, MapDevice], max_memory: MaxMemory | None,
-                   slots: int, no_split: Sequence[str] | None, dtype: torch.dtype | str | None,
-                   offload_buffers: bool) -> tuple[dict[str, MapDevice], int]:
-    """The map placed again with up to ``slots - 1`` more of the largest pieces kept free on the
-    first GPU, when ``device_map`` offloads something there (the streamed offload keeps that many
-    offloaded layers on that GPU at once, :mod:`.streamed_offload`), and how many were kept: the
-    most that leave the first GPU holding something whenever Accelerate's map does."""
-    budget = planning_budget(max_memory)
+def _reserve_slots(placement: _Placement, budget: dict[MapDevice, int], slots: int
+                   ) -> tuple[dict[str, MapDevice], int]:
+    """The cleaned map for ``budget``, placed again with up to ``slots - 1`` more of the largest
+    pieces kept free on the first GPU when that map offloads something there (the streamed
+    offload keeps that many offloaded layers on that GPU at once, :mod:`.streamed_offload`), and
+    how many were kept: the most that leave the first GPU holding something whenever
+    Accelerate's map does.
+
+    Accelerate's map is placed first and a reserving map only when it offloads: the reserve
+    changes where the first GPU's pieces end, so the two maps differ, and whether to reserve is
+    known only from the first (a model that fits places as Accelerate places it). So an
+    offloading GPU map takes two placements, three when the first GPU cannot keep ``slots`` and
+    still hold a layer (``slots - 1`` reserving passes at most); the preparation they share
+    (dtype, tied groups, sizes, the budget) is done once.
+    """
+    model = placement.model
+    device_map = placement.place(budget)
     gpus = [d for d in budget if isinstance(d, int) and budget[d] > 0]
     if slots <= 1 or not gpus or not any(d in ("cpu", "disk") for d in device_map.values()):
-        return device_map, 1
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype.removeprefix("torch."))
-    sizes = compute_module_sizes(model, dtype=dtype)
-    largest, _ = get_max_layer_size(list(model.named_children()), sizes, list(no_split or ()))
+        return _clean(model, device_map), 1
+    largest = placement.largest_layer()
     count, placed = 1, device_map
     if gpus[0] not in device_map.values():  # nothing there to keep: as many slots as the budget holds
         count = max(1, min(slots, budget[gpus[0]] // max(1, largest)))
     for fewer_slots in range(slots, 1, -1) if gpus[0] in device_map.values() else ():
         fewer = dict(budget)
         fewer[gpus[0]] = max(0, budget[gpus[0]] - (fewer_slots - 1) * largest)
-        again = infer_auto_device_map(model, fewer, no_split, dtype, offload_buffers=offload_buffers)
+        again = placement.place(fewer)
         if gpus[0] in again.values():
             count, placed = fewer_slots, again
             break
@@ -347,4 +406,4 @@ def _reserve_slots(model: nn.Module, device_map: dict[str, MapDevice], max_memor
             f"hides behind compute. Fix: raise max_memory[{gpus[0]}] by "
             f"{(slots - count) * largest} bytes.", UserWarning, stacklevel=4)
     _log.info("placing with %d bytes kept on GPU %d for %d offload slots", count * largest, gpus[0], count)
-    return placed, count
+    return _clean(model, placed), count

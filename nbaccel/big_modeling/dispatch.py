@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from nbaccel.big_modeling.device_map import MapDevice, check_device_map
+from nbaccel.big_modeling.device_map import MapDevice, check_device_map, map_device
 from nbaccel.big_modeling.hooks import (
     AlignDevicesHook,
     CpuOffload,
@@ -30,6 +30,7 @@ from nbaccel.big_modeling.hooks import (
     add_hook_to_module,
     default_execution_device,
 )
+from nbaccel.big_modeling.map_entries import dispatch_entries, has_no_forward
 from nbaccel.big_modeling.offload import (
     IndexEntry,
     OffloadedWeightsLoader,
@@ -39,23 +40,13 @@ from nbaccel.big_modeling.offload import (
 from nbaccel.big_modeling.offload_groups import block_of, no_split_classes
 from nbaccel.big_modeling.streamed_offload import OFFLOAD_SLOTS, stream_offloaded
 from nbaccel.big_modeling.tensors import Device, named_module_tensors
-from nbaccel.errors import CheckpointMismatchError, DeviceMapError
+from nbaccel.errors import CheckpointMismatchError
 
 __all__ = ["cpu_offload", "cpu_offload_with_hook", "disk_offload", "dispatch_model"]
 
 
 def _torch_device(device: MapDevice) -> torch.device:
     return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-
-
-def _never_called(model: nn.Module, name: str) -> bool:
-    """Containers such as ``ModuleList`` have no forward, so a hook on them would never run."""
-    modules = dict(model.named_modules(remove_duplicate=False))
-    return name in modules and _has_no_forward(modules[name])
-
-
-def _has_no_forward(module: nn.Module) -> bool:
-    return type(module).forward is nn.Module.forward
 
 
 def _holds_tensors(module: nn.Module) -> bool:
@@ -79,69 +70,12 @@ def _hook_sites(module: nn.Module, name: str, preload: Sequence[str]
             continue  # one module under two names gets one hook
         seen.add(id(current))
         whole = type(current).__name__ in preload or any(
-            _has_no_forward(c) and _holds_tensors(c) for c in current.children())
+            has_no_forward(c) and _holds_tensors(c) for c in current.children())
         if whole or site == name or _holds_tensors(current):
             yield site, current, whole
         if not whole:
             dot = f"{site}." if site else ""
             todo.extend(reversed([(dot + n, c) for n, c in current.named_children()]))
-
-
-def _split_overlaps(model: nn.Module, device_map: dict[str, MapDevice]) -> dict[str, MapDevice]:
-    """Rewrite a map so each entry can get one hook that runs: no entry lies inside another
-    (``{"": "cpu", "b.1": "disk"}`` becomes one entry per piece), and containers without a
-    forward (``{"blocks": "disk"}`` for a ``ModuleList``) become one entry per child."""
-    changed = True
-    while changed:
-        changed = False
-        for name in list(device_map):
-            inner = [k for k in device_map if k != name and (not name or k.startswith(f"{name}."))]
-            if not inner and not _never_called(model, name):
-                continue
-            module = model.get_submodule(name)
-            dot = f"{name}." if name else ""
-            pieces = [*(n for n, _ in module.named_parameters(recurse=False)),
-                      *(n for n, _ in module.named_children()),
-                      *(n for n, _ in module.named_buffers(recurse=False))]
-            device = device_map.pop(name)
-            for piece in pieces:
-                device_map.setdefault(dot + piece, device)
-            changed = True
-            break
-    return device_map
-
-
-def _entries_by_module(model: nn.Module, device_map: Mapping[str, MapDevice]
-                       ) -> dict[str, tuple[MapDevice, bool]]:
-    """``{module name: (device, whole)}``: a whole-module entry, or one module's direct tensors
-    (``whole=False``), which must then share one device."""
-    modules = {n for n, _ in model.named_modules(remove_duplicate=False)}
-    hooks: dict[str, tuple[MapDevice, bool]] = {}
-    for name, device in device_map.items():
-        if name in modules:
-            hooks[name] = (device, True)
-            continue
-        owner = name.rpartition(".")[0]
-        if owner in hooks and hooks[owner][0] != device:
-            raise DeviceMapError(
-                f"the device map puts tensors of module {owner!r} on different devices "
-                f"({hooks[owner][0]!r} and {device!r} for {name!r}); a module's own tensors "
-                f"must share a device. Map the module instead: {{{owner!r}: 'cpu'}}.",
-                key=name, value=device, valid=[hooks[owner][0]])
-        hooks[owner] = (device, False)
-    order = {n: i for i, (n, _) in enumerate(model.named_modules(remove_duplicate=False))}
-    return dict(sorted(hooks.items(), key=lambda kv: order[kv[0]]))
-
-
-def dispatch_entries(model: nn.Module, device_map: Mapping[str, MapDevice]
-                      ) -> dict[str, tuple[MapDevice, bool]]:
-    """The entries ``dispatch_model`` hooks, ``{module name: (device, whole)}``, for a checked
-    map; checking one before loading anything means a bad map leaves the model untouched.
-
-    Raises:
-        DeviceMapError: the map splits one module's own tensors over devices.
-    """
-    return _entries_by_module(model, _split_overlaps(model, dict(device_map)))
 
 
 def _weights_map(model: nn.Module, names: Sequence[str],
@@ -245,7 +179,7 @@ def dispatch_model(model: nn.Module, device_map: Mapping[str, Device],
     """
     checked = check_device_map(model, device_map, on_this_machine=True)
     devices = set(checked.values())
-    alone = main_device is None or devices == {check_device_map(model, {"": main_device})[""]}
+    alone = main_device is None or devices == {map_device(main_device, on_this_machine=False)}
     if len(devices) == 1 and devices != {"disk"} and not force_hooks and alone:
         device = next(iter(devices))
         if device != "meta":
@@ -255,7 +189,7 @@ def dispatch_model(model: nn.Module, device_map: Mapping[str, Device],
         return model
     if main_device is None:
         main_device = next((d for d in checked.values() if d not in ("cpu", "disk")), "cpu")
-    main: MapDevice = check_device_map(model, {"": main_device}, on_this_machine=True)[""]
+    main = map_device(main_device)
     offloaded = ("disk",) if main in ("cpu", "mps") else ("cpu", "disk")
     preload = list(preload_module_classes or ())
     sites = []  # (entry, hook site, device, whole, full names of the tensors the hook moves)
@@ -332,7 +266,7 @@ def cpu_offload(model: nn.Module, execution_device: Device | None = None,
         >>> torch.equal(model(x), ref)
         True
     """
-    device = _torch_device(check_device_map(model, {"": execution_device}, on_this_machine=True)[""]) \
+    device = _torch_device(map_device(execution_device)) \
         if execution_device is not None else default_execution_device()
     if state_dict is None:
         state_dict = {n: t.to("cpu") for n, t in named_module_tensors(model, recurse=True)}
@@ -367,7 +301,7 @@ def disk_offload(model: nn.Module, offload_dir: str | os.PathLike,
     """
     if not os.path.exists(os.path.join(offload_dir, "index.json")):
         offload_state_dict(offload_dir, dict(named_module_tensors(model, recurse=True)))
-    device = _torch_device(check_device_map(model, {"": execution_device}, on_this_machine=True)[""]) \
+    device = _torch_device(map_device(execution_device)) \
         if execution_device is not None else default_execution_device()
     _offload_every_module(model, device, OffloadedWeightsLoader(save_folder=offload_dir),
                           offload_buffers, preload_module_classes)
@@ -390,7 +324,7 @@ def cpu_offload_with_hook(model: nn.Module, execution_device: Device | None = No
         >>> b(a(torch.ones(1, 2))).shape
         torch.Size([1, 2])
     """
-    device = _torch_device(check_device_map(model, {"": execution_device}, on_this_machine=True)[""]) \
+    device = _torch_device(map_device(execution_device)) \
         if execution_device is not None else None
     hook = CpuOffload(execution_device=device, prev_module_hook=prev_module_hook)
     add_hook_to_module(model, hook, append=True)

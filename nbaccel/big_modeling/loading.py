@@ -35,7 +35,9 @@ from nbaccel.big_modeling.device_map import (
     device_for,
     plan_device_map,
 )
+from nbaccel.big_modeling.dispatch import dispatch_model
 from nbaccel.big_modeling.load_progress import ShardProgress
+from nbaccel.big_modeling.map_entries import dispatch_entries
 from nbaccel.big_modeling.offload import IndexEntry, offload_weight, save_offload_index
 from nbaccel.big_modeling.resident import FileMaps
 from nbaccel.big_modeling.resident_values import (
@@ -366,8 +368,6 @@ def load_checkpoint_and_dispatch(model: nn.Module, checkpoint: str | os.PathLike
         >>> x = torch.ones(1, 8); torch.allclose(model(x), full(x))
         True
     """
-    from nbaccel.big_modeling.dispatch import dispatch_entries, dispatch_model
-
     _check_whole_tensor_loading(full_state_dict, broadcast_from_rank0)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.removeprefix("torch."))

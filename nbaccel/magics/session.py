@@ -7,24 +7,12 @@ owned by the loaded magics (one per IPython shell), never in the environment or 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 from nbaccel.config import LaunchConfig
 
-__all__ = ["SessionDefaults", "changed_fields"]
-
-
-def changed_fields(config: LaunchConfig, base: LaunchConfig) -> dict[str, Any]:
-    """The fields of ``config`` whose values differ from ``base``'s, as ``{name: value}``.
-
-    Example:
-        >>> changed_fields(LaunchConfig(num_processes=3), LaunchConfig())
-        {'num_processes': 3}
-    """
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-            if getattr(config, f.name) != getattr(base, f.name)}
+__all__ = ["SessionDefaults"]
 
 
 class SessionDefaults:

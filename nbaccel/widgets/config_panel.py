@@ -20,12 +20,11 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
-from nbaccel.config import LaunchConfig, save_config
+from nbaccel.config import LaunchConfig, changed_fields, save_config
 from nbaccel.config_text import parse_config_text
 from nbaccel.distributed_type import LAUNCHABLE_TYPES, DistributedType
 from nbaccel.errors import ConfigError
 from nbaccel.hardware import cpu_count, cuda_device_count, tpu_detected
-from nbaccel.magics.session import changed_fields
 from nbaccel.widgets import (
     import_widgets,
     set_titles,

@@ -18,9 +18,9 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Collection, Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
+from nbaccel.host_memory import resident_bytes
 from nbaccel.launch.events import LaunchObserver
 from nbaccel.launch.frames import write_frame
 from nbaccel.launch.output import OutputRelay
@@ -71,7 +71,7 @@ class LocalPoolRanks:
     def workers(self) -> list[tuple[int, int, bool, str, int | None]]:
         """``(rank, pid, alive, device, resident bytes)`` per rank."""
         return [(m.rank, m.handle.pid, not m.handle.poll(), m.device,
-                 None if m.handle.exited else _resident_bytes(m.handle.pid)) for m in self.members]
+                 None if m.handle.exited else resident_bytes(m.handle.pid)) for m in self.members]
 
     def run(self, function: Callable[..., Any], args: Any, kwargs: Mapping[str, Any], *, relay: OutputRelay,
             observer: LaunchObserver | None, policy: SupervisorPolicy,
@@ -134,16 +134,6 @@ def _send_task(member: PoolMember, payload: bytes, send_result: bool) -> None:
         write_frame(fd, "task", (payload, send_result))
     finally:
         os.set_blocking(fd, False)
-
-
-def _resident_bytes(pid: int) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return None
 
 
 @contextlib.contextmanager

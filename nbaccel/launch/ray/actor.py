@@ -30,6 +30,7 @@ from typing import Any
 import cloudpickle
 
 from nbaccel.environment import apply_environment, read_distributed_env
+from nbaccel.host_memory import resident_bytes
 from nbaccel.identity import WorkerIdentity
 from nbaccel.launch.worker.console_tqdm import use_console_tqdm
 from nbaccel.launch.worker.display import (
@@ -254,15 +255,8 @@ class RankActor:
         sys.stderr.flush()
 
     def resident_bytes(self) -> int | None:
-        """This actor's resident memory (``None`` where ``/proc`` is not available)."""
-        try:
-            with open("/proc/self/status") as status:
-                for line in status:
-                    if line.startswith("VmRSS:"):
-                        return int(line.split()[1]) * 1024
-        except (OSError, ValueError):
-            pass
-        return None
+        """This actor's resident memory (``None`` where the system does not say)."""
+        return resident_bytes()
 
     def teardown(self) -> None:
         """Leave the process group (before the actor is killed)."""
