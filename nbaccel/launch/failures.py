@@ -124,9 +124,8 @@ def rank_failure(rank: int, pid: int, exit: ProcessExit | None, error: RankError
     """The one place a rank's :class:`WorkerFailure` is made: what it reported, else how its process ended.
 
     Example:
-        >>> rank_failure(1, 99, ProcessExit(exitcode=3), None).summary
-        'rank 1 (pid 99) exited with code 3: the process exited without reporting an exception (os._exit, a crash \
-in native code, or an OOM kill)'
+        >>> rank_failure(1, 99, ProcessExit(signal=9), None).summary
+        'rank 1 (pid 99) was killed by signal SIGKILL'
     """
     exit = exit or ProcessExit()
     if error is not None:

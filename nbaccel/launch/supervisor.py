@@ -135,7 +135,7 @@ class Supervisor:
             finally:
                 self._close()
                 self.relay.flush()  # every line is out before the result or the failure
-        n = len(self.workers)
+        n = len(self.workers)  # ranks, not the host
         if failures:
             stopped = [r for r in self._stopped if self.host is None or r != self.host.rank]
             return RunResult(failures=tuple(failures), stopped=stopped, world_size=n)
@@ -187,8 +187,7 @@ class Supervisor:
         for key, _ in self._selector.select(wait):
             if self._selector.get_map().get(key.fd) is not key:
                 continue  # an earlier read of this batch consumed it (a display mark drains the control pipe)
-            handle, kind = key.data
-            self._read(handle, kind, key.fd)
+            self._read(*key.data, key.fd)
         self.relay.tick()  # lines written less than a flush interval ago go out now
 
     def _read(self, handle: WorkerHandle, kind: str, fd: int) -> bool:
