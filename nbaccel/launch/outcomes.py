@@ -1,9 +1,6 @@
-"""What a supervised run learned, kept apart from the processes: each rank's outcome and the run's result.
+"""What a supervised run learned, apart from the processes: each rank's outcome, and the run's result.
 
-A :class:`~nbaccel.launch.handles.WorkerHandle` says how to reach a rank; the supervisor writes
-what it hears (state, result bytes, error, exit) into that rank's :class:`RankOutcome`, and a run
-ends as a :class:`RunResult`: the values, and the failures as typed records (torch elastic's
-``RunProcsResult``).
+As torch elastic's ``RunProcsResult``: handles say how to reach ranks; these say what happened.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """One supervised run, the same for every backend and lifetime: the observer's bracket, the policy, the relay.
 
-Every launcher (local one-shot, warm rank, worker pool, Ray, XLA) runs its ranks so::
+::
 
     with SupervisedRun(request, lifetime) as run:     observer.on_launch(ranks, lifetime.name)
-        handles = <the backend starts the ranks>       ... a failed start still ends the bracket
-        values = run.supervise(handles).get()          Supervisor(handles, relay, policy).run()
-                                                       ─► RunResult: values, typed failures
-                                                      observer.on_end(ok): ok when the block returned
-
-The policy comes from the request (``timeout``, ``hang_timeout``) and the :class:`Lifetime`
-(grace, whether ranks outlive the run, how the host process is named); the relay sends output to
-the cell, labelled per rank, to the observer, and the chosen ranks' displays to the cell.
+        handles = <the backend starts the ranks>
+        values = run.supervise(handles).get()          Supervisor(handles, relay, policy).run() ─► RunResult
+                                                      observer.on_end(ok), also when starting failed
 """
 
 from __future__ import annotations
@@ -50,12 +45,7 @@ class Lifetime:
 
 
 class SupervisedRun:
-    """The bracket and the supervision of one run of ``request`` (see the module docstring).
-
-    Example:
-        >>> with SupervisedRun(request, Lifetime("fork")) as run:  # doctest: +SKIP
-        ...     values = run.supervise(start_ranks(request)).get()
-    """
+    """The bracket and the supervision of one run of ``request`` (see the module docstring)."""
 
     def __init__(self, request: LaunchRequest, lifetime: Lifetime) -> None:
         self.request = request
