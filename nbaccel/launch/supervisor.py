@@ -187,7 +187,7 @@ class Supervisor:
         for key, _ in self._selector.select(wait):
             if self._selector.get_map().get(key.fd) is not key:
                 continue  # an earlier read of this batch consumed it (a display mark drains the control pipe)
-            self._read(*key.data, key.fd)
+            self._read(key.data[0], key.data[1], key.fd)
         self.relay.tick()  # lines written less than a flush interval ago go out now
 
     def _read(self, handle: WorkerHandle, kind: str, fd: int) -> bool:
