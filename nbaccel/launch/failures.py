@@ -16,15 +16,16 @@ traceback cut in the middle, with its full size; the exception itself keeps it w
 from __future__ import annotations
 
 import signal
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from nbaccel.errors import ProcessExitedError, WorkerFailedError
 from nbaccel.launch.rank_exceptions import in_family, unpack_exception
 
-__all__ = ["MESSAGE_LIMIT", "TRACEBACK_LIMIT", "RemoteTraceback", "WorkerFailure", "format_report", "raise_failures",
-           "shorten"]
+__all__ = ["MESSAGE_LIMIT", "TRACEBACK_LIMIT", "ProcessExit", "RankError", "RemoteTraceback", "WorkerFailure",
+           "format_report", "raise_failures", "rank_failure", "shorten"]
 
 MESSAGE_LIMIT = 4_000
 """The most characters of a rank's exception message a report quotes (the exception itself keeps all of it)."""
@@ -84,6 +85,61 @@ class WorkerFailure:
             name = signal.Signals(self.signal).name if self.signal in signal.Signals._value2member_map_ else self.signal
             return f"rank {self.rank} (pid {self.pid}) was killed by signal {name}"
         return f"rank {self.rank} (pid {self.pid}) exited with code {self.exitcode}: {self.message}"
+
+
+@dataclass(frozen=True)
+class ProcessExit:
+    """How a rank's process (or its run) ended: an exit code, or the signal that killed it (both ``None``: unknown)."""
+
+    exitcode: int | None = None
+    signal: int | None = None
+
+
+@dataclass(frozen=True)
+class RankError:
+    """What a rank reported when its function raised (an ``error`` frame), as a typed value.
+
+    Attributes: as :class:`WorkerFailure`'s fields of the same names.
+    """
+
+    time: float
+    exc_type: str = ""
+    message: str = ""
+    traceback: str = ""
+    exception: bytes | None = None
+    exception_note: str = ""
+
+    @classmethod
+    def from_frame(cls, body: Mapping[str, Any]) -> RankError:
+        """Read an ``error`` frame's body (see :func:`nbaccel.launch.worker.process.describe_error`)."""
+        return cls(time=float(body.get("time", time.time())), exc_type=body.get("exc_type", ""),
+                   message=body.get("message", ""), traceback=body.get("traceback", ""),
+                   exception=body.get("exception"), exception_note=body.get("exception_note", ""))
+
+
+_SILENT = ("the process exited without reporting an exception (os._exit, a crash in native code, or an OOM kill)")
+
+
+def rank_failure(rank: int, pid: int, ended: ProcessExit | None, error: RankError | None) -> WorkerFailure:
+    """The one place a rank's :class:`WorkerFailure` is made: what it reported, else how its process ended.
+
+    Example:
+        >>> rank_failure(1, 99, ProcessExit(signal=9), None).summary
+        'rank 1 (pid 99) was killed by signal SIGKILL'
+    """
+    ended = ended or ProcessExit()
+    if error is not None:
+        return WorkerFailure(rank=rank, pid=pid, time=error.time, exitcode=ended.exitcode, signal=ended.signal,
+                             exc_type=error.exc_type, message=error.message, traceback=error.traceback,
+                             exception=error.exception, exception_note=error.exception_note)
+    if ended.signal is not None:
+        message = ""
+    elif ended.exitcode == 0:
+        message = "exited with code 0 before returning (sys.exit(0) or os._exit(0) outside the function's return)"
+    else:
+        message = _SILENT
+    return WorkerFailure(rank=rank, pid=pid, time=time.time(), exitcode=ended.exitcode, signal=ended.signal,
+                         message=message)
 
 
 class RemoteTraceback(Exception):

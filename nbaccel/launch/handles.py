@@ -11,18 +11,27 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-from nbaccel.launch.events import RankState
+from nbaccel.errors import LaunchError
+from nbaccel.launch.failures import ProcessExit, RankError
 from nbaccel.launch.frames import FrameReader
 
-__all__ = ["WorkerHandle", "discard_workers", "open_pidfd"]
+__all__ = ["REAP_TIMEOUT", "WorkerHandle", "discard_workers", "open_pidfd", "wait_reaped"]
+
+REAP_TIMEOUT = 5.0
+"""Seconds a process sent ``SIGKILL`` may take to be reaped before the wait gives up and says so."""
 
 
 @dataclass
 class WorkerHandle:
-    """The supervisor's view of one worker process."""
+    """How the supervisor reaches one worker process: its descriptors, and how to poll and signal it.
+
+    What the supervisor learns about the rank (its state, result, error) is not kept here: it is
+    the supervisor's :class:`~nbaccel.launch.outcomes.RankOutcome`.
+    """
 
     rank: int
     pid: int
@@ -30,16 +39,7 @@ class WorkerHandle:
     out_fd: int
     err_fd: int
     popen: subprocess.Popen[bytes] | None = None
-    state: RankState = "starting"
-    result: bytes | None = None
-    error: dict[str, Any] | None = None
-    exitcode: int | None = None
-    signal: int | None = None
-    exited: bool = False
-    started_at: float | None = None
-    result_at: float | None = None
     frames: FrameReader = field(default_factory=FrameReader)
-    pidfd: int | None = None
     group: bool = False
     """The worker leads its own process group, which holds what it starts (subprocesses, loader workers)."""
     task_fd: int | None = None
@@ -49,6 +49,15 @@ class WorkerHandle:
     """The run owns the descriptors: the supervisor closes them when it is done (a warm rank's stay open)."""
     drain_wait: float = 0.05
     """How long, once the run ended, to wait for more output (a grandchild may still hold a pipe)."""
+    reply_ends_run: ProcessExit | None = None
+    """Set: the run is over once the rank replied (``result`` or ``error``), as this exit; its process lives on."""
+    reaped: ProcessExit | None = field(default=None, init=False, repr=False)
+    """The process's exit, once reaped (its pid may be reused after that: it is never signalled again)."""
+
+    @property
+    def exited(self) -> bool:
+        """Whether the process has been reaped."""
+        return self.reaped is not None
 
     def on_started(self) -> None:
         """The rank said ``started`` (a handle that holds a signal until then sends it now)."""
@@ -57,28 +66,29 @@ class WorkerHandle:
         """A descriptor that becomes readable when the worker exits (a pidfd), or ``None``: exits are polled."""
         return open_pidfd(self.pid)
 
-    def poll(self) -> bool:
-        """Reap the process if it has exited; returns whether it has."""
-        if self.exited:
-            return True
+    def fallback_error(self) -> RankError | None:
+        """What the transport knows of why the rank ended, for a rank that reported nothing (a dead actor)."""
+        return None
+
+    def poll(self) -> ProcessExit | None:
+        """Reap the process if it has exited; how it ended, or ``None`` while it runs."""
+        if self.reaped is not None:
+            return self.reaped
         if self.popen is not None:
             code = self.popen.poll()
             if code is None:
-                return False
-            self.exitcode, self.signal = (None, -code) if code < 0 else (code, None)
-        else:
-            try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:
-                pid, status = self.pid, 0
-            if pid == 0:
-                return False
-            if os.WIFSIGNALED(status):
-                self.exitcode, self.signal = None, os.WTERMSIG(status)
-            else:
-                self.exitcode = os.waitstatus_to_exitcode(status)
-        self.exited = True
-        return True
+                return None
+            self.reaped = ProcessExit(signal=-code) if code < 0 else ProcessExit(exitcode=code)
+            return self.reaped
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            pid, status = self.pid, 0
+        if pid == 0:
+            return None
+        self.reaped = (ProcessExit(signal=os.WTERMSIG(status)) if os.WIFSIGNALED(status)
+                       else ProcessExit(exitcode=os.waitstatus_to_exitcode(status)))
+        return self.reaped
 
     def send(self, sig: int) -> None:
         """Send ``sig`` to the worker alone, unless it is already gone."""
@@ -112,23 +122,45 @@ def discard_workers(handles: list[WorkerHandle]) -> None:
 
     For a start that failed after some workers were running (a later fork refused, the
     rendezvous store failing, an interrupt): nothing may outlive the launch.
+
+    Raises:
+        LaunchError: a worker was still not reaped :data:`REAP_TIMEOUT` seconds after ``SIGKILL``.
     """
     for handle in handles:
         handle.send_tree(signal.SIGKILL)
-        if handle.popen is not None:
-            handle.popen.wait()
-        else:
-            try:
-                os.waitpid(handle.pid, 0)
-            except ChildProcessError:
-                pass
-        handle.exited = True
-        handle.kill_leftovers()
-        for fd in (handle.ctl_fd, handle.out_fd, handle.err_fd):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+    try:
+        wait_reaped(handles, REAP_TIMEOUT)
+    finally:
+        for handle in handles:
+            handle.kill_leftovers()
+            for fd in (handle.ctl_fd, handle.out_fd, handle.err_fd):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+
+def wait_reaped(handles: Sequence[WorkerHandle], within: float,
+                ended: Callable[[WorkerHandle], bool] = lambda h: h.poll() is not None) -> None:
+    """Wait until every one of ``handles`` (sent ``SIGKILL``) has ``ended``, for ``within`` seconds at most.
+
+    A killed process ends at once unless it is stuck in the kernel (uninterruptible sleep, ``D``
+    state: a hung driver, disk or network file system call): then the caller is told which, instead
+    of waiting forever.
+
+    Raises:
+        LaunchError: some did not end within ``within`` seconds; it names their ranks and pids.
+    """
+    deadline = time.monotonic() + within
+    while left := [h for h in handles if not ended(h)]:
+        if time.monotonic() > deadline:
+            who = ", ".join(f"rank {h.rank} (pid {h.pid})" for h in left)
+            raise LaunchError(
+                f"{who} did not exit within {within:g}s of SIGKILL: the process is stuck in the kernel (an "
+                "uninterruptible sleep in a driver, disk or network file system call), so nbaccel stopped waiting "
+                f"for it. It ends when that call returns. Fix: see where it waits with `cat /proc/{left[0].pid}/"
+                f"stack` or `ps -o pid,stat,wchan -p {left[0].pid}`; if it never ends, restart the machine.")
+        time.sleep(0.005)
 
 
 def open_pidfd(pid: int) -> int | None:

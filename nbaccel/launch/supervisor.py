@@ -11,6 +11,8 @@ What varies between launchers is configuration, not subclassing: a :class:`Super
 process that nbaccel started (torch_xla's host process), that ``host`` handle. How one rank is
 read, polled and signalled for this run is its :class:`WorkerHandle`'s business: a process started
 for the run, a Ray actor's call, or one task on a rank kept warm (docs/architecture.md, Lifetimes).
+What it learns of each rank is its own :class:`~nbaccel.launch.outcomes.RankOutcome`; a run ends
+as a :class:`~nbaccel.launch.outcomes.RunResult`. Launchers reach it through :mod:`~nbaccel.launch.supervised_run`.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from nbaccel.errors import LaunchTimeoutError
-from nbaccel.launch.events import LaunchObserver, RankState
-from nbaccel.launch.failures import WorkerFailure, raise_failures
+from nbaccel.launch.events import LaunchObserver, RankState, as_observer
+from nbaccel.launch.failures import ProcessExit, RankError, WorkerFailure, rank_failure
 from nbaccel.launch.frames import DISPLAY_MARK
-from nbaccel.launch.handles import WorkerHandle
+from nbaccel.launch.handles import REAP_TIMEOUT, WorkerHandle, wait_reaped
+from nbaccel.launch.outcomes import RankOutcome, RunResult
 from nbaccel.launch.output import OutputRelay
 from nbaccel.launch.payload import load_result
 from nbaccel.launch.run_log import begin_run_log
@@ -56,6 +59,7 @@ class SupervisorPolicy:
         keep_alive: the ranks outlive the run (a pool's): stopping them cancels their task
             (their handles carry that out, see :mod:`nbaccel.launch.pool.task_handle`), and reports
             say so.
+        reap_timeout: seconds a killed rank may take to be reaped before the run names it as stuck in the kernel.
     """
 
     timeout: float | None = None
@@ -64,6 +68,7 @@ class SupervisorPolicy:
     poll_interval: float = 0.05
     host_name: str = "the host process"
     keep_alive: bool = False
+    reap_timeout: float = REAP_TIMEOUT
 
 
 class Supervisor:
@@ -84,11 +89,13 @@ class Supervisor:
                  host: WorkerHandle | None = None) -> None:
         self.workers = list(workers)
         self.relay = relay
-        self.observer = observer
+        self.observer = as_observer(observer) or LaunchObserver()  # none given: the base class ignores every event
         self.policy = policy if policy is not None else SupervisorPolicy()
         self.host = host
         self._host_failure: WorkerFailure | None = None
         self._handles = ([host] if host is not None else []) + self.workers  # everything with a process
+        self.outcomes = {h.rank: RankOutcome() for h in self._handles}
+        self._pidfds: dict[int, int] = {}
         self._selector = selectors.DefaultSelector()
         self._last_activity = time.monotonic()
         self._stopped: list[int] = []
@@ -98,20 +105,21 @@ class Supervisor:
             for fd, kind in [(handle.ctl_fd, "ctl"), (handle.out_fd, "stdout"), (handle.err_fd, "stderr"), *task]:
                 os.set_blocking(fd, False)
                 self._selector.register(fd, selectors.EVENT_READ, (handle, kind))
-            handle.pidfd = handle.open_exit_fd() if handle is host or host is None else None
-            if handle.pidfd is not None:  # wakes the loop the moment the worker exits
-                self._selector.register(handle.pidfd, selectors.EVENT_READ, (handle, "exit"))
+            pidfd = handle.open_exit_fd() if handle is host or host is None else None
+            if pidfd is not None:  # wakes the loop the moment the worker exits
+                self._pidfds[handle.rank] = pidfd
+                self._selector.register(pidfd, selectors.EVENT_READ, (handle, "exit"))
 
     # ------------------------------------------------------------------ public
-    def run(self, start: Callable[[], None] | None = None) -> dict[int, Any]:
-        """Call ``start()`` (handing ranks their work), watch them; ``{rank: result}`` or the root-cause failure.
+    def run(self, start: Callable[[], None] | None = None) -> RunResult:
+        """Call ``start()`` (handing ranks their work), watch them; the values, or every rank's failure.
 
         An interrupt that lands while ``start`` runs, or right after it, stops the ranks like any other.
 
         Raises:
             KeyboardInterrupt: the caller was interrupted; every worker has been stopped.
             LaunchTimeoutError: ``timeout`` passed or the hang watchdog fired.
-            BaseException: the root-cause worker's exception (see :mod:`nbaccel.launch.failures`).
+            LaunchError: a rank sent ``SIGKILL`` was not reaped within ``reap_timeout`` (stuck in the kernel).
         """
         started = time.monotonic()
         try:
@@ -119,42 +127,54 @@ class Supervisor:
                 start()
             failures = self._watch(started)
         except BaseException:
-            self._stop_all(interrupted=True)
+            self._stop_all()
             raise
         finally:
-            self._kill_remaining()
-            self._close()
-            self.relay.flush()  # every line is out before the result or the failure
+            try:
+                self._kill_remaining()
+            finally:
+                self._close()
+                self.relay.flush()  # every line is out before the result or the failure
+        n = len(self.workers)  # ranks, not the host
         if failures:
             stopped = [r for r in self._stopped if self.host is None or r != self.host.rank]
-            raise_failures(failures, len(self.workers), stopped)
+            return RunResult(failures=tuple(failures), stopped=stopped, world_size=n)
         # Ranks whose value was not asked for reported an empty result: only that they finished.
-        return {h.rank: load_result(h.rank, h.result) for h in self.workers if h.result}
+        results = {h.rank: self.outcomes[h.rank].result for h in self.workers}
+        return RunResult(values={r: load_result(r, data) for r, data in results.items() if data}, world_size=n)
+
+    def _ended(self, handle: WorkerHandle) -> bool:
+        return self.outcomes[handle.rank].exit is not None
+
+    def _poll(self, handle: WorkerHandle) -> bool:
+        """Whether ``handle``'s run is over: its process ended, or (where a reply ends it) it replied."""
+        outcome = self.outcomes[handle.rank]
+        if outcome.exit is None:
+            outcome.exit = handle.poll() or (handle.reply_ends_run if outcome.replied else None)
+        return outcome.exit is not None
+
+    def _reap_exits(self, failures: list[WorkerFailure]) -> None:
+        for handle in self._handles:
+            if not self._ended(handle) and self._poll(handle) and (failure := self._on_exit(handle)) is not None:
+                failures.append(failure)
 
     # ------------------------------------------------------------------ loop
     def _watch(self, started: float) -> list[WorkerFailure]:
         failures: list[WorkerFailure] = []
         stop_deadline: float | None = None
         grace = self.policy.grace
-        while any(not h.exited for h in self._handles):
+        while any(not self._ended(h) for h in self._handles):
             self._pump(self.policy.poll_interval)
-            for handle in self._handles:
-                if not handle.exited and handle.poll():
-                    failure = self._on_exit(handle)
-                    if failure is not None:
-                        failures.append(failure)
+            self._reap_exits(failures)
             now = time.monotonic()
             for handle in self._handles:  # returned, but stuck tearing down: its result stands
-                if not handle.exited and handle.result_at is not None and now - handle.result_at > grace + 2:
+                result_at = self.outcomes[handle.rank].result_at
+                if not self._ended(handle) and result_at is not None and now - result_at > grace + 2:
                     handle.send_tree(signal.SIGKILL)
             if failures and stop_deadline is None:
                 # Ranks that already died (a SIGKILL, a segfault) are failures, not ranks we stopped:
                 # reap them before stopping the rest, whichever exit was read first.
-                for handle in self._handles:
-                    if not handle.exited and handle.poll():
-                        failure = self._on_exit(handle)
-                        if failure is not None:
-                            failures.append(failure)
+                self._reap_exits(failures)
                 stop_deadline = now + grace
                 self._terminate_running(signal.SIGTERM)
             elif stop_deadline is not None and now > stop_deadline:
@@ -167,15 +187,13 @@ class Supervisor:
         for key, _ in self._selector.select(wait):
             if self._selector.get_map().get(key.fd) is not key:
                 continue  # an earlier read of this batch consumed it (a display mark drains the control pipe)
-            handle, kind = key.data
-            self._read(handle, kind, key.fd)
+            self._read(key.data[0], key.data[1], key.fd)
         self.relay.tick()  # lines written less than a flush interval ago go out now
 
     def _read(self, handle: WorkerHandle, kind: str, fd: int) -> bool:
         if kind == "exit":
             self._selector.unregister(fd)
-            os.close(fd)
-            handle.pidfd = None
+            os.close(self._pidfds.pop(handle.rank))
             return False
         try:
             data = os.read(fd, _READ_SIZE)
@@ -195,16 +213,15 @@ class Supervisor:
         elif kind == "stdout" and DISPLAY_MARK in data:
             while handle.ctl_fd in self._selector.get_map() and self._read(handle, "ctl", handle.ctl_fd):
                 pass  # the display frame was written before its mark: it is in the control pipe
-            self.relay.feed(handle.rank, kind, data)
-        else:
+        if kind in ("stdout", "stderr"):
             self.relay.feed(handle.rank, kind, data)  # type: ignore[arg-type]  # kind is a stream name in this branch
         return True
 
     def _drain(self, handle: WorkerHandle) -> None:
         """Read what an exited worker left in its pipes (its write ends are closed now)."""
         deadline = time.monotonic() + 2.0
-        if handle.pidfd is not None:
-            self._read(handle, "exit", handle.pidfd)
+        if handle.rank in self._pidfds:
+            self._read(handle, "exit", self._pidfds[handle.rank])
         fds = [fd for fd in (handle.ctl_fd, handle.out_fd, handle.err_fd, handle.task_fd)
                if fd is not None and fd in self._selector.get_map()]
         while fds and time.monotonic() < deadline:
@@ -215,35 +232,32 @@ class Supervisor:
                 kind = self._selector.get_key(fd).data[1]
                 if not self._read(handle, kind, fd) and fd in self._selector.get_map():
                     # no data now; EOF will follow unless a grandchild still holds the pipe
-                    ready = selectors.DefaultSelector()
-                    ready.register(fd, selectors.EVENT_READ)
-                    if not ready.select(handle.drain_wait):
-                        fds.remove(fd)
-                    ready.close()
+                    with selectors.DefaultSelector() as ready:
+                        ready.register(fd, selectors.EVENT_READ)
+                        if not ready.select(handle.drain_wait):
+                            fds.remove(fd)
         self.relay.flush_rank(handle.rank)
 
     def _on_message(self, handle: WorkerHandle, kind: str, body: Any) -> None:
+        outcome = self.outcomes[handle.rank]
         if kind == "started":
             handle.pid = body.get("pid", handle.pid)  # a replica reports its own process (inside the host)
-            handle.started_at = body["time"]
+            outcome.started_at = body["time"]
             self._set_state(handle, "running")
             handle.on_started()
         elif kind == "result":
-            handle.result = body
-            handle.result_at = time.monotonic()
+            outcome.result, outcome.result_at = body, time.monotonic()
         elif kind == "error":
-            handle.error = body
+            outcome.error = RankError.from_frame(body)
         elif kind in ("display", "clear_output"):
             self.relay.queue_display(handle.rank, kind, body)  # type: ignore[arg-type]  # display or clear_output here
         elif kind == "log":
-            on_log = getattr(self.observer, "on_log", None)  # optional in the observer protocol
             for record in self.run_log.add(handle.rank, body):
-                if on_log is not None:
-                    on_log(handle.rank, record)
+                self.observer.on_log(handle.rank, record)
 
     def _set_state(self, handle: WorkerHandle, state: RankState) -> None:
-        handle.state = state
-        if self.observer is not None and handle is not self.host:
+        self.outcomes[handle.rank].state = state
+        if handle is not self.host:
             self.observer.on_state(handle.rank, state)
 
     def _on_exit(self, handle: WorkerHandle) -> WorkerFailure | None:
@@ -253,38 +267,30 @@ class Supervisor:
 
     def _on_worker_exit(self, handle: WorkerHandle) -> WorkerFailure | None:
         self._drain(handle)
-        if handle.result is not None and handle.error is None and handle.rank not in self._stopped:
+        outcome = self.outcomes[handle.rank]
+        error = outcome.error or handle.fallback_error()
+        if outcome.result is not None and error is None and handle.rank not in self._stopped:
             self._set_state(handle, "finished")
             return None
         # a stopped rank that reported nothing, or only the KeyboardInterrupt that stopping it raised
-        quiet = handle.error is None or handle.error.get("exc_type") == "KeyboardInterrupt"
-        if handle.rank in self._stopped and quiet and handle.signal in (None, *_STOP_SIGNALS):
+        quiet = error is None or error.exc_type == "KeyboardInterrupt"
+        ended = outcome.exit or ProcessExit()
+        if handle.rank in self._stopped and quiet and ended.signal in (None, *_STOP_SIGNALS):
             self._set_state(handle, "stopped")
             return None
         self._set_state(handle, "failed")
-        error = handle.error or {}
-        if handle.signal is not None:
-            message = ""
-        elif handle.exitcode == 0:
-            message = "exited with code 0 before returning (sys.exit(0) or os._exit(0) outside the function's return)"
-        else:
-            message = ("the process exited without reporting an exception "
-                       "(os._exit, a crash in native code, or an OOM kill)")
-        return WorkerFailure(
-            rank=handle.rank, pid=handle.pid, time=error.get("time", time.time()), exitcode=handle.exitcode,
-            signal=handle.signal, message=error.get("message", message),
-            **{k: error[k] for k in ("exc_type", "traceback", "exception", "exception_note") if k in error})
+        return rank_failure(handle.rank, handle.pid, ended, error)
 
     # ------------------------------------------------------------------ ranks inside a host process
     def _on_hosted_exit(self, handle: WorkerHandle) -> WorkerFailure | None:
         host = self.host
         assert host is not None
         self._drain(handle)  # a report may still be in the pipe
-        if handle.result is None and handle.error is None and handle.rank not in self._stopped:
+        if not self.outcomes[handle.rank].replied and handle.rank not in self._stopped:
             return self._unreported(handle)
         failure = self._on_worker_exit(handle)
-        if all(r.exited for r in self.workers) and not host.exited:
-            host.result_at = time.monotonic()  # every rank is done: the host gets a grace to tear down
+        if all(self._ended(r) for r in self.workers) and not self._ended(host):
+            self.outcomes[host.rank].result_at = time.monotonic()  # every rank is done: the host gets a grace
         return failure
 
     def _on_host_exit(self) -> WorkerFailure | None:
@@ -292,9 +298,9 @@ class Supervisor:
         assert host is not None
         failure = self._on_worker_exit(host)
         for replica in self.workers:
-            if not replica.exited:
+            if not self._ended(replica):
                 self._drain(replica)  # frames still in a pipe decide whether the rank reported
-        if failure is None or any(r.state != "starting" for r in self.workers):
+        if failure is None or any(self.outcomes[r.rank].state != "starting" for r in self.workers):
             self._host_failure = failure
             return None  # the ranks' own reports (or their absence) say what went wrong
         message = f"{self.policy.host_name} failed before any replica started: {failure.message}"
@@ -303,7 +309,7 @@ class Supervisor:
     def _unreported(self, handle: WorkerHandle) -> WorkerFailure | None:
         host = self.host
         assert host is not None
-        if handle.state == "starting":
+        if self.outcomes[handle.rank].state == "starting":
             self._set_state(handle, "stopped")
             return None
         self._set_state(handle, "failed")
@@ -311,9 +317,9 @@ class Supervisor:
         if known is not None and known.exc_type:
             said = f" {self.policy.host_name} reported: {known.exc_type}: {known.message.strip().splitlines()[-1]}"
         in_host = handle.pid == host.pid  # a rank run inside the host itself: its exit is the host's
-        return WorkerFailure(
-            rank=handle.rank, pid=handle.pid, time=known.time if known is not None else time.time(),
-            exitcode=host.exitcode if in_host else None, signal=host.signal if in_host else None,
+        failure = rank_failure(handle.rank, handle.pid, self.outcomes[host.rank].exit if in_host else None, None)
+        return dataclasses.replace(
+            failure, time=known.time if known is not None else failure.time,
             message="its process ended without reporting an exception (a crash in native code such as an XLA "
                     f"abort, an OOM kill, or os._exit); look for a faulthandler stack in the output above.{said}")
 
@@ -323,16 +329,16 @@ class Supervisor:
         if timeout is not None and now - started > timeout:
             what = "run" if self.policy.keep_alive else "launch"
             self._raise_stuck("timeout", f"the {what} ran past timeout={timeout:g}s")
-        finished = [h for h in self.workers if h.exited]
+        finished = [h for h in self.workers if self._ended(h)]
         if (hang_timeout is not None and finished and len(finished) < len(self.workers)
                 and now - self._last_activity > hang_timeout):
-            ranks = [h.rank for h in self.workers if not h.exited]
+            ranks = [h.rank for h in self.workers if not self._ended(h)]
             self._raise_stuck("hang", f"ranks {ranks} made no progress for {hang_timeout:g}s after "
                               f"ranks {[h.rank for h in finished]} finished")
 
     def _raise_stuck(self, reason: Literal["timeout", "hang"], what: str) -> None:
         stacks = self.dump_stacks()
-        self._stop_all(interrupted=False)
+        self._stop_all()
         shown = "\n".join(f"--- rank {r} ---\n{text}" for r, text in sorted(stacks.items()))
         stopped = "the run was cancelled in every rank" if self.policy.keep_alive else "every worker was stopped"
         raise LaunchTimeoutError(
@@ -342,14 +348,10 @@ class Supervisor:
 
     def dump_stacks(self, wait: float = 1.0) -> dict[int, str]:
         """Ask every running worker for its Python stacks (SIGUSR1 + faulthandler) and collect them."""
-        running = [h for h in self.workers if not h.exited and h.state == "running"]
-        self.relay.capturing = {h.rank for h in running}
-        if self.host is not None:  # every process the host runs dumps all its threads
-            self.relay.capturing.add(self.host.rank)
-            self.host.send(signal.SIGUSR1)
-        else:
-            for handle in running:
-                handle.send(signal.SIGUSR1)
+        running = [h for h in self.workers if not self._ended(h) and self.outcomes[h.rank].state == "running"]
+        self.relay.capturing = {h.rank for h in running} | ({self.host.rank} if self.host is not None else set())
+        for handle in [self.host] if self.host is not None else running:  # the host's processes all dump theirs
+            handle.send(signal.SIGUSR1)
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
             self._pump(0.05)
@@ -360,38 +362,33 @@ class Supervisor:
     # ------------------------------------------------------------------ stopping
     def _terminate_running(self, sig: int) -> None:
         for handle in self._handles:
-            if not handle.exited:
+            if not self._ended(handle):
                 if handle.rank not in self._stopped:
                     self._stopped.append(handle.rank)
                 handle.send_tree(sig)
 
-    def _stop_all(self, interrupted: bool) -> None:
-        """SIGTERM every live worker, SIGKILL after the grace period; a second interrupt skips the wait."""
+    def _stop_all(self) -> None:
+        """SIGTERM every live worker and wait the grace period (a second interrupt skips it); run() kills the rest."""
         self._terminate_running(signal.SIGTERM)
         deadline = time.monotonic() + self.policy.grace
-        try:
-            while any(not h.exited for h in self._handles) and time.monotonic() < deadline:
-                try:
+        with contextlib.suppress(KeyboardInterrupt):  # a second interrupt: run() kills what is left now
+            while any(not self._ended(h) for h in self._handles) and time.monotonic() < deadline:
+                with contextlib.suppress(OSError, ValueError):
                     self._pump(0.02)
-                except (OSError, ValueError):
-                    pass
                 for handle in self._handles:
-                    if handle.poll() and handle.state in ("starting", "running"):
+                    if self._poll(handle) and self.outcomes[handle.rank].state in ("starting", "running"):
                         self._set_state(handle, "stopped")
-        except KeyboardInterrupt:
-            pass
-        self._kill_remaining()
 
     def _kill_remaining(self) -> None:
-        for handle in [h for h in self._handles if not h.exited]:
+        for handle in [h for h in self._handles if not self._ended(h)]:
             handle.send_tree(signal.SIGKILL)
-        for handle in self._handles:
-            while not handle.poll():
-                time.sleep(0.005)
-        for handle in self._handles:  # a worker's subprocesses and loader workers end with the launch
-            handle.kill_leftovers()
-            if handle.state in ("starting", "running"):
-                self._set_state(handle, "stopped")
+        try:  # bounded: a process stuck in the kernel is named, not waited for forever
+            wait_reaped(self._handles, self.policy.reap_timeout, ended=self._poll)
+        finally:
+            for handle in self._handles:  # a worker's subprocesses and loader workers end with the launch
+                handle.kill_leftovers()
+                if self.outcomes[handle.rank].state in ("starting", "running"):
+                    self._set_state(handle, "stopped")
 
     def _close(self) -> None:
         for key in list(self._selector.get_map().values()):

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any, Literal, Protocol, TypeVar
 
-from nbaccel.launch.events import LaunchObserver, RankState
+from nbaccel.launch.events import LaunchObserver, RankState, as_observer
 from nbaccel.widgets.status_panel import LaunchStatus
 
 __all__ = ["KEPT_DISPLAYS", "OUTPUT_CHARS", "TAIL_LINES", "RankText", "RunRecord", "RunView"]
@@ -83,9 +83,9 @@ class RunRecord(LaunchStatus):
     def __init__(self, num_processes: int, title: str = "nbaccel run", inner: LaunchObserver | None = None) -> None:
         super().__init__(num_processes, title)
         self.lock = threading.RLock()
-        self.inner = inner
+        self.inner = as_observer(inner)
         # a panel that draws bars itself: the relay then writes only each bar's final line to the cell
-        self.shows_progress = bool(getattr(inner, "shows_progress", False))
+        self.shows_progress = self.inner is not None and self.inner.shows_progress
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         self.displays: deque[tuple[int, str, dict[str, Any], bool]] = deque(maxlen=KEPT_DISPLAYS)
         self._views: list[RunView] = []
@@ -148,18 +148,16 @@ class RunRecord(LaunchStatus):
         with self.lock:
             super().on_progress(rank, stream, text)
             self._each(lambda view: view.on_progress(rank, stream, text))
-        on_progress = getattr(self.inner, "on_progress", None)
-        if on_progress is not None:
-            on_progress(rank, stream, text)
+        if self.inner is not None:
+            self.inner.on_progress(rank, stream, text)
 
     def on_log(self, rank: int, record: dict[str, Any]) -> None:
         """Rank ``rank`` logged ``record`` with ``accelerator.log``."""
         with self.lock:
             super().on_log(rank, record)
             self._each(lambda view: view.on_log(rank, record))
-        on_log = getattr(self.inner, "on_log", None)
-        if on_log is not None:
-            on_log(rank, record)
+        if self.inner is not None:
+            self.inner.on_log(rank, record)
 
     def on_display(self, rank: int, kind: str, body: dict[str, Any], labelled: bool) -> None:
         """Rank ``rank`` displayed something (a background run's displays come here, not to a cell)."""

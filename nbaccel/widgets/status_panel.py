@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from nbaccel.hardware import in_colab, in_notebook
-from nbaccel.launch.events import RankState
+from nbaccel.launch.events import LaunchObserver, RankState
 from nbaccel.tracking.history import metrics_table
 from nbaccel.widgets import import_widgets, set_titles, widget_bundle, widgets_available
 from nbaccel.widgets.live_chart import LiveChart
@@ -56,7 +56,7 @@ class RankRecord:
         return max(0.0, (self.ended if self.ended is not None else now) - begin)
 
 
-class LaunchStatus:
+class LaunchStatus(LaunchObserver):
     """The per-rank record of one launch, as plain text; a :class:`LaunchObserver`.
 
     Args:

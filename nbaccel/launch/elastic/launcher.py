@@ -18,7 +18,6 @@ import os
 import signal
 import sys
 import tempfile
-import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -30,7 +29,7 @@ from nbaccel.environment import (
     worker_environment,
 )
 from nbaccel.identity import WorkerIdentity, set_identity
-from nbaccel.launch.failures import WorkerFailure, raise_failures
+from nbaccel.launch.failures import ProcessExit, RankError, WorkerFailure, raise_failures, rank_failure
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.worker.process import describe_error
 from nbaccel.rank_resets import reset_rank_state
@@ -93,11 +92,9 @@ def _failures(error: Any) -> list[WorkerFailure]:
         signal_number = -failure.exitcode if failure.exitcode < 0 else None
         if isinstance(ours, dict):
             pickled = ours.get("exception")
-            out.append(WorkerFailure(
-                rank=rank, pid=failure.pid, time=float(ours.get("time", time.time())), exitcode=failure.exitcode,
-                signal=signal_number, exc_type=ours.get("exc_type", ""), message=ours.get("message", ""),
-                traceback=ours.get("traceback", ""), exception=base64.b64decode(pickled) if pickled else None,
-                exception_note=ours.get("exception_note", "")))
+            error = RankError.from_frame({**ours, "exception": base64.b64decode(pickled) if pickled else None})
+            ended = ProcessExit(exitcode=failure.exitcode, signal=signal_number)
+            out.append(rank_failure(rank, failure.pid, ended, error))
             continue
         message = info.get("message", "") if isinstance(info, dict) else str(failure.message)
         exc_type, _, text = str(message).partition(": ")

@@ -5,7 +5,7 @@
     LaunchRequest ─► LocalLauncher.launch
                         ├─ loopback rendezvous store (several workers)
                         ├─ start_forked / start_spawned ──► worker × N (worker.run_worker)
-                        └─ Supervisor(policy) ◄── ctl / stdout / stderr pipes, per rank
+                        └─ SupervisedRun.supervise ◄── ctl / stdout / stderr pipes, per rank
 """
 
 from __future__ import annotations
@@ -17,10 +17,9 @@ from nbaccel.launch.handles import discard_workers
 from nbaccel.launch.local.starter import SpawnFiles, start_forked, start_spawned
 from nbaccel.launch.payload import dumps_payload
 from nbaccel.launch.reaper import group_reaper
-from nbaccel.launch.relay import request_relay
 from nbaccel.launch.rendezvous import LoopbackStore
 from nbaccel.launch.request import LaunchRequest
-from nbaccel.launch.supervisor import Supervisor, SupervisorPolicy
+from nbaccel.launch.supervised_run import Lifetime, SupervisedRun
 from nbaccel.launch.warmup import finish_warmup, prepare_to_fork
 
 __all__ = ["LAUNCHER", "LocalLauncher", "local_environments"]
@@ -43,16 +42,11 @@ class LocalLauncher:
         else:
             finish_warmup()  # a cell's background warm-up, if one runs
         reaper = group_reaper()  # before the store's thread exists: it forks
-        observer = request.observer
         store = LoopbackStore(port=request.config.main_process_port or 0) if n > 1 else None
         files = SpawnFiles() if payload is not None else None
-        relay = request_relay(request)
         try:
             envs = local_environments(request, store)
-            if observer is not None:
-                observer.on_launch(list(range(n)), plan.start_method)
-            ok = False
-            try:  # the observer hears the end even when starting fails or is interrupted
+            with SupervisedRun(request, Lifetime(plan.start_method)) as run:
                 wanted = None if request.return_all else {0}  # the others' values are never pickled
                 if files is not None:
                     handles = start_spawned(function, args, kwargs, envs, files, payload=payload, result_ranks=wanted)
@@ -61,25 +55,17 @@ class LocalLauncher:
                                            inherited_fds=[reaper.fd] + (store.listen_fds if store else []))
                 for handle in handles:  # if this process is killed, the reaper stops what they started
                     reaper.watch(handle.pid)
-                if store is not None:
-                    try:
-                        store.serve([h.pid for h in handles])  # only now: no store thread runs while forking
-                    except BaseException:
-                        discard_workers(handles)
-                        for handle in handles:
-                            reaper.forget(handle.pid)
-                        raise
-                policy = SupervisorPolicy(timeout=request.config.timeout, hang_timeout=request.hang_timeout)
                 try:
-                    results = Supervisor(handles, relay, observer, policy=policy).run()
-                finally:  # run() has stopped every group by now
+                    if store is not None:
+                        try:
+                            store.serve([h.pid for h in handles])  # only now: no store thread runs while forking
+                        except BaseException:
+                            discard_workers(handles)
+                            raise
+                    return run.supervise(handles).get()
+                finally:  # the run has stopped every group by now
                     for handle in handles:
                         reaper.forget(handle.pid)
-                ok = True
-            finally:
-                if observer is not None:
-                    observer.on_end(ok)
-            return results
         finally:
             if store is not None:
                 store.close()

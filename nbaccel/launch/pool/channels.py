@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbaccel.launch.failures import RankError
 from nbaccel.launch.frames import FrameReader
 from nbaccel.launch.handles import WorkerHandle, open_pidfd
 from nbaccel.launch.output import OutputRelay
@@ -51,6 +52,7 @@ class PoolMember:
         sock: the task socket (``None`` until the worker connected).
         frames: reassembles the socket's messages.
         device: the device the worker reported once ready.
+        error: what it reported raising while starting.
     """
 
     rank: int
@@ -58,6 +60,7 @@ class PoolMember:
     sock: socket.socket | None = None
     frames: FrameReader = field(default_factory=FrameReader)
     device: str = ""
+    error: RankError | None = None
     ready: bool = False
 
 
@@ -76,13 +79,15 @@ class PoolChannels:
         self.members = list(members)
         self.relay = OutputRelay()
         self._selector = selectors.DefaultSelector()
+        self._pidfd_ranks: set[int] = set()  # members whose exit wakes the selector (the rest are polled)
         for member in self.members:
             handle = member.handle
             for fd, kind in ((handle.ctl_fd, "ctl"), (handle.out_fd, "stdout"), (handle.err_fd, "stderr")):
                 self._add(fd, member, kind)
-            handle.pidfd = open_pidfd(handle.pid)
-            if handle.pidfd is not None:
-                self._add(handle.pidfd, member, "exit")
+            pidfd = open_pidfd(handle.pid)
+            if pidfd is not None:
+                self._add(pidfd, member, "exit")
+                self._pidfd_ranks.add(member.rank)
 
     def _add(self, fd: int, member: PoolMember, kind: str) -> None:
         os.set_blocking(fd, False)
@@ -107,7 +112,7 @@ class PoolChannels:
             member, kind = key.data
             events.extend(self._read(member, kind, key.fd))
         for member in self.members:  # where pidfds are missing, and to reap the exited
-            if not member.handle.exited and member.handle.pidfd is None and member.handle.poll():
+            if not member.handle.exited and member.rank not in self._pidfd_ranks and member.handle.poll():
                 events.append((member, "exit", None))
         self.relay.tick()  # lines written less than a flush interval ago go out now
         return events
@@ -115,7 +120,7 @@ class PoolChannels:
     def _read(self, member: PoolMember, kind: str, fd: int) -> list[PoolEvent]:
         if kind == "exit":
             self._drop(fd)
-            member.handle.pidfd = None
+            self._pidfd_ranks.discard(member.rank)
             member.handle.poll()
             return [(member, "exit", None)]
         try:

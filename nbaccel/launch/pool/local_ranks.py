@@ -3,7 +3,7 @@
 ::
 
     LocalPoolRanks.start(request) ─► start_pool (processes, sockets, store; every rank "ready")
-    ranks.run(fn) ─► "task" frame to every rank ─► TaskHandle × N ─► Supervisor(policy) ─► {rank: result}
+    ranks.run(fn, run) ─► "task" frame to every rank ─► TaskHandle × N ─► run.supervise ─► {rank: result}
     after a run: a rank that died (or was killed for not stopping) ends the pool: every rank is killed
     ranks.shutdown() ─► PoolProcesses.shutdown
 
@@ -21,15 +21,14 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 from nbaccel.host_memory import resident_bytes
-from nbaccel.launch.events import LaunchObserver
+from nbaccel.launch.failures import ProcessExit
 from nbaccel.launch.frames import write_frame
-from nbaccel.launch.output import OutputRelay
 from nbaccel.launch.payload import dumps_payload
 from nbaccel.launch.pool.channels import PoolMember
 from nbaccel.launch.pool.start import PoolProcesses, start_pool
 from nbaccel.launch.pool.task_handle import TaskHandle
 from nbaccel.launch.request import LaunchRequest
-from nbaccel.launch.supervisor import Supervisor, SupervisorPolicy
+from nbaccel.launch.supervised_run import SupervisedRun
 
 __all__ = ["LocalPoolRanks", "describe_exit"]
 
@@ -38,12 +37,12 @@ class LocalPoolRanks:
     """The local side of a :class:`~nbaccel.launch.pool.WorkerPool` (see the module docstring).
 
     Attributes:
-        lost: why the ranks cannot run any more (``""``: they can).
+        lost: why the ranks cannot run any more (``None``: they can).
     """
 
     def __init__(self, processes: PoolProcesses) -> None:
         self.processes = processes
-        self.lost = ""
+        self.lost: str | None = None
 
     @classmethod
     def start(cls, request: LaunchRequest, start_timeout: float) -> LocalPoolRanks:
@@ -60,21 +59,20 @@ class LocalPoolRanks:
         """The ranks, by rank."""
         return self.processes.members
 
-    def dead(self) -> str:
-        """Why the pool cannot run (a rank's process is gone, even while idle), or ``""``."""
+    def dead(self) -> str | None:
+        """Why the pool cannot run (a rank's process is gone, even while idle), or ``None``."""
         if not self.lost:
-            died = [m for m in self.members if m.handle.poll()]
+            died = [m for m in self.members if m.handle.poll() is not None]
             if died:
                 self.lost = "; ".join(describe_exit(m, "while idle") for m in died)
         return self.lost
 
     def workers(self) -> list[tuple[int, int, bool, str, int | None]]:
         """``(rank, pid, alive, device, resident bytes)`` per rank."""
-        return [(m.rank, m.handle.pid, not m.handle.poll(), m.device,
+        return [(m.rank, m.handle.pid, m.handle.poll() is None, m.device,
                  None if m.handle.exited else resident_bytes(m.handle.pid)) for m in self.members]
 
-    def run(self, function: Callable[..., Any], args: Any, kwargs: Mapping[str, Any], *, relay: OutputRelay,
-            observer: LaunchObserver | None, policy: SupervisorPolicy,
+    def run(self, function: Callable[..., Any], args: Any, kwargs: Mapping[str, Any], *, run: SupervisedRun,
             result_ranks: Collection[int] | None) -> dict[int, Any]:
         """Run ``function`` on every rank; ``{rank: value}`` of ``result_ranks`` (all when ``None``).
 
@@ -83,11 +81,10 @@ class LocalPoolRanks:
             BaseException: what a launch raises (the root-cause failure, a timeout, the interrupt);
                 :attr:`lost` then says whether the ranks survived it.
         """
-        return self.run_payload(dumps_payload(function, args, kwargs), relay=relay, observer=observer,
-                                policy=policy, result_ranks=result_ranks)
+        return self.run_payload(dumps_payload(function, args, kwargs), run=run, result_ranks=result_ranks)
 
-    def run_payload(self, payload: bytes, *, relay: OutputRelay, observer: LaunchObserver | None,
-                    policy: SupervisorPolicy, result_ranks: Collection[int] | None) -> dict[int, Any]:
+    def run_payload(self, payload: bytes, *, run: SupervisedRun,
+                    result_ranks: Collection[int] | None) -> dict[int, Any]:
         """:meth:`run` with the cloudpickled ``(function, args, kwargs)`` made already."""
         handles = [TaskHandle.for_task(m) for m in self.members]
 
@@ -97,14 +94,14 @@ class LocalPoolRanks:
                     _send_task(member, payload, result_ranks is None or member.rank in result_ranks)
 
         try:
-            return Supervisor(handles, relay, observer, policy=policy).run(start=send_tasks)
+            return run.supervise(handles, start=send_tasks).get()
         finally:
             gone = [h for h in handles if h.member.handle.exited]
             if gone:
                 killed = [h.rank for h in gone if h.killed]
                 reasons = [describe_exit(h.member) for h in gone if not h.killed]
                 if killed:
-                    reasons.insert(0, f"ranks {killed} did not stop within {policy.grace:g}s of being cancelled "
+                    reasons.insert(0, f"ranks {killed} did not stop within {run.policy.grace:g}s of being cancelled "
                                       "and were killed")
                 self.lost = "; ".join(reasons)
                 self.processes.kill()  # the process group is broken: no rank may stay
@@ -117,12 +114,12 @@ class LocalPoolRanks:
 def describe_exit(member: PoolMember, when: str = "") -> str:
     """How ``member``'s process ended, in words: its exit code or signal, and who sends that signal."""
     handle, suffix = member.handle, f" {when}" if when else ""
-    if handle.signal is None:
-        return f"rank {member.rank} (pid {handle.pid}) exited with code {handle.exitcode}{suffix}"
-    name = signal.Signals(handle.signal).name if handle.signal in signal.Signals._value2member_map_ \
-        else str(handle.signal)
+    ended = handle.reaped or ProcessExit()
+    if ended.signal is None:
+        return f"rank {member.rank} (pid {handle.pid}) exited with code {ended.exitcode}{suffix}"
+    name = signal.Signals(ended.signal).name if ended.signal in signal.Signals._value2member_map_ else str(ended.signal)
     why = " (sent by the kernel's OOM killer, by someone's kill -9, or because the process that owns the pool " \
-          "is ending)" if handle.signal == signal.SIGKILL else ""
+          "is ending)" if ended.signal == signal.SIGKILL else ""
     return f"rank {member.rank} (pid {handle.pid}) was killed by {name}{suffix}{why}"
 
 

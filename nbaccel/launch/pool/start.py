@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from nbaccel.errors import LaunchError
-from nbaccel.launch.failures import WorkerFailure, raise_failures
+from nbaccel.launch.failures import RankError, WorkerFailure, raise_failures, rank_failure
 from nbaccel.launch.frames import FrameReader
-from nbaccel.launch.handles import WorkerHandle
+from nbaccel.launch.handles import REAP_TIMEOUT, WorkerHandle, wait_reaped
 from nbaccel.launch.local.launcher import local_environments
 from nbaccel.launch.local.starter import SpawnFiles, start_forked, start_spawned
 from nbaccel.launch.owner_thread import on_owner_thread
@@ -41,25 +41,9 @@ from nbaccel.launch.rendezvous import LoopbackStore
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.warmup import finish_warmup, start_warmup
 
-__all__ = ["PoolProcesses", "exit_failure", "start_pool"]
+__all__ = ["PoolProcesses", "start_pool"]
 
 _STOP_GRACE = 5.0  # an idle worker exits on SIGTERM in milliseconds; a busy one may be in native code
-
-
-def exit_failure(member: PoolMember, error: dict | None = None) -> WorkerFailure:
-    """The failure record of a member that exited (or reported ``error``)."""
-    handle, error = member.handle, error or {}
-    if error:
-        message = error.get("message", "")
-    elif handle.signal is not None:
-        message = ""
-    else:
-        message = "the worker process exited without reporting an exception (os._exit, a crash in native code, "
-        message += "or an OOM kill)"
-    return WorkerFailure(rank=member.rank, pid=handle.pid, time=error.get("time", time.time()),
-                         exitcode=handle.exitcode, signal=handle.signal, exc_type=error.get("exc_type", ""),
-                         message=message, traceback=error.get("traceback", ""), exception=error.get("exception"),
-                         exception_note=error.get("exception_note", ""))
 
 
 class PoolProcesses:
@@ -89,10 +73,11 @@ class PoolProcesses:
         targets = members if members is not None else self.members
         for member in targets:
             member.handle.send_tree(signal.SIGKILL)
-        for member in targets:
-            while not member.handle.poll():
-                time.sleep(0.005)
-            member.handle.kill_leftovers()
+        try:  # bounded: a worker stuck in the kernel is named, not waited for forever
+            wait_reaped([m.handle for m in targets], REAP_TIMEOUT)
+        finally:
+            for member in targets:
+                member.handle.kill_leftovers()
 
     def shutdown(self) -> None:
         """End every worker and what it started, free the port and the folder; safe to call again.
@@ -109,7 +94,7 @@ class PoolProcesses:
             for member in self.members:
                 member.handle.send(signal.SIGTERM)
             deadline = time.monotonic() + _STOP_GRACE
-            while not all(m.handle.poll() for m in self.members) and time.monotonic() < deadline:
+            while any(m.handle.poll() is None for m in self.members) and time.monotonic() < deadline:
                 time.sleep(0.005)
             self.kill()
         finally:
@@ -241,12 +226,12 @@ def _on_start_event(processes: PoolProcesses, member: PoolMember, kind: str, bod
     if kind == "ready":
         member.ready, member.device = True, body["device"]  # type: ignore[index]  # a ready frame's body is a dict
     elif kind == "ctl:error":
-        member.handle.error = body  # type: ignore[assignment]  # a ctl:error frame's body is the error dict
+        member.error = RankError.from_frame(body)  # type: ignore[arg-type]  # a ctl:error frame's body is the error dict
     elif kind == "exit":
         for _, later, error in processes.channels.drain(member):
             if later == "ctl:error":  # the report may still have been in the pipe
-                member.handle.error = error
-        return exit_failure(member, member.handle.error)
+                member.error = RankError.from_frame(error)
+        return rank_failure(member.rank, member.handle.pid, member.handle.reaped, member.error)
     return None
 
 

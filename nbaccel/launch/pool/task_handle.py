@@ -26,6 +26,7 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass, field
 
+from nbaccel.launch.failures import ProcessExit
 from nbaccel.launch.handles import WorkerHandle, open_pidfd
 from nbaccel.launch.pool.channels import PoolMember
 
@@ -37,6 +38,8 @@ class TaskHandle(WorkerHandle):
     """One task of pool member ``member``: ended by the rank's reply or its death (see the module docstring)."""
 
     member: PoolMember = field(default=None)  # type: ignore[assignment]  # always passed; a default because the base's fields have them
+    armed: bool = False
+    """The rank said ``started``: the task is armed, an interrupt reaches it."""
     cancel_pending: bool = False
     killed: bool = False
     """The supervisor killed the rank (it did not stop when cancelled): the rank is gone."""
@@ -48,33 +51,23 @@ class TaskHandle(WorkerHandle):
         assert member.sock is not None, "a pool member gets tasks only once it connected"
         return cls(rank=member.rank, pid=process.pid, ctl_fd=process.ctl_fd, out_fd=process.out_fd,
                    err_fd=process.err_fd, frames=process.frames, group=process.group, task_fd=member.sock.fileno(),
-                   task_frames=member.frames, owns_fds=False, drain_wait=0.0, member=member)
+                   task_frames=member.frames, owns_fds=False, drain_wait=0.0, reply_ends_run=ProcessExit(exitcode=0),
+                   member=member)
 
     def open_exit_fd(self) -> int | None:
         """A pidfd of the rank's process, for this task only (the supervisor closes it)."""
         return None if self.member.handle.exited else open_pidfd(self.pid)
 
-    def poll(self) -> bool:
-        """Whether the task is over: the rank replied, or its process died (then the exit status is its)."""
-        if self.exited:
-            return True
-        process = self.member.handle
-        if self.result is None and self.error is None and not process.poll():
-            return False
-        if process.exited:
-            self.exitcode, self.signal = process.exitcode, process.signal
-            self.error = self.error or process.error
-        else:
-            self.exitcode = 0
-        self.exited = True
-        return True
+    def poll(self) -> ProcessExit | None:
+        """Whether the rank's process died (the task's end by the rank's reply is the supervisor's to see)."""
+        return self.member.handle.poll()
 
     def send(self, sig: int) -> None:
         """Carry ``sig`` to the rank as the table in the module docstring says."""
-        if self.exited or self.member.handle.exited:
+        if self.member.handle.exited:
             return
         if sig in (signal.SIGTERM, signal.SIGINT):
-            if self.started_at is None:
+            if not self.armed:
                 self.cancel_pending = True  # sent when the rank says "started"
                 return
             sig = signal.SIGINT
@@ -89,7 +82,8 @@ class TaskHandle(WorkerHandle):
             self.send(sig)
 
     def on_started(self) -> None:
-        """Deliver a cancel that arrived before the task was armed."""
+        """Arm the task; deliver a cancel that arrived before it was armed."""
+        self.armed = True
         if self.cancel_pending:
             self.cancel_pending = False
             self.member.handle.send(signal.SIGINT)

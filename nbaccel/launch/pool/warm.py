@@ -46,9 +46,8 @@ from nbaccel.launch.pool.fresh_task import FreshResult, run_fresh, snapshot_call
 from nbaccel.launch.pool.local_ranks import LocalPoolRanks
 from nbaccel.launch.pool.user_modules import changed_since, user_module_files
 from nbaccel.launch.registry import before_each_launch
-from nbaccel.launch.relay import request_relay
 from nbaccel.launch.request import LaunchRequest
-from nbaccel.launch.supervisor import SupervisorPolicy
+from nbaccel.launch.supervised_run import Lifetime, SupervisedRun
 from nbaccel.launch.warmup import prepare_to_fork
 
 __all__ = ["IDLE_CLOSE_SECONDS", "LAUNCHER", "WarmLauncher", "WarmRankInfo", "close_warm_rank", "release_warm_devices",
@@ -142,29 +141,23 @@ class WarmLauncher:
             payload = pickle.dumps((run_fresh, (snapshot_caller(rank_env), task), {}), protocol=pickle.HIGHEST_PROTOCOL)
         except PayloadPicklingError:
             return LOCAL_LAUNCHER.launch(request)  # a fork reaches the caller's objects without pickling
-        observer = request.observer
         with _lock:
             warm = _kept_rank(request, rank_env)
-            if observer is not None:
-                observer.on_launch([0], "warm")
-            ok = False
-            began = time.time()
-            try:
-                policy = SupervisorPolicy(timeout=request.config.timeout, hang_timeout=request.hang_timeout)
-                fresh: FreshResult = warm.ranks.run_payload(payload, relay=request_relay(request), observer=observer,
-                                                            policy=policy, result_ranks=None)[0]
-                warm.rank_files.update(dict.fromkeys(fresh.module_files, began))
-                if fresh.replace:  # what the run left cannot be undone in place: the next launch gets a new rank
-                    _close_locked()
-                ok = True
-                return {0: fresh.value}
-            finally:
-                warm.runs += 1
-                warm.last_used = time.monotonic()
-                if not ok:
-                    _close_locked()  # a failure may leave the rank unusable (a CUDA error sticks to its context)
-                if observer is not None:
-                    observer.on_end(ok)
+            with SupervisedRun(request, Lifetime("warm")) as run:
+                ok = False
+                began = time.time()
+                try:
+                    fresh: FreshResult = warm.ranks.run_payload(payload, run=run, result_ranks=None)[0]
+                    warm.rank_files.update(dict.fromkeys(fresh.module_files, began))
+                    if fresh.replace:  # what the run left cannot be undone in place: the next launch gets a new rank
+                        _close_locked()
+                    ok = True
+                    return {0: fresh.value}
+                finally:
+                    warm.runs += 1
+                    warm.last_used = time.monotonic()
+                    if not ok:
+                        _close_locked()  # a failure may leave the rank unusable (a CUDA error sticks to its context)
 
 
 def _kept_rank(request: LaunchRequest, rank_env: dict[str, str]) -> _WarmRank:

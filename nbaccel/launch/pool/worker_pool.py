@@ -42,12 +42,10 @@ from nbaccel.environment import MixedPrecision
 from nbaccel.errors import ConfigError, LaunchTimeoutError, WorkerPoolError
 from nbaccel.launch.claims import cancel_holders, pool_resource, refuse_held
 from nbaccel.launch.events import LaunchObserver
-from nbaccel.launch.output import OutputRelay
 from nbaccel.launch.preflight import say
 from nbaccel.launch.registry import run_before_launch
-from nbaccel.launch.relay import request_relay
 from nbaccel.launch.request import LaunchRequest, build_request
-from nbaccel.launch.supervisor import SupervisorPolicy
+from nbaccel.launch.supervised_run import Lifetime, SupervisedRun
 
 __all__ = ["WorkerInfo", "WorkerPool"]
 
@@ -74,12 +72,11 @@ class WorkerInfo:
 class PoolRanks(Protocol):
     """What a pool holds on each backend: live ranks that run task after task."""
 
-    lost: str
+    lost: str | None
 
-    def dead(self) -> str: ...
+    def dead(self) -> str | None: ...
     def workers(self) -> list[tuple[int, int, bool, str, int | None]]: ...
-    def run(self, function: Callable[..., Any], args: Any, kwargs: Mapping[str, Any], *, relay: OutputRelay,
-            observer: LaunchObserver | None, policy: SupervisorPolicy,
+    def run(self, function: Callable[..., Any], args: Any, kwargs: Mapping[str, Any], *, run: SupervisedRun,
             result_ranks: Collection[int] | None) -> dict[int, Any]: ...
     def shutdown(self) -> None: ...
 
@@ -169,7 +166,7 @@ class WorkerPool:
         self._ranks: PoolRanks | None = None
         self._finalizer: weakref.finalize | None = None
         self._owner = os.getpid()
-        self._dead = ""
+        self._dead: str | None = None  # why the pool cannot run (None: it can)
         self._closed = False
         self._closes = 0  # close() calls so far: a run that sees it change was ended by close(), not by a fault
         self._running = threading.Lock()  # one run at a time: replies are not tagged with their caller
@@ -181,7 +178,7 @@ class WorkerPool:
         say(self._request.plan.note)
         run_before_launch(self._request)  # as a launch does: a warm one-process rank gives its GPU up
         ranks = _start_ranks(self._request, self.start_timeout)
-        self._ranks, self._dead, self._closed = ranks, "", False
+        self._ranks, self._dead, self._closed = ranks, None, False
         self._owner = os.getpid()
         self._finalizer = weakref.finalize(self, _shutdown_if_owner, ranks, self._owner)  # also at interpreter exit
 
@@ -342,16 +339,9 @@ class WorkerPool:
                       result_ranks: set[int] | None) -> dict[int, Any]:
         ranks, closes = self._usable(), self._closes
         request = dataclasses.replace(self._request, output_ranks=output_ranks, observer=observer)
-        policy = SupervisorPolicy(timeout=self._request.config.timeout, hang_timeout=self._request.hang_timeout,
-                                  grace=self.grace, keep_alive=True)
-        if observer is not None:
-            observer.on_launch(list(range(self.num_processes)), "pool")
-        ok = False
         try:
-            results = ranks.run(function, args, kwargs, relay=request_relay(request), observer=observer,
-                                policy=policy, result_ranks=result_ranks)
-            ok = True
-            return results
+            with SupervisedRun(request, Lifetime("pool", keep_alive=True, grace=self.grace)) as run:
+                return ranks.run(function, args, kwargs, run=run, result_ranks=result_ranks)
         except KeyboardInterrupt:
             raise KeyboardInterrupt(f"interrupted{self._after_failure(ranks)}") from None
         except Exception as exc:
@@ -370,8 +360,6 @@ class WorkerPool:
             raise LaunchTimeoutError(f"{exc}\n{pool_state}", stacks=exc.stacks, reason=exc.reason) from None
         finally:
             self._dead = self._dead or ranks.lost
-            if observer is not None:
-                observer.on_end(ok)
 
     @staticmethod
     def _after_failure(ranks: PoolRanks) -> str:

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbaccel.launch.failures import ProcessExit, RankError
 from nbaccel.launch.handles import WorkerHandle
 
 __all__ = ["RayRankHandle", "RunPump"]
@@ -44,8 +45,9 @@ class RayRankHandle(WorkerHandle):
     exit_r: int = -1
     exit_w: int = -1
     killed_at: float | None = None
-    died: str = ""
+    died: str | None = None
     """Why the actor died, when it died of something else than the launcher's ``ray.kill``."""
+    died_at: float = 0.0
     outcome: threading.Event = field(default_factory=threading.Event)
     code: int | None = None
 
@@ -70,12 +72,9 @@ class RayRankHandle(WorkerHandle):
                 except BrokenPipeError:  # the supervisor is done reading
                     break
 
-    def finish(self, code: int | None, died: str = "") -> None:
+    def finish(self, code: int | None, died: str | None = None) -> None:
         """The run ended (``code``) or the actor died (``died``): EOF on every pipe, and wake the supervisor."""
-        self.code, self.died = code, died
-        if died and self.killed_at is None and self.error is None:
-            self.error = {"time": time.time(), "exc_type": "", "message": f"its Ray actor died: {died}",
-                          "traceback": "", "exception": None}  # a report read from the pipes replaces it
+        self.code, self.died, self.died_at = code, died, time.time()
         for name in ("ctl_w", "out_w", "err_w", "exit_w"):
             fd = getattr(self, name)
             if fd >= 0:
@@ -89,20 +88,23 @@ class RayRankHandle(WorkerHandle):
         fd, self.exit_r = self.exit_r, -1
         return fd if fd >= 0 else None
 
-    def poll(self) -> bool:
-        """Whether the run has ended (or the actor is gone)."""
-        if self.exited:
-            return True
+    def fallback_error(self) -> RankError | None:
+        """The actor's death, for a rank that reported nothing (a report read from the pipes wins)."""
+        if self.died and self.killed_at is None:
+            return RankError(time=self.died_at, message=f"its Ray actor died: {self.died}")
+        return None
+
+    def poll(self) -> ProcessExit | None:
+        """How the run ended (or that the actor is gone), or ``None`` while it runs."""
+        if self.reaped is not None:
+            return self.reaped
         if not self.outcome.is_set():
             if self.killed_at is None or time.monotonic() - self.killed_at < _KILL_WAIT:
-                return False
+                return None
             self.finish(None, "killed, and its end was never confirmed by Ray")
-        if self.killed_at is not None and self.code is None:
-            self.exitcode, self.signal = None, signal.SIGKILL
-        else:
-            self.exitcode = self.code
-        self.exited = True
-        return True
+        killed = self.killed_at is not None and self.code is None
+        self.reaped = ProcessExit(signal=signal.SIGKILL) if killed else ProcessExit(exitcode=self.code)
+        return self.reaped
 
     def send(self, sig: int) -> None:
         """Carry ``sig`` to the rank as the table in the module docstring says."""

@@ -13,9 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from nbaccel.launch.ray.ranks import RayRanks
-from nbaccel.launch.relay import request_relay
 from nbaccel.launch.request import LaunchRequest
-from nbaccel.launch.supervisor import SupervisorPolicy
+from nbaccel.launch.supervised_run import Lifetime, SupervisedRun
 
 __all__ = ["ACTOR_START_TIMEOUT", "LAUNCHER", "RayLauncher"]
 
@@ -30,26 +29,15 @@ class RayLauncher:
 
     def launch(self, request: LaunchRequest) -> dict[int, Any]:
         """Start the ranks on the cluster, run the function once, and leave nothing behind."""
-        observer = request.observer
-        n = request.num_processes
-        ok = False
-        if observer is not None:
-            observer.on_launch(list(range(n)), "ray")
-        try:
+        with SupervisedRun(request, Lifetime("ray")) as run:
             # The launch's timeout bounds the run, as for a local launch; placing and starting the actors
             # has its own budget (a busy cluster, or a loaded machine, takes far longer than a short run).
             ranks = RayRanks.start(request, start_timeout=ACTOR_START_TIMEOUT)
             try:
-                policy = SupervisorPolicy(timeout=request.config.timeout, hang_timeout=request.hang_timeout)
-                results = ranks.run(request.function, request.args, request.kwargs, relay=request_relay(request),
-                                    observer=observer, policy=policy, return_all=request.return_all)
+                return ranks.run(request.function, request.args, request.kwargs, run=run,
+                                 return_all=request.return_all)
             finally:
                 ranks.shutdown()
-            ok = True
-            return results
-        finally:
-            if observer is not None:
-                observer.on_end(ok)
 
 
 LAUNCHER = RayLauncher()

@@ -20,12 +20,10 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from nbaccel.launch.events import LaunchObserver
-from nbaccel.launch.output import OutputRelay
 from nbaccel.launch.ray.cluster import require_ray
 from nbaccel.launch.ray.ranks import RayRanks
 from nbaccel.launch.request import LaunchRequest
-from nbaccel.launch.supervisor import SupervisorPolicy
+from nbaccel.launch.supervised_run import SupervisedRun
 
 __all__ = ["RayPoolRanks"]
 
@@ -46,8 +44,8 @@ class RayPoolRanks:
         """
         return cls(RayRanks.start(request, start_timeout=start_timeout, join_group=True))
 
-    def dead(self) -> str:
-        """Why the pool cannot run (a rank's actor is gone), or ``""``."""
+    def dead(self) -> str | None:
+        """Why the pool cannot run (a rank's actor is gone), or ``None``."""
         if self.ranks.lost:
             return self.ranks.lost
         gone = self.ranks.lost_ranks()
@@ -70,12 +68,11 @@ class RayPoolRanks:
         return out
 
     @property
-    def lost(self) -> str:
-        """Why the ranks cannot run any more (an actor died or was killed), or ``""``."""
+    def lost(self) -> str | None:
+        """Why the ranks cannot run any more (an actor died or was killed), or ``None``."""
         return self.ranks.lost
 
-    def run(self, function: Callable[..., Any], args: Any, kwargs: Mapping[str, Any], *, relay: OutputRelay,
-            observer: LaunchObserver | None, policy: SupervisorPolicy,
+    def run(self, function: Callable[..., Any], args: Any, kwargs: Mapping[str, Any], *, run: SupervisedRun,
             result_ranks: Collection[int] | None) -> dict[int, Any]:
         """Run ``function`` on every rank; ``{rank: value}`` of ``result_ranks`` (all when ``None``), moved to CPU.
 
@@ -83,7 +80,7 @@ class RayPoolRanks:
             BaseException: what a launch raises (the root-cause failure, a timeout, the interrupt);
                 :attr:`lost` then says whether the actors survived it.
         """
-        results = self.ranks.run(function, args, kwargs, relay=relay, observer=observer, policy=policy,
+        results = self.ranks.run(function, args, kwargs, run=run,
                                  return_all=result_ranks is None or set(result_ranks) != {0}, cpu_results=True)
         return results if result_ranks is None else {r: v for r, v in results.items() if r in result_ranks}
 

@@ -7,7 +7,7 @@
        RankActor × N ─► where(): node, address, GPUs ─► layout_ranks (torchrun's numbering)
        rank 0's actor hosts the rendezvous store on its node ─► prepare(env) on every rank
     ranks.run(function, ...) ─► payload put once ─► actor.run per rank
-       RayRankHandle × N + RunPump ─► Supervisor (the local launch's) ─► {rank: result} or the failure
+       RayRankHandle × N + RunPump ─► SupervisedRun.supervise (the local launch's) ─► {rank: result} or the failure
     ranks.shutdown() ─► ray.kill every actor, remove the placement group
 
 The one-shot launcher (:mod:`nbaccel.launch.ray.launcher`) starts, runs once and shuts down; a pool on Ray
@@ -25,8 +25,6 @@ from typing import Any
 
 from nbaccel.environment import DistributedEnv, worker_environment
 from nbaccel.errors import LaunchError
-from nbaccel.launch.events import LaunchObserver
-from nbaccel.launch.output import OutputRelay
 from nbaccel.launch.payload import dumps_payload
 from nbaccel.launch.ray.actor import RankActor
 from nbaccel.launch.ray.cluster import (
@@ -39,7 +37,7 @@ from nbaccel.launch.ray.cluster import (
 )
 from nbaccel.launch.ray.handles import RayRankHandle, RunPump
 from nbaccel.launch.request import LaunchRequest
-from nbaccel.launch.supervisor import Supervisor, SupervisorPolicy
+from nbaccel.launch.supervised_run import SupervisedRun
 
 __all__ = ["RankMember", "RayRanks"]
 
@@ -70,8 +68,8 @@ class RayRanks:
         self.nodes = nodes
         self._runs = itertools.count(1)
         self._closed = False
-        self.lost = ""
-        """Why some rank's actor is gone after a run ("" while every actor lives)."""
+        self.lost: str | None = None
+        """Why some rank's actor is gone after a run (``None`` while every actor lives)."""
 
     # ------------------------------------------------------------------ starting
     @classmethod
@@ -117,16 +115,15 @@ class RayRanks:
 
     # ------------------------------------------------------------------ running
     def run(self, function: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], *,
-            relay: OutputRelay, observer: LaunchObserver | None, policy: SupervisorPolicy, return_all: bool,
-            cpu_results: bool = False) -> dict[int, Any]:
-        """Run ``function`` on every rank under the local launch's supervisor; ``{rank: result}``.
+            run: SupervisedRun, return_all: bool, cpu_results: bool = False) -> dict[int, Any]:
+        """Run ``function`` on every rank under ``run``'s supervisor, as a local launch's; ``{rank: result}``.
 
         Raises:
             PayloadPicklingError: the function or an argument cannot be pickled (nothing ran).
             WorkerFailedError: the root-cause rank's exception (the family of every launcher).
-            LaunchTimeoutError: ``policy.timeout`` passed, or the hang watchdog fired.
+            LaunchTimeoutError: the request's ``timeout`` passed, or the hang watchdog fired.
             KeyboardInterrupt: the caller was interrupted; every rank was interrupted, or killed
-                after ``policy.grace``.
+                after ``run.policy.grace``.
         """
         ray = require_ray()
         payload = ray.put(dumps_payload(function, args, kwargs))
@@ -136,14 +133,14 @@ class RayRanks:
                 for m in self.members]
         pump = RunPump(handles, refs, run_id).start()
         try:
-            return Supervisor(handles, relay, observer, policy=policy).run()
+            return run.supervise(handles).get()
         finally:
             pump.stop()
             for handle in handles:
                 handle.close_writers()
             lost = [f"rank {h.rank} was killed (it did not stop within the grace period)" if h.killed_at is not None
                     else f"rank {h.rank}'s actor died ({h.died})" for h in handles if h.died or h.killed_at is not None]
-            self.lost = self.lost or "; ".join(lost)
+            self.lost = self.lost or "; ".join(lost) or None
 
     def lost_ranks(self, timeout: float = 10.0) -> list[int]:
         """Ranks whose actors are gone: killed after a run's grace period, or died (their node, say)."""

@@ -61,10 +61,11 @@ from nbaccel.environment import (
     worker_environment,
 )
 from nbaccel.identity import WorkerIdentity, current_identity
+from nbaccel.launch.failures import ProcessExit
 from nbaccel.launch.handles import WorkerHandle
-from nbaccel.launch.output import OutputRelay, Stream
+from nbaccel.launch.output import Stream
 from nbaccel.launch.request import LaunchRequest
-from nbaccel.launch.supervisor import Supervisor, SupervisorPolicy
+from nbaccel.launch.supervised_run import Lifetime, SupervisedRun
 from nbaccel.launch.warmup import finish_warmup
 from nbaccel.launch.worker.process import (
     WorkerSpec,
@@ -255,13 +256,12 @@ class _ReplicaHandle(WorkerHandle):
     """One replica, seen through its pipes: it has ended once it reported, or once the host is gone."""
 
     host: _HostHandle | None = None
+    reply_ends_run: ProcessExit | None = ProcessExit()  # noqa: RUF009  # frozen: one shared instance is safe
 
-    def poll(self) -> bool:
-        if self.exited:
-            return True
-        if self.result is not None or self.error is not None or self._host_gone():
-            self.exited = True
-        return self.exited
+    def poll(self) -> ProcessExit | None:
+        if self.reaped is None and self._host_gone():
+            self.reaped = ProcessExit()
+        return self.reaped
 
     def _host_gone(self) -> bool:
         host = self.host
@@ -334,25 +334,13 @@ class XlaLauncher:
 
         settings: WorkerSettings = request.plan.settings
         env = worker_environment(settings, threads=request.plan.threads)
-        observer = request.observer
-        relay = OutputRelay(show=request.output_ranks, labels={HOST_RANK: "xla"},
-                            on_line=observer.on_output if observer is not None else None,
-                            on_progress=getattr(observer, "on_progress", None),
-                            show_redraws=not getattr(observer, "shows_progress", False))
-        if observer is not None:
-            observer.on_launch(list(range(n)), "fork")
-        host, replicas = _start_host(request.function, request.args, request.kwargs, n, settings, env)
-        policy = SupervisorPolicy(timeout=request.config.timeout, hang_timeout=request.hang_timeout,
-                                  host_name="torch_xla.launch in the host process")
-        ok = False
-        try:
-            results = Supervisor(replicas, relay, observer, policy=policy, host=host).run()
-            ok = True
-        finally:
-            _kill_group(host.pid)
-            if observer is not None:
-                observer.on_end(ok)
-        return results
+        lifetime = Lifetime("fork", host_name="torch_xla.launch in the host process", labels={HOST_RANK: "xla"})
+        with SupervisedRun(request, lifetime) as run:
+            host, replicas = _start_host(request.function, request.args, request.kwargs, n, settings, env)
+            try:
+                return run.supervise(replicas, host=host).get()
+            finally:
+                _kill_group(host.pid)
 
 
 def _kill_group(pgid: int, wait: float = 10.0) -> None:
