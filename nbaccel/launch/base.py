@@ -1,4 +1,4 @@
-"""The `Launcher` protocol: what every way of starting workers implements.
+"""The contract between the core and a backend: the `LaunchRequest` it gets, the `Launcher` and `Backend` it is.
 
 A launcher takes a resolved :class:`~nbaccel.launch.request.LaunchRequest`, starts the workers
 it describes, supervises them, and returns ``{rank: result}`` for the ranks it ran, or raises:
@@ -6,18 +6,96 @@ a member of the :class:`~nbaccel.errors.WorkerFailedError` family for failed wor
 :mod:`nbaccel.launch.failures`), :class:`~nbaccel.errors.LaunchTimeoutError`, or the caller's
 ``KeyboardInterrupt`` once every worker is stopped. Nothing it started outlives the call.
 
-Each launcher lives in its backend's subpackage, in ``nbaccel.launch.<name>.launcher``, which defines
-``LAUNCHER``; :mod:`nbaccel.launch.registry` finds it by the request's ``launcher`` name.
+:class:`LaunchRequest` is what every launcher receives (built by
+:func:`~nbaccel.launch.request.build_request`). A :class:`Backend` is where ranks live: its launcher, plus the steps only some backends have
+(planning on their own hardware, ranks kept warm for a pool, a hook before any launch). Each
+backend module defines ``BACKEND``; :mod:`nbaccel.launch.registry` finds it by name, and the core
+calls a backend only through these fields (Lightning Fabric's small ``_Launcher`` per backend).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-if TYPE_CHECKING:
-    from nbaccel.launch.request import LaunchRequest
+from nbaccel.config import LaunchConfig, RdzvBackend
+from nbaccel.launch.events import LaunchObserver
+from nbaccel.launch.preflight import LaunchPlan, plan_launch
 
-__all__ = ["Launcher"]
+if TYPE_CHECKING:
+    from nbaccel.launch.output import OutputRelay
+    from nbaccel.launch.supervisor import SupervisorPolicy
+
+__all__ = ["Backend", "LaunchRequest", "Launcher", "PoolRanks", "Rendezvous"]
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """How the machines of a multi-machine launch meet (torch elastic's settings).
+
+    Attributes:
+        backend: ``"static"`` or ``"c10d"``.
+        endpoint: ``host:port`` of the rendezvous.
+        conf: extra rendezvous settings.
+        run_id: the job id shared by all machines.
+        max_restarts: restarts the elastic agent may make.
+        monitor_interval: seconds between the agent's checks.
+        log_line_prefix_template: the agent's output prefix (``None``: ``[rank${rank}]: ``).
+    """
+
+    backend: RdzvBackend
+    endpoint: str
+    conf: Mapping[str, Any] = field(default_factory=dict)
+    run_id: str = "none"
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    log_line_prefix_template: str | None = None
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    """One launch: what to run, where, and how to report; immutable once built.
+
+    Attributes:
+        function: what every worker runs.
+        args: its positional arguments.
+        kwargs: its keyword arguments.
+        config: the resolved settings (every layer applied).
+        plan: this machine's concrete choices (device kind, workers, start method, settings).
+        launcher: the name of the launcher module that runs it (``"local"``, ``"xla"``, ``"elastic"``).
+        hang_timeout: seconds of silence, after some ranks finished, before the rest are stopped.
+        output_ranks: the ranks whose output and displays are shown (``None``: every rank's
+            output, rank 0's displays).
+        return_all: return ``{rank: value}`` instead of rank 0's value.
+        observer: receives per-rank state and output events.
+        rendezvous: how machines meet (multi-machine launches only).
+        warm_imports: import what DDP needs in the caller before forking (``None``: guess from
+            the function; see :mod:`nbaccel.launch.warmup`).
+    """
+
+    function: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: Mapping[str, Any]
+    config: LaunchConfig
+    plan: LaunchPlan
+    launcher: str
+    hang_timeout: float | None = 120.0
+    output_ranks: frozenset[int] | None = None
+    return_all: bool = False
+    observer: LaunchObserver | None = None
+    rendezvous: Rendezvous | None = None
+    warm_imports: bool | None = None
+
+    @property
+    def num_processes(self) -> int:
+        """Workers on this machine."""
+        return self.plan.num_processes
+
+    def with_observer(self, observer: LaunchObserver | None) -> LaunchRequest:
+        """A copy reporting to ``observer``."""
+        return dataclasses.replace(self, observer=observer)
 
 
 @runtime_checkable
@@ -38,3 +116,49 @@ class Launcher(Protocol):
     def launch(self, request: LaunchRequest) -> dict[int, Any]:
         """Run ``request`` to the end; ``{rank: result}`` of the ranks run here, or raise the failure."""
         ...
+
+
+class PoolRanks(Protocol):
+    """What a pool holds on a backend: live ranks that run task after task."""
+
+    lost: str
+
+    def dead(self) -> str: ...
+    def workers(self) -> list[tuple[int, int, bool, str, int | None]]: ...
+    def run(self, function: Callable[..., Any], args: Any, kwargs: Mapping[str, Any], *, relay: OutputRelay,
+            observer: LaunchObserver | None, policy: SupervisorPolicy,
+            result_ranks: Collection[int] | None) -> dict[int, Any]: ...
+    def shutdown(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One place ranks live, as the registry knows it.
+
+    Attributes:
+        launcher: starts and supervises one request's ranks; its ``name`` is the backend's.
+        plan: turns a config into the ranks to run (Ray asks its cluster, XLA its runtime); the
+            default is this machine's preflight.
+        start_pool: ``start_pool(request, start_timeout)`` starts a ``WorkerPool``'s ranks;
+            ``None``: this backend keeps no ranks warm.
+        before_launch: called with every request before it starts, once this backend is loaded
+            (the warm rank gives up a GPU another launch needs); ``None``: nothing to do.
+
+    Example:
+        >>> class InProcess:
+        ...     name = "inprocess"
+        ...     def launch(self, request):
+        ...         return {0: request.function(*request.args, **request.kwargs)}
+        >>> Backend(InProcess()).name
+        'inprocess'
+    """
+
+    launcher: Launcher
+    plan: Callable[[LaunchConfig], LaunchPlan] = plan_launch
+    start_pool: Callable[[LaunchRequest, float], PoolRanks] | None = None
+    before_launch: Callable[[LaunchRequest], None] | None = None
+
+    @property
+    def name(self) -> str:
+        """The backend's name: its launcher's."""
+        return self.launcher.name

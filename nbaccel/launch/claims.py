@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from nbaccel.errors import EnvironmentStateError
-from nbaccel.launch.request import LaunchRequest
+from nbaccel.launch.base import LaunchRequest
 
 __all__ = ["ALL_GPUS", "WARM_RANK", "Claim", "RunBusyError", "cancel_holders", "claim", "claimed_by_this_thread",
            "needed_by", "pool_resource", "refuse_claimed", "refuse_held", "release"]

@@ -30,12 +30,13 @@ from nbaccel.environment import (
     worker_environment,
 )
 from nbaccel.identity import WorkerIdentity, set_identity
+from nbaccel.launch.base import Backend
 from nbaccel.launch.failures import WorkerFailure, raise_failures
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.worker.process import describe_error
 from nbaccel.rank_resets import reset_rank_state
 
-__all__ = ["LAUNCHER", "ElasticLauncher"]
+__all__ = ["BACKEND", "LAUNCHER", "ElasticLauncher"]
 
 _HANDLED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 _REPORT_KEY = "nbaccel"
@@ -141,3 +142,4 @@ class ElasticLauncher:
 
 
 LAUNCHER = ElasticLauncher()
+BACKEND = Backend(LAUNCHER)

@@ -30,7 +30,7 @@ from nbaccel.errors import LaunchError
 from nbaccel.launch.failures import WorkerFailure, raise_failures
 from nbaccel.launch.frames import FrameReader
 from nbaccel.launch.handles import WorkerHandle
-from nbaccel.launch.local.launcher import local_environments
+from nbaccel.launch.local.starter import local_environments
 from nbaccel.launch.local.starter import SpawnFiles, start_forked, start_spawned
 from nbaccel.launch.owner_thread import on_owner_thread
 from nbaccel.launch.pool.channels import PoolChannels, PoolMember

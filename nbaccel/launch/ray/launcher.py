@@ -12,12 +12,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from nbaccel.launch.base import Backend
+from nbaccel.launch.ray.plan import plan_ray_launch
+from nbaccel.launch.ray.pool import RayPoolRanks
 from nbaccel.launch.ray.ranks import RayRanks
 from nbaccel.launch.relay import request_relay
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.supervisor import SupervisorPolicy
 
-__all__ = ["ACTOR_START_TIMEOUT", "LAUNCHER", "RayLauncher"]
+__all__ = ["ACTOR_START_TIMEOUT", "BACKEND", "LAUNCHER", "RayLauncher"]
 
 ACTOR_START_TIMEOUT = 300.0
 """Seconds the rank actors may take to be placed and started, whatever the launch's ``timeout``."""
@@ -53,3 +56,4 @@ class RayLauncher:
 
 
 LAUNCHER = RayLauncher()
+BACKEND = Backend(LAUNCHER, plan=plan_ray_launch, start_pool=RayPoolRanks.start)
