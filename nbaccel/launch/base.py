@@ -1,16 +1,13 @@
 """The contract between the core and a backend: the `LaunchRequest` it gets, the `Launcher` and `Backend` it is.
 
-A launcher takes a resolved :class:`~nbaccel.launch.request.LaunchRequest`, starts the workers
-it describes, supervises them, and returns ``{rank: result}`` for the ranks it ran, or raises:
-a member of the :class:`~nbaccel.errors.WorkerFailedError` family for failed workers (see
-:mod:`nbaccel.launch.failures`), :class:`~nbaccel.errors.LaunchTimeoutError`, or the caller's
-``KeyboardInterrupt`` once every worker is stopped. Nothing it started outlives the call.
-
-:class:`LaunchRequest` is what every launcher receives (built by
-:func:`~nbaccel.launch.request.build_request`). A :class:`Backend` is where ranks live: its launcher, plus the steps only some backends have
-(planning on their own hardware, ranks kept warm for a pool, a hook before any launch). Each
-backend module defines ``BACKEND``; :mod:`nbaccel.launch.registry` finds it by name, and the core
-calls a backend only through these fields (Lightning Fabric's small ``_Launcher`` per backend).
+A launcher takes a resolved :class:`LaunchRequest` (built by
+:func:`~nbaccel.launch.request.build_request`), starts and supervises its workers, and returns
+``{rank: result}`` for the ranks it ran, or raises the :class:`~nbaccel.errors.WorkerFailedError`
+family (:mod:`nbaccel.launch.failures`), :class:`~nbaccel.errors.LaunchTimeoutError`, or the
+caller's ``KeyboardInterrupt`` once every worker is stopped. Nothing it started outlives the call.
+A :class:`Backend` is its launcher plus the steps only some backends have; each backend module
+defines ``BACKEND``, found by name in :mod:`nbaccel.launch.registry` (Lightning Fabric's small
+``_Launcher`` per backend; Ray Train's ``Backend`` chosen by configuration).
 """
 
 from __future__ import annotations
@@ -133,7 +130,7 @@ class PoolRanks(Protocol):
 
 @dataclass(frozen=True)
 class Backend:
-    """One place ranks live, as the registry knows it.
+    """Where ranks live, as the registry knows it: the core calls a backend only through these fields.
 
     Attributes:
         launcher: starts and supervises one request's ranks; its ``name`` is the backend's.
@@ -145,20 +142,12 @@ class Backend:
             (the warm rank gives up a GPU another launch needs); ``None``: nothing to do.
 
     Example:
-        >>> class InProcess:
-        ...     name = "inprocess"
-        ...     def launch(self, request):
-        ...         return {0: request.function(*request.args, **request.kwargs)}
-        >>> Backend(InProcess()).name
-        'inprocess'
+        >>> from nbaccel.launch.registry import backend_for
+        >>> backend_for("ray").start_pool is not None, backend_for("elastic").start_pool
+        (True, None)
     """
 
     launcher: Launcher
     plan: Callable[[LaunchConfig], LaunchPlan] = plan_launch
     start_pool: Callable[[LaunchRequest, float], PoolRanks] | None = None
     before_launch: Callable[[LaunchRequest], None] | None = None
-
-    @property
-    def name(self) -> str:
-        """The backend's name: its launcher's."""
-        return self.launcher.name

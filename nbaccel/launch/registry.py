@@ -34,8 +34,10 @@ _registered: dict[str, Backend] = {}
 
 
 def run_before_launch(request: LaunchRequest) -> None:
-    """Before ``request`` starts (a launch here; a pool before it starts): refuse what a background run holds,
-    then each loaded backend's ``before_launch`` (a backend never imported holds nothing to give up)."""
+    """Refuse what a background run holds, then call each loaded backend's ``before_launch`` with ``request``.
+
+    A launch calls it, and a pool before it starts; a backend never imported holds nothing to give up.
+    """
     refuse_claimed(request)  # first: a GPU or warm rank a background run holds refuses before anything is released
     for name, module in BACKENDS.items():
         hook = backend_for(name).before_launch if module in sys.modules else None

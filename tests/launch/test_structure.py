@@ -104,7 +104,7 @@ def _within(name: str, packages: tuple[str, ...]) -> bool:
 def test_the_core_reaches_no_backend_by_statement_or_string():
     """The core finds backends through the registry's table only.
 
-    Caught on the code before: request.py -> nbaccel.launch.ray.plan, preflight.py -> nbaccel.launch.xla.topology
+    Caught on the code before: request.py -> nbaccel.launch.ray.plan (now in ray/launcher.py), preflight.py -> nbaccel.launch.xla.topology
     (imports inside functions), pool/worker_pool.py -> "nbaccel.launch.pool.local_ranks:LocalPoolRanks" and
     "nbaccel.launch.ray.pool:RayPoolRanks" (strings).
     """

@@ -32,6 +32,7 @@ from nbaccel.identity import current_identity
 from nbaccel.launch.frames import FrameReader, write_frame
 from nbaccel.launch.payload import cpu_copies
 from nbaccel.launch.worker.process import run_body
+from nbaccel.rank_resets import join_rank_group
 
 __all__ = ["serve", "worker_namespace"]
 
@@ -108,13 +109,6 @@ def _load_task(payload: bytes) -> tuple[Callable[..., Any], tuple, dict]:
     return _cancellable_call(function), args, kwargs
 
 
-def _join_group() -> str:
-    """Join the process group now (once for the pool's life); returns this worker's device."""
-    from nbaccel.rank_resets import join_rank_group
-
-    return join_rank_group()  # the process state's join (with CPU collectives: the group outlives any one task)
-
-
 def serve(socket_path: str) -> None:
     """Be this worker's rank of the pool listening at ``socket_path`` until the pool closes.
 
@@ -127,7 +121,7 @@ def serve(socket_path: str) -> None:
     fd = sock.fileno()
     identity = current_identity()
     write_frame(fd, "hello", identity.rank if identity is not None else 0)
-    device = _join_group()
+    device = join_rank_group()  # the process state's join (with CPU collectives: the group outlives any task)
     write_frame(fd, "ready", {"pid": os.getpid(), "device": device})
     reader, pending = FrameReader(), []
     rank = identity.rank if identity is not None else 0
