@@ -28,7 +28,7 @@ from nbaccel.environment import MixedPrecision, read_worker_settings
 from nbaccel.errors import ConfigError
 from nbaccel.hardware import cuda_device_count, tpu_detected
 from nbaccel.identity import WorkerIdentity, current_identity
-from nbaccel.rank_resets import register_group_join, register_rank_reset
+from nbaccel.rank_resets import register_rank_reset
 
 __all__ = ["CUDA_WITH_CPU_BACKEND", "ProcessState", "is_initialized", "join_pool_group", "reset_process_state",
            "shared_state", "wait_for_everyone"]
@@ -258,8 +258,6 @@ def join_pool_group() -> str:
     """
     return str(ProcessState(cpu_collectives=True).device)
 
-
-register_group_join(join_pool_group)
 
 
 def is_initialized() -> bool:

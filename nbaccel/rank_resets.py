@@ -8,11 +8,10 @@ each module that keeps such state registers how to forget it when it is imported
 was never imported here has nothing to forget.
 
 A warm rank (a pool's) joins its process group once, when the pool starts, and the group outlives
-its tasks. How it joins belongs to the process state, which registers it
-(:func:`register_group_join`); the launch core calls :func:`join_rank_group`. In a rank where
-nothing imported the process state yet (a Ray actor, a spawned worker), :func:`join_rank_group`
-imports :data:`GROUP_JOIN_PROVIDER` first, by name, so this bottom module depends on nothing
-above it and the launch core never imports the training side.
+its tasks. How it joins belongs to the process state; the launch core calls :func:`join_rank_group`,
+which imports :data:`GROUP_JOIN_PROVIDER` by name (a Ray actor or a spawned worker may not have
+imported it yet), so this bottom module depends on nothing above it at import. Left to do: a
+rank lifecycle object handed to the pool and the Ray actor instead of this name.
 
 Example:
     >>> calls = []
@@ -27,14 +26,13 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-__all__ = ["GROUP_JOIN_PROVIDER", "join_rank_group", "register_group_join", "register_rank_reset",
+__all__ = ["GROUP_JOIN_PROVIDER", "join_rank_group", "register_rank_reset",
            "reset_rank_state", "unregister_rank_reset"]
 
 GROUP_JOIN_PROVIDER = "nbaccel.process_state"
-"""The module that registers the group join when imported (nbaccel has one process state)."""
+"""The module whose ``join_pool_group()`` a warm rank joins its group with (nbaccel has one process state)."""
 
 _resets: dict[str, Callable[[], None]] = {}
-_group_join: list[Callable[[], str]] = []  # at most one: the latest registered
 
 
 def register_rank_reset(name: str, reset: Callable[[], None]) -> None:
@@ -53,24 +51,15 @@ def reset_rank_state() -> None:
         reset()
 
 
-def register_group_join(join: Callable[[], str]) -> None:
-    """Make ``join()`` how a warm rank joins its process group; it returns the rank's device, as text.
-
-    A later registration replaces an earlier one (a test's fake, then the real one again).
-    """
-    _group_join[:] = [join]
-
-
 def join_rank_group() -> str:
     """Join this rank's process group (once for a warm rank's life); returns the rank's device, e.g. ``"cpu"``.
 
     Raises:
-        RuntimeError: importing :data:`GROUP_JOIN_PROVIDER` registered no join (a broken install).
+        RuntimeError: :data:`GROUP_JOIN_PROVIDER` has no ``join_pool_group`` (a broken install).
     """
-    if not _group_join:
-        importlib.import_module(GROUP_JOIN_PROVIDER)  # registers its join when imported
-    if not _group_join:
-        msg = (f"no group join is registered, and importing {GROUP_JOIN_PROVIDER!r} registered none. "
-               "Fix: reinstall nbaccel (that module calls register_group_join when imported)")
+    join = getattr(importlib.import_module(GROUP_JOIN_PROVIDER), "join_pool_group", None)
+    if join is None:
+        msg = (f"{GROUP_JOIN_PROVIDER!r} has no join_pool_group, so a warm rank cannot join its process group. "
+               "Fix: reinstall nbaccel (that module defines it)")
         raise RuntimeError(msg)
-    return _group_join[0]()
+    return str(join())

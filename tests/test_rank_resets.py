@@ -14,7 +14,7 @@ import pytest
 import nbaccel
 from nbaccel import process_state, rank_resets
 from nbaccel.identity import WorkerIdentity, current_identity, set_identity
-from nbaccel.rank_resets import join_rank_group, register_group_join, reset_rank_state
+from nbaccel.rank_resets import join_rank_group, reset_rank_state
 from nbaccel.launch import run_log
 
 _RANK_1_OF_2 = WorkerIdentity(rank=1, local_rank=1, world_size=2, local_world_size=2, node_rank=0)
@@ -76,26 +76,14 @@ def test_a_pool_rank_does_not_see_the_notebooks_run_history(fresh_state):
 # --------------------------------------------------------------------------- the group join
 
 
-@pytest.fixture
-def real_join():
-    yield
-    register_group_join(process_state.join_pool_group)
-
-
-def test_a_rank_that_never_imported_the_state_joins_through_the_registered_provider():
+def test_a_rank_that_never_imported_the_state_joins_through_the_provider():
     code = ("import sys; from nbaccel.rank_resets import join_rank_group; device = join_rank_group();"
             "from nbaccel.process_state import ProcessState;"
             "print(device == str(ProcessState().device), ProcessState().backend in ('gloo', 'cuda:nccl,cpu:gloo'))")
     assert _python(code) == "True True"
 
 
-def test_the_latest_registered_join_is_the_one_used(real_join):
-    register_group_join(lambda: "meta")
-    assert join_rank_group() == "meta"
-
-
-def test_a_provider_that_registers_no_join_is_an_error_naming_it(real_join, monkeypatch):
-    monkeypatch.setattr(rank_resets, "_group_join", [])
+def test_a_provider_without_the_join_is_an_error_naming_it(monkeypatch):
     monkeypatch.setattr(rank_resets, "GROUP_JOIN_PROVIDER", "nbaccel.errors")
-    with pytest.raises(RuntimeError, match="'nbaccel.errors' registered none"):
+    with pytest.raises(RuntimeError, match="'nbaccel.errors' has no join_pool_group"):
         join_rank_group()

@@ -6,8 +6,8 @@ silence (the warm rank's lock, a pool's one-run-at-a-time lock) or fail deep ins
 refused up front instead, with a :class:`RunBusyError` naming the run and how to wait for or
 cancel it. CPU processes are not held: two CPU launches can run side by side.
 
-The check runs before every launch (:func:`refuse_claimed` is the first of
-:mod:`nbaccel.launch.registry`'s before-launch hooks, which a pool's start runs too) and before a
+The check runs before every launch (:func:`refuse_claimed` comes first in
+:func:`nbaccel.launch.registry.run_before_launch`, which a pool's start runs too) and before a
 pool's run (:func:`refuse_held`). The run's own thread is never refused by its own claim.
 """
 
@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from nbaccel.errors import EnvironmentStateError
-from nbaccel.launch.request import LaunchRequest
+from nbaccel.launch.base import LaunchRequest
 
 __all__ = ["ALL_GPUS", "WARM_RANK", "Claim", "RunBusyError", "cancel_holders", "claim", "claimed_by_this_thread",
            "needed_by", "pool_resource", "refuse_claimed", "refuse_held", "release"]

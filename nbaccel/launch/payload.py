@@ -7,7 +7,9 @@ defined in ``__main__`` or a notebook cell work under spawn. When something cann
 
 from __future__ import annotations
 
+import copy
 import pickle
+import sys
 import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -16,8 +18,8 @@ import cloudpickle
 
 from nbaccel.errors import LaunchError, PayloadPicklingError
 
-__all__ = ["dumps_by_reference_first", "dumps_payload", "dumps_result", "find_unpicklable", "load_result", "loads",
-           "to_cpu"]
+__all__ = ["cpu_copies", "dumps_by_reference_first", "dumps_payload", "dumps_result", "find_unpicklable", "load_result",
+           "loads", "to_cpu"]
 
 
 def to_cpu(value: Any) -> Any:
@@ -42,6 +44,42 @@ def to_cpu(value: Any) -> Any:
         return type(value)(*(to_cpu(v) for v in value))
     if isinstance(value, (list, tuple, set, frozenset)):
         return type(value)(to_cpu(v) for v in value)
+    return value
+
+
+def cpu_copies(value: Any) -> Any:
+    """``value`` with every module on an accelerator replaced by a CPU copy; the worker's own stays where it is.
+
+    A launch's worker is about to exit, so its results move modules to CPU in place
+    (:func:`to_cpu`); a warm rank (a pool's, a Ray actor's) keeps using them (``-o model`` must
+    not pull every later cell's ``model`` off its GPU). Copies are made tensor by tensor, straight
+    to CPU, so the accelerator never holds two copies.
+
+    Example:
+        >>> import torch
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> cpu_copies({"m": layer})["m"] is layer      # already on CPU: sent as it is
+        True
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return value
+    if isinstance(value, torch.nn.Module):
+        tensors = [*value.parameters(), *value.buffers()]
+        if all(t.device.type == "cpu" for t in tensors):
+            return value
+        memo: dict[int, Any] = {}
+        for tensor in tensors:
+            copy_ = tensor.detach().cpu()
+            memo[id(tensor)] = (torch.nn.Parameter(copy_, requires_grad=tensor.requires_grad)
+                                if isinstance(tensor, torch.nn.Parameter) else copy_)
+        return copy.deepcopy(value, memo)
+    if isinstance(value, dict):
+        return {k: cpu_copies(v) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a NamedTuple (a cell's CellResult)
+        return type(value)(*(cpu_copies(v) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(cpu_copies(v) for v in value)
     return value
 
 

@@ -23,9 +23,9 @@ from nbaccel.hardware import (
     tpu_detected,
 )
 
-__all__ = ["DeviceKind", "LaunchPlan", "plan_launch", "say", "settings_for"]
+__all__ = ["DeviceKind", "LaunchPlan", "plan_launch", "say", "settings_for", "wants_xla"]
 
-DeviceKind = Literal["cpu", "cuda", "xla"]
+DeviceKind = Literal["cpu", "cuda", "xla"]  # "xla": planned by the xla backend (xla/topology.py)
 _MAX_AUTO_CPU_WORKERS = 4
 # Descriptors the launching process holds per worker: three pipes (both ends while starting), a
 # pidfd, and the rendezvous store's connection; a few spare for the store and the caller.
@@ -61,11 +61,21 @@ class LaunchPlan:
     note: str | None
 
 
+def wants_xla(config: LaunchConfig) -> bool:
+    """Whether ``config`` runs on XLA devices (asked for, or a TPU here), which the xla backend plans."""
+    if config.use_cpu or config.distributed_type == "MULTI_CPU":
+        return False
+    return config.distributed_type == "XLA" or (config.distributed_type is None and tpu_detected())
+
+
 def _device_kind(config: LaunchConfig) -> tuple[DeviceKind, int]:
     if config.use_cpu or config.distributed_type == "MULTI_CPU":
         return "cpu", 0
-    if config.distributed_type == "XLA" or (config.distributed_type is None and tpu_detected()):
-        return "xla", 0
+    if wants_xla(config):
+        raise ConfigError("plan_launch plans this machine's CPU or CUDA processes, but this config runs on XLA "
+                          "devices, whose replicas the xla backend counts. Fix: build_request(...) plans it, or "
+                          "pass use_cpu=True.", key="distributed_type", value=config.distributed_type or "XLA",
+                          valid=("MULTI_CPU", "MULTI_GPU", "NO"))
     gpus = cuda_device_count()
     if config.distributed_type == "MULTI_GPU" and gpus == 0:
         raise ConfigError("distributed_type='MULTI_GPU' but no CUDA device is visible. Fix: set "
@@ -154,8 +164,6 @@ def plan_launch(config: LaunchConfig) -> LaunchPlan:
             n = usable
             notes.append(f"nbaccel: using {n} process{'es' if n > 1 else ''}, one per visible GPU. Pass "
                          "num_processes= to choose.")
-        elif kind == "xla":
-            n = 0  # replaced below by what the XLA runtime reports
         else:
             n = max(1, min(cpu_count(), _MAX_AUTO_CPU_WORKERS))
             notes.append(f"nbaccel: no GPU found; using {n} CPU processes (one per core, at most "
@@ -166,20 +174,11 @@ def plan_launch(config: LaunchConfig) -> LaunchPlan:
         raise ConfigError(f"num_processes={n} but only {usable} GPU(s) are usable. Fix: pass num_processes<="
                           f"{usable}, or use_cpu=True for CPU processes.", key="num_processes", value=n,
                           valid=f"1..{usable}")
-    if kind != "xla":
-        _check_capacity(n, kind)
+    _check_capacity(n, kind)
     if kind == "cpu" and n > cpu_count():  # allowed (tests, debugging), but the user should know why it is slow
         notes.append(f"nbaccel: {n} CPU processes on {cpu_count()} cores: they take turns, so each runs slower. "
                      f"Pass num_processes<={cpu_count()} for one per core.")
-    if kind == "xla":  # torch_xla.launch with fork, over 1 or every device the runtime reports
-        from nbaccel.launch.xla.topology import check_xla_launch
-
-        n, xla_note = check_xla_launch(config.num_processes, config.start_method)
-        if xla_note:
-            notes.append(xla_note)
-        method, reason = "fork", None
-    else:
-        method, reason = _start_method(config.start_method)
+    method, reason = _start_method(config.start_method)
     if reason:
         notes.append(reason)
     settings = settings_for(config, kind, n * config.num_machines)

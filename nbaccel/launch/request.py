@@ -13,86 +13,19 @@ and the CLI read the file; ``notebook_launcher`` starts from ``config=`` or the 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, get_args
 
 from nbaccel.config import LaunchConfig, RdzvBackend
 from nbaccel.errors import ConfigError
+from nbaccel.launch.base import LaunchRequest, Rendezvous
 from nbaccel.launch.events import LaunchObserver
-from nbaccel.launch.preflight import LaunchPlan, plan_launch
+from nbaccel.launch.preflight import plan_launch, wants_xla
+from nbaccel.launch.registry import backend_for
 
 __all__ = ["LaunchRequest", "Rendezvous", "build_request"]
 
 _DEFAULT_ADDR = "127.0.0.1"
-
-
-@dataclass(frozen=True)
-class Rendezvous:
-    """How the machines of a multi-machine launch meet (torch elastic's settings).
-
-    Attributes:
-        backend: ``"static"`` or ``"c10d"``.
-        endpoint: ``host:port`` of the rendezvous.
-        conf: extra rendezvous settings.
-        run_id: the job id shared by all machines.
-        max_restarts: restarts the elastic agent may make.
-        monitor_interval: seconds between the agent's checks.
-        log_line_prefix_template: the agent's output prefix (``None``: ``[rank${rank}]: ``).
-    """
-
-    backend: RdzvBackend
-    endpoint: str
-    conf: Mapping[str, Any] = field(default_factory=dict)
-    run_id: str = "none"
-    max_restarts: int = 0
-    monitor_interval: float = 0.1
-    log_line_prefix_template: str | None = None
-
-
-@dataclass(frozen=True)
-class LaunchRequest:
-    """One launch: what to run, where, and how to report; immutable once built.
-
-    Attributes:
-        function: what every worker runs.
-        args: its positional arguments.
-        kwargs: its keyword arguments.
-        config: the resolved settings (every layer applied).
-        plan: this machine's concrete choices (device kind, workers, start method, settings).
-        launcher: the name of the launcher module that runs it (``"local"``, ``"xla"``, ``"elastic"``).
-        hang_timeout: seconds of silence, after some ranks finished, before the rest are stopped.
-        output_ranks: the ranks whose output and displays are shown (``None``: every rank's
-            output, rank 0's displays).
-        return_all: return ``{rank: value}`` instead of rank 0's value.
-        observer: receives per-rank state and output events.
-        rendezvous: how machines meet (multi-machine launches only).
-        warm_imports: import what DDP needs in the caller before forking (``None``: guess from
-            the function; see :mod:`nbaccel.launch.warmup`).
-    """
-
-    function: Callable[..., Any]
-    args: tuple[Any, ...]
-    kwargs: Mapping[str, Any]
-    config: LaunchConfig
-    plan: LaunchPlan
-    launcher: str
-    hang_timeout: float | None = 120.0
-    output_ranks: frozenset[int] | None = None
-    return_all: bool = False
-    observer: LaunchObserver | None = None
-    rendezvous: Rendezvous | None = None
-    warm_imports: bool | None = None
-
-    @property
-    def num_processes(self) -> int:
-        """Workers on this machine."""
-        return self.plan.num_processes
-
-    def with_observer(self, observer: LaunchObserver | None) -> LaunchRequest:
-        """A copy reporting to ``observer``."""
-        return dataclasses.replace(self, observer=observer)
 
 
 def _port_number(use_port: int | str | None) -> int | None:
@@ -222,13 +155,11 @@ def build_request(
         rendezvous = _rendezvous(cfg, backend=rdzv_backend, endpoint=rdzv_endpoint, conf=rdzv_conf,
                                  run_id=rdzv_id, max_restarts=max_restarts, monitor_interval=monitor_interval,
                                  prefix=log_line_prefix_template)
-    if cfg.backend == "ray":  # the cluster, not this machine, says what the ranks run on
-        from nbaccel.launch.ray.plan import plan_ray_launch
-
-        plan = plan_ray_launch(cfg)
+    # Ray's cluster, or the XLA runtime, not this machine's preflight, says what the ranks run on.
+    place = "ray" if cfg.backend == "ray" else "xla" if wants_xla(cfg) else None
+    plan = backend_for(place).plan(cfg) if place is not None else plan_launch(cfg)
+    if place == "ray":
         launcher = launcher or "ray"
-    else:
-        plan = plan_launch(cfg)
     if launcher is None:
         launcher = "elastic" if rendezvous is not None else "xla" if plan.device_kind == "xla" else "local"
         if launcher == "local" and plan.num_processes == 1 and not fresh:

@@ -14,11 +14,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 
+from nbaccel.launch.base import LaunchRequest
 from nbaccel.launch.events import LaunchObserver, as_observer
 from nbaccel.launch.handles import WorkerHandle
 from nbaccel.launch.outcomes import RunResult
 from nbaccel.launch.output import OutputRelay
-from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.rich_output import CellPublisher
 from nbaccel.launch.supervisor import Supervisor, SupervisorPolicy
 

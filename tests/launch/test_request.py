@@ -94,18 +94,37 @@ def test_notebook_launcher_runs_a_request_built_from_its_arguments():
     assert notebook_launcher(_world, num_processes=2, config=LaunchConfig(num_processes=3)) == (2, "127.0.0.1")
 
 
-def test_the_builtin_table_names_every_launcher_module_and_only_those():
-    """Each row's module defines LAUNCHER under that name; no launcher module is missing from the table."""
+def test_the_builtin_table_names_every_backend_module_and_only_those():
+    """Each row's module defines BACKEND under that name; no backend module is missing from the table."""
     import importlib.util
     from pathlib import Path
 
     import nbaccel.launch
-    from nbaccel.launch.registry import BUILTIN_LAUNCHERS
+    from nbaccel.launch.registry import BACKENDS
 
-    for name, module in BUILTIN_LAUNCHERS.items():
+    for name, module in BACKENDS.items():
         assert importlib.util.find_spec(module) is not None
     here = Path(nbaccel.launch.__file__).parent
     defining = {"nbaccel.launch." + ".".join(path.relative_to(here).with_suffix("").parts)
-                for path in here.rglob("*.py") if "\nLAUNCHER = " in path.read_text()}
-    assert defining == set(BUILTIN_LAUNCHERS.values())
+                for path in here.rglob("*.py") if "\nBACKEND = " in path.read_text()}
+    assert defining == set(BACKENDS.values())
     assert launcher_for("local").name == "local"
+
+
+def test_plan_launch_refuses_an_xla_config_which_the_xla_backend_plans():
+    from nbaccel.launch.preflight import plan_launch
+
+    with pytest.raises(ConfigError, match="xla backend") as caught:
+        plan_launch(LaunchConfig(distributed_type="XLA"))
+    assert caught.value.key == "distributed_type"
+
+
+def test_a_pool_on_a_backend_that_keeps_no_ranks_warm_is_refused(monkeypatch):
+    from nbaccel.launch import registry
+    from nbaccel.launch.backend import Backend
+    from nbaccel.launch.pool import WorkerPool
+
+    monkeypatch.setitem(registry._registered, "local", Backend(_InProcess()))  # a launcher that took the name
+    with pytest.raises(ConfigError, match="keeps no ranks warm") as caught:
+        WorkerPool(num_processes=1, use_cpu=True)
+    assert caught.value.value == "local"

@@ -29,12 +29,13 @@ from nbaccel.environment import (
     worker_environment,
 )
 from nbaccel.identity import WorkerIdentity, set_identity
+from nbaccel.launch.backend import Backend
 from nbaccel.launch.failures import ProcessExit, RankError, WorkerFailure, raise_failures, rank_failure
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.worker.process import describe_error
 from nbaccel.rank_resets import reset_rank_state
 
-__all__ = ["LAUNCHER", "ElasticLauncher"]
+__all__ = ["BACKEND", "LAUNCHER", "ElasticLauncher"]
 
 _HANDLED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 _REPORT_KEY = "nbaccel"
@@ -138,3 +139,4 @@ class ElasticLauncher:
 
 
 LAUNCHER = ElasticLauncher()
+BACKEND = Backend(LAUNCHER)

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from nbaccel.environment import DistributedEnv, worker_environment
+from nbaccel.launch.backend import Backend, PoolRanks
 from nbaccel.launch.handles import discard_workers
-from nbaccel.launch.local.starter import SpawnFiles, start_forked, start_spawned
+from nbaccel.launch.local.starter import SpawnFiles, local_environments, start_forked, start_spawned
 from nbaccel.launch.payload import dumps_payload
 from nbaccel.launch.reaper import group_reaper
 from nbaccel.launch.rendezvous import LoopbackStore
@@ -22,7 +22,7 @@ from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.supervised_run import Lifetime, SupervisedRun
 from nbaccel.launch.warmup import finish_warmup, prepare_to_fork
 
-__all__ = ["LAUNCHER", "LocalLauncher", "local_environments"]
+__all__ = ["BACKEND", "LAUNCHER", "LocalLauncher", "local_environments"]
 
 
 class LocalLauncher:
@@ -73,16 +73,12 @@ class LocalLauncher:
                 files.remove()
 
 
-def local_environments(request: LaunchRequest, store: LoopbackStore | None) -> list[dict[str, str]]:
-    """Each rank's environment for workers on this machine meeting at ``store`` on loopback."""
-    plan, n = request.plan, request.num_processes
-    envs = []
-    for rank in range(n):
-        dist = DistributedEnv(rank=rank, local_rank=rank, world_size=n, local_world_size=n, node_rank=0,
-                              master_addr="127.0.0.1", master_port=store.port if store else 0) if n > 1 else None
-        envs.append(worker_environment(plan.settings, dist, agent_store=store is not None, loopback_only=True,
-                                       threads=plan.threads, visible_gpus=plan.visible_gpus))
-    return envs
+def _start_pool(request: LaunchRequest, start_timeout: float) -> PoolRanks:
+    """A ``WorkerPool``'s ranks on this machine (imported here: a one-shot launch never loads the pool's modules)."""
+    from nbaccel.launch.pool.local_ranks import LocalPoolRanks
+
+    return LocalPoolRanks.start(request, start_timeout)
 
 
 LAUNCHER = LocalLauncher()
+BACKEND = Backend(LAUNCHER, start_pool=_start_pool)

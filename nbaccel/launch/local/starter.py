@@ -20,12 +20,14 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from nbaccel.environment import child_base_environment
+from nbaccel.environment import DistributedEnv, child_base_environment, worker_environment
+from nbaccel.launch.base import LaunchRequest
 from nbaccel.launch.handles import WorkerHandle, discard_workers
 from nbaccel.launch.payload import dumps_payload
+from nbaccel.launch.rendezvous import LoopbackStore
 from nbaccel.launch.worker.process import WorkerSpec, run_worker
 
-__all__ = ["SpawnFiles", "start_forked", "start_spawned"]
+__all__ = ["SpawnFiles", "local_environments", "start_forked", "start_spawned"]
 
 
 # A spawned worker leads its own process group, as a forked one does (``process_group`` is 3.11+).
@@ -168,3 +170,15 @@ def start_spawned(function: Callable[..., Any], args: Sequence[Any], kwargs: Map
         for _, write_end in trio:
             os.close(write_end)
     return handles
+
+
+def local_environments(request: LaunchRequest, store: LoopbackStore | None) -> list[dict[str, str]]:
+    """Each rank's environment for workers on this machine meeting at ``store`` on loopback."""
+    plan, n = request.plan, request.num_processes
+    envs = []
+    for rank in range(n):
+        dist = DistributedEnv(rank=rank, local_rank=rank, world_size=n, local_world_size=n, node_rank=0,
+                              master_addr="127.0.0.1", master_port=store.port if store else 0) if n > 1 else None
+        envs.append(worker_environment(plan.settings, dist, agent_store=store is not None, loopback_only=True,
+                                       threads=plan.threads, visible_gpus=plan.visible_gpus))
+    return envs

@@ -21,11 +21,9 @@ worker exits when its socket reaches EOF (its owner is gone), and dies with its 
 
 from __future__ import annotations
 
-import copy
 import os
 import signal
 import socket
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -33,9 +31,11 @@ import cloudpickle
 
 from nbaccel.identity import current_identity
 from nbaccel.launch.frames import FrameReader, write_frame
+from nbaccel.launch.payload import cpu_copies
 from nbaccel.launch.worker.process import run_body
+from nbaccel.rank_resets import join_rank_group
 
-__all__ = ["cpu_copies", "serve", "worker_namespace"]
+__all__ = ["serve", "worker_namespace"]
 
 _namespace: dict[str, Any] = {"__name__": "__main__"}
 # A task is armed from when it is loaded until its worker body returns, and cancellable while its
@@ -68,42 +68,6 @@ def _on_sigint(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt("interrupted by the pool's owner")
     if _armed:
         _pending = True
-
-
-def cpu_copies(value: Any) -> Any:
-    """``value`` with every module on an accelerator replaced by a CPU copy; the worker's own stays where it is.
-
-    A launch's worker is about to exit, so its results move modules to CPU in place
-    (:func:`~nbaccel.launch.payload.to_cpu`); a pool's worker keeps using them (``-o model`` must
-    not pull every later cell's ``model`` off its GPU). Copies are made tensor by tensor, straight
-    to CPU, so the accelerator never holds two copies.
-
-    Example:
-        >>> import torch
-        >>> layer = torch.nn.Linear(2, 2)
-        >>> cpu_copies({"m": layer})["m"] is layer      # already on CPU: sent as it is
-        True
-    """
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return value
-    if isinstance(value, torch.nn.Module):
-        tensors = [*value.parameters(), *value.buffers()]
-        if all(t.device.type == "cpu" for t in tensors):
-            return value
-        memo: dict[int, Any] = {}
-        for tensor in tensors:
-            copy_ = tensor.detach().cpu()
-            memo[id(tensor)] = (torch.nn.Parameter(copy_, requires_grad=tensor.requires_grad)
-                                if isinstance(tensor, torch.nn.Parameter) else copy_)
-        return copy.deepcopy(value, memo)
-    if isinstance(value, dict):
-        return {k: cpu_copies(v) for k, v in value.items()}
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a NamedTuple (a cell's CellResult)
-        return type(value)(*(cpu_copies(v) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(cpu_copies(v) for v in value)
-    return value
 
 
 def _cancellable_call(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -146,13 +110,6 @@ def _load_task(payload: bytes) -> tuple[Callable[..., Any], tuple, dict]:
     return _cancellable_call(function), args, kwargs
 
 
-def _join_group() -> str:
-    """Join the process group now (once for the pool's life); returns this worker's device."""
-    from nbaccel.rank_resets import join_rank_group
-
-    return join_rank_group()  # the process state's join (with CPU collectives: the group outlives any one task)
-
-
 def serve(socket_path: str) -> None:
     """Be this worker's rank of the pool listening at ``socket_path`` until the pool closes.
 
@@ -165,7 +122,7 @@ def serve(socket_path: str) -> None:
     fd = sock.fileno()
     identity = current_identity()
     write_frame(fd, "hello", identity.rank if identity is not None else 0)
-    device = _join_group()
+    device = join_rank_group()  # the process state's join (with CPU collectives: the group outlives any task)
     write_frame(fd, "ready", {"pid": os.getpid(), "device": device})
     reader, pending = FrameReader(), []
     rank = identity.rank if identity is not None else 0

@@ -38,20 +38,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbaccel.errors import PayloadPicklingError
+from nbaccel.launch.backend import Backend
 from nbaccel.launch.claims import WARM_RANK, cancel_holders
 from nbaccel.launch.local.launcher import LAUNCHER as LOCAL_LAUNCHER
-from nbaccel.launch.local.launcher import local_environments
+from nbaccel.launch.local.starter import local_environments
 from nbaccel.launch.payload import dumps_payload
 from nbaccel.launch.pool.fresh_task import FreshResult, run_fresh, snapshot_caller
 from nbaccel.launch.pool.local_ranks import LocalPoolRanks
 from nbaccel.launch.pool.user_modules import changed_since, user_module_files
-from nbaccel.launch.registry import before_each_launch
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.supervised_run import Lifetime, SupervisedRun
 from nbaccel.launch.warmup import prepare_to_fork
 
-__all__ = ["IDLE_CLOSE_SECONDS", "LAUNCHER", "WarmLauncher", "WarmRankInfo", "close_warm_rank", "release_warm_devices",
-           "warm_rank_info"]
+__all__ = ["BACKEND", "IDLE_CLOSE_SECONDS", "LAUNCHER", "WarmLauncher", "WarmRankInfo", "close_warm_rank",
+           "release_warm_devices", "warm_rank_info"]
 
 IDLE_CLOSE_SECONDS = 300.0
 """A warm rank unused this long is closed (its memory, and its GPU context, go back)."""
@@ -239,5 +239,5 @@ def _modules_changed(warm: _WarmRank) -> bool:
             or changed_since(warm.rank_files.items()))
 
 
-before_each_launch(release_warm_devices)
 LAUNCHER = WarmLauncher()
+BACKEND = Backend(LAUNCHER, before_launch=release_warm_devices)  # every launch asks, once this is loaded

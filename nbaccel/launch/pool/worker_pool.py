@@ -29,21 +29,21 @@ workers started and removes the pool's folder when the owner is killed.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import os
 import threading
 import weakref
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from nbaccel.config import LaunchBackend, LaunchConfig, StartMethod
 from nbaccel.environment import MixedPrecision
 from nbaccel.errors import ConfigError, LaunchTimeoutError, WorkerPoolError
+from nbaccel.launch.backend import PoolRanks
 from nbaccel.launch.claims import cancel_holders, pool_resource, refuse_held
 from nbaccel.launch.events import LaunchObserver
 from nbaccel.launch.preflight import say
-from nbaccel.launch.registry import run_before_launch
+from nbaccel.launch.registry import backend_for, run_before_launch
 from nbaccel.launch.request import LaunchRequest, build_request
 from nbaccel.launch.supervised_run import Lifetime, SupervisedRun
 
@@ -69,28 +69,19 @@ class WorkerInfo:
     memory_bytes: int | None
 
 
-class PoolRanks(Protocol):
-    """What a pool holds on each backend: live ranks that run task after task."""
-
-    lost: str | None
-
-    def dead(self) -> str | None: ...
-    def workers(self) -> list[tuple[int, int, bool, str, int | None]]: ...
-    def run(self, function: Callable[..., Any], args: Any, kwargs: Mapping[str, Any], *, run: SupervisedRun,
-            result_ranks: Collection[int] | None) -> dict[int, Any]: ...
-    def shutdown(self) -> None: ...
-
-
-POOL_BACKENDS: dict[str, str] = {
-    "local": "nbaccel.launch.pool.local_ranks:LocalPoolRanks",  # this machine's processes
-    "ray": "nbaccel.launch.ray.pool:RayPoolRanks",  # Ray actors in a placement group
-}
-"""Backend name -> the class (``module:name``) whose ``start(request, start_timeout)`` starts a pool's ranks."""
-
-
 def _start_ranks(request: LaunchRequest, start_timeout: float) -> PoolRanks:
-    module, name = POOL_BACKENDS[request.config.backend].split(":")
-    return getattr(importlib.import_module(module), name).start(request, start_timeout)
+    """The pool's ranks, started by its backend.
+
+    Raises:
+        ConfigError: the backend keeps no ranks warm (a registered launcher took the backend's name).
+    """
+    name = request.config.backend
+    start = backend_for(name).start_pool
+    if start is None:
+        raise ConfigError(f"backend {name!r} keeps no ranks warm, so a WorkerPool cannot start on it. Fix: pass "
+                          "backend='local' or 'ray' with nbaccel's own launchers.", key="backend", value=name,
+                          valid=("local", "ray"))
+    return start(request, start_timeout)
 
 
 def _shutdown_if_owner(ranks: PoolRanks, owner: int) -> None:

@@ -32,6 +32,7 @@ import cloudpickle
 from nbaccel.environment import apply_environment, read_distributed_env
 from nbaccel.host_memory import resident_bytes
 from nbaccel.identity import WorkerIdentity
+from nbaccel.launch.payload import cpu_copies
 from nbaccel.launch.worker.console_tqdm import use_console_tqdm
 from nbaccel.launch.worker.display import (
     forward_displays,
@@ -214,11 +215,7 @@ class RankActor:
                 result = function(*args, **kwargs)
             finally:
                 self._cancellable = False
-            if cpu_results:
-                from nbaccel.launch.pool.serve import cpu_copies
-
-                result = cpu_copies(result)
-            return result
+            return cpu_copies(result) if cpu_results else result
         return task
 
     def drain(self, run_id: int, wait: float) -> tuple[bytes, bytes, bytes, bool]:

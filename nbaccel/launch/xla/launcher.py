@@ -61,12 +61,14 @@ from nbaccel.environment import (
     worker_environment,
 )
 from nbaccel.identity import WorkerIdentity, current_identity
+from nbaccel.launch.backend import Backend
 from nbaccel.launch.failures import ProcessExit
 from nbaccel.launch.handles import WorkerHandle
 from nbaccel.launch.output import Stream
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.supervised_run import Lifetime, SupervisedRun
 from nbaccel.launch.warmup import finish_warmup
+from nbaccel.launch.xla.topology import plan_xla_launch
 from nbaccel.launch.worker.process import (
     WorkerSpec,
     die_with_parent,
@@ -74,7 +76,7 @@ from nbaccel.launch.worker.process import (
     run_worker,
 )
 
-__all__ = ["HOST_RANK", "LAUNCHER", "XlaLauncher", "current_replica"]
+__all__ = ["BACKEND", "HOST_RANK", "LAUNCHER", "XlaLauncher", "current_replica"]
 
 HOST_RANK = -1
 """The pseudo-rank of the torch_xla host process in output labels and failure reports."""
@@ -375,3 +377,4 @@ def _group_members(pgid: int) -> list[int]:
 
 
 LAUNCHER = XlaLauncher()
+BACKEND = Backend(LAUNCHER, plan=plan_xla_launch)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Mapping
 
+from nbaccel.config import LaunchConfig
 from nbaccel.errors import (
     ConfigError,
     EnvironmentStateError,
@@ -25,8 +26,9 @@ from nbaccel.hardware import (
     xla_installed,
     xla_runtime_initialized,
 )
+from nbaccel.launch.preflight import LaunchPlan, settings_for
 
-__all__ = ["check_xla_launch", "probe_replica_count", "xla_replica_count"]
+__all__ = ["check_xla_launch", "plan_xla_launch", "probe_replica_count", "xla_replica_count"]
 
 _CORES_PER_CHIP = {"0x0027": 2}  # TPU v2/v3 chips hold two XLA devices; later chips one
 _PROBE = ("import torch_xla.runtime as xr, torch_xla.core.xla_model as xm; "
@@ -175,3 +177,21 @@ def _check_tpu_visible(env: Mapping[str, str], root: str) -> None:
         "Colab or Kaggle choose a TPU runtime (Colab's old 'TPU (XRT)' runtimes are not supported by "
         "torch_xla 2.x); to use torch_xla's CPU runtime on purpose set PJRT_DEVICE=CPU; to train on this "
         "machine's CPUs pass use_cpu=True (NBACCEL_TPU=0 turns TPU detection off).")
+
+
+def plan_xla_launch(config: LaunchConfig) -> LaunchPlan:
+    """The xla backend's plan: ``torch_xla.launch`` with fork, over 1 or every device the runtime reports.
+
+    Raises:
+        ConfigError: ``mixed_precision="fp8"`` (XLA has none), or :func:`check_xla_launch`'s.
+        MissingDependencyError: torch_xla is not installed.
+        EnvironmentStateError: see :func:`check_xla_launch`.
+    """
+    if config.mixed_precision == "fp8":  # refused here, not by each replica's Accelerator()
+        from nbaccel.fp8_support import check_fp8_launch
+
+        check_fp8_launch("xla", None)
+    n, note = check_xla_launch(config.num_processes, config.start_method)
+    return LaunchPlan(num_processes=n, device_kind="xla", start_method="fork", start_reason=None,
+                      settings=settings_for(config, "xla", n * config.num_machines), visible_gpus=None, threads=1,
+                      note=note)
