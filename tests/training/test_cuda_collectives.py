@@ -150,7 +150,7 @@ def test_a_pools_group_takes_a_later_fsdp_cpu_offload_accelerator(cuda_worker, m
 
     calls, _ = cuda_worker
     # the pool's rank joins its group when it starts, before any task says what it will train
-    device = pool_worker._join_group() if join == "pool" else ray_actor.RankActor.join_group(None)
+    device = pool_worker.join_rank_group() if join == "pool" else ray_actor.RankActor.join_group(None)
     assert device == "cuda:0" and len(calls) == 1
     monkeypatch.setattr(ops, "group_device_types", lambda: _carries(calls[0]["backend"]))
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
