@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["CgroupMemory", "available_memory", "cgroup_memory", "open_descriptors", "resident_bytes"]
+__all__ = ["CgroupMemory", "available_memory", "cgroup_memory", "group_members", "open_descriptors", "resident_bytes"]
 
 UNLIMITED = 2**60  # v1 writes "no limit" as PAGE_COUNTER_MAX pages (about 2**63 bytes)
 _FILES = {  # layout -> (limit, usage, the inactive page-cache key in memory.stat)
@@ -200,3 +200,17 @@ def open_descriptors() -> int | None:
         return psutil.Process().num_fds()
     except (psutil.Error, AttributeError):  # AttributeError: no num_fds (Windows)
         return None
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group ``pgid``."""
+    import psutil
+
+    members = []
+    for proc in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.info["status"] not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                members.append(proc.pid)
+        except OSError:  # exited since it was listed
+            continue
+    return members

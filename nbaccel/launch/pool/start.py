@@ -31,8 +31,7 @@ from nbaccel.errors import LaunchError
 from nbaccel.launch.failures import RankError, WorkerFailure, raise_failures, rank_failure
 from nbaccel.launch.frames import FrameReader
 from nbaccel.launch.handles import REAP_TIMEOUT, WorkerHandle, wait_reaped
-from nbaccel.launch.local.starter import local_environments
-from nbaccel.launch.local.starter import SpawnFiles, start_forked, start_spawned
+from nbaccel.launch.local.starter import SpawnFiles, local_environments, start_forked, start_spawned
 from nbaccel.launch.owner_thread import on_owner_thread
 from nbaccel.launch.pool.channels import PoolChannels, PoolMember
 from nbaccel.launch.pool.serve import serve

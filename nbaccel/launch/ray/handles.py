@@ -75,12 +75,15 @@ class RayRankHandle(WorkerHandle):
     def finish(self, code: int | None, died: str | None = None) -> None:
         """The run ended (``code``) or the actor died (``died``): EOF on every pipe, and wake the supervisor."""
         self.code, self.died, self.died_at = code, died, time.time()
-        for name in ("ctl_w", "out_w", "err_w", "exit_w"):
+        self._close(("ctl_w", "out_w", "err_w", "exit_w"))
+        self.outcome.set()
+
+    def _close(self, names: Sequence[str]) -> None:
+        for name in names:
             fd = getattr(self, name)
             if fd >= 0:
                 os.close(fd)
                 setattr(self, name, -1)
-        self.outcome.set()
 
     # ------------------------------------------------------------------ what the supervisor calls
     def open_exit_fd(self) -> int | None:
@@ -130,14 +133,7 @@ class RayRankHandle(WorkerHandle):
 
     def close_writers(self) -> None:
         """Close the pump's ends of the pipes, if the run was abandoned before it ended."""
-        for name in ("ctl_w", "out_w", "err_w", "exit_w"):
-            fd = getattr(self, name)
-            if fd >= 0:
-                os.close(fd)
-                setattr(self, name, -1)
-        if self.exit_r >= 0:
-            os.close(self.exit_r)
-            self.exit_r = -1
+        self._close(("ctl_w", "out_w", "err_w", "exit_w", "exit_r"))
 
 
 class RunPump:

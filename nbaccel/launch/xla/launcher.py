@@ -60,6 +60,7 @@ from nbaccel.environment import (
     apply_environment,
     worker_environment,
 )
+from nbaccel.host_memory import group_members
 from nbaccel.identity import WorkerIdentity, current_identity
 from nbaccel.launch.backend import Backend
 from nbaccel.launch.failures import ProcessExit
@@ -356,24 +357,8 @@ def _kill_group(pgid: int, wait: float = 10.0) -> None:
     except (ProcessLookupError, PermissionError):
         return
     deadline = time.monotonic() + wait
-    while _group_members(pgid) and time.monotonic() < deadline:
+    while group_members(pgid) and time.monotonic() < deadline:
         time.sleep(0.01)
-
-
-def _group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes of process group ``pgid``, read from ``/proc``."""
-    members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            members.append(int(entry))
-    return members
 
 
 LAUNCHER = XlaLauncher()
