@@ -1,19 +1,12 @@
 """Starting a warm pool's workers and tearing them down: the pool's processes, sockets and store.
 
-::
-
-    LaunchRequest ─► start_pool
-                       ├─ private Unix socket (a 0700 folder), one connection per rank
-                       ├─ loopback rendezvous store (several workers), kept for the pool's life
-                       ├─ start_forked / start_spawned ──► worker × N running pool_worker.serve
-                       └─ wait for every rank's "ready" (it joined the process group), or the first failure
-
-:meth:`PoolProcesses.shutdown` ends them: each worker's process group (the worker and whatever it
-started) is killed. Nothing is left running, bound or on disk. If the owner dies first (an OOM-killed
-kernel), the group reaper (:mod:`nbaccel.launch.reaper`), told of every worker's group and of the
-pool's folder, kills the groups and removes the folder. The workers are started from a thread that
-lives as long as the process (:mod:`nbaccel.launch.owner_thread`), so a pool made in a short-lived
-thread keeps its workers when that thread ends.
+:func:`start_pool` makes a private Unix socket (in a 0700 folder) that each rank connects to, a
+loopback rendezvous store (several workers) kept for the pool's life, forks or spawns the workers
+(running :func:`~nbaccel.launch.pool.serve.serve`) from the owner thread
+(:mod:`nbaccel.launch.owner_thread`), and waits for every rank's ``ready`` or the first failure.
+:meth:`PoolProcesses.shutdown` kills each worker's process group; nothing is left running, bound
+or on disk. If the owner dies first, the group reaper (:mod:`nbaccel.launch.reaper`) kills the
+groups and removes the folder.
 """
 
 from __future__ import annotations

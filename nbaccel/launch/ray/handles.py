@@ -1,11 +1,9 @@
 """Ranks on Ray seen as local workers: the supervisor's handles, fed by a pump thread.
 
-The supervisor (:mod:`nbaccel.launch.supervisor`) reads each worker's control, stdout and stderr
-pipes and polls and signals its process. For a rank that is a Ray actor, :class:`RayRankHandle`
-holds the read ends of three local pipes, and :class:`RunPump` (one thread per run) writes into
-them what each actor's :meth:`~nbaccel.launch.ray.actor.RankActor.drain` returns. So output
-labels, the status panel, displays, ``accelerator.log`` records, results, the root-cause failure,
-the timeout and the hang watchdog are the local launch's own code. Signals become Ray calls:
+For a rank that is a Ray actor, :class:`RayRankHandle` holds the read ends of three local pipes,
+and :class:`RunPump` (one thread per run) writes into them what each actor's
+:meth:`~nbaccel.launch.ray.actor.RankActor.drain` returns, so the supervisor reads a Ray rank as
+it reads a local one. Signals become Ray calls:
 
 =========================  ==========================================================
 ``SIGINT``, ``SIGTERM``    ``KeyboardInterrupt`` in the rank's function (it may stop)
