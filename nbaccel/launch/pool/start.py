@@ -159,11 +159,6 @@ def start_pool(request: LaunchRequest, start_timeout: float = 300.0) -> PoolProc
             files.remove()  # every worker read its spec and payload before it said hello (or it is gone)
 
 
-def _start_failure(processes: PoolProcesses, failures: list[WorkerFailure]) -> None:
-    processes.kill()
-    raise_failures(failures, len(processes.members))
-
-
 def _check_deadline(processes: PoolProcesses, deadline: float, start_timeout: float) -> None:
     if time.monotonic() > deadline:
         late = [m.rank for m in processes.members if not m.ready]
@@ -211,7 +206,8 @@ def _check_starting(processes: PoolProcesses, wait: float) -> None:
         if failure is not None:
             failures.append(failure)
     if failures:
-        _start_failure(processes, failures)
+        processes.kill()
+        raise_failures(failures, len(processes.members))
 
 
 def _on_start_event(processes: PoolProcesses, member: PoolMember, kind: str, body: object) -> WorkerFailure | None:
