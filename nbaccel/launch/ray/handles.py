@@ -179,10 +179,7 @@ class RunPump:
 
         try:
             code = ray.get(ref)
-        except ray.exceptions.RayError as exc:
-            handle.finish(None, _death_reason(exc))
-            return
-        try:  # the run returned only after its capture reached EOF: this is the rest of it
+            # the run returned only after its capture reached EOF: this is the rest of it
             handle.deliver(*ray.get(handle.actor.drain.remote(self._run_id, 0.0))[:3])
         except ray.exceptions.RayError as exc:
             handle.finish(None, _death_reason(exc))
