@@ -3,8 +3,9 @@
 psutil (which Accelerate depends on too) answers what the kernel says: free memory
 (``MemAvailable``), a process's resident memory, its open descriptors, a process group's live
 members. nbaccel asks them here and nowhere else. What psutil leaves out is the container: in
-Docker, Kubernetes, Colab or Kaggle the machine's free memory is not this process's: its memory cgroup has a limit, and going past it
-gets the process OOM-killed, however much ``/proc/meminfo`` says is free. Both cgroup layouts are
+Docker, Kubernetes, Colab or Kaggle the machine's free memory is not this process's: its memory
+cgroup has a limit, and going past it gets the process OOM-killed, however much
+``/proc/meminfo`` says is free. Both cgroup layouts are
 read, from the files the kernel exposes:
 
 - v2 (one hierarchy, ``cgroup2`` in ``mountinfo``, ``0::/path`` in ``/proc/self/cgroup``):
