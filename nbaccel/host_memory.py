@@ -5,8 +5,7 @@ psutil (which Accelerate depends on too) answers what the kernel says: free memo
 members. nbaccel asks them here and nowhere else. What psutil leaves out is the container: in
 Docker, Kubernetes, Colab or Kaggle the machine's free memory is not this process's: its memory
 cgroup has a limit, and going past it gets the process OOM-killed, however much
-``/proc/meminfo`` says is free. Both cgroup layouts are
-read, from the files the kernel exposes:
+``/proc/meminfo`` says is free. Both cgroup layouts are read, from the files the kernel exposes:
 
 - v2 (one hierarchy, ``cgroup2`` in ``mountinfo``, ``0::/path`` in ``/proc/self/cgroup``):
   ``memory.max`` (``max`` means none), ``memory.current``, ``inactive_file`` in ``memory.stat``;
