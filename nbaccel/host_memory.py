@@ -1,11 +1,11 @@
 """This host's memory and process facts: psutil's answers, capped by the memory cgroup that psutil does not read.
 
 psutil (which Accelerate depends on too) answers what the kernel says: free memory
-(``MemAvailable``), a process's resident memory, its open descriptors. nbaccel asks them here
-and nowhere else. What psutil leaves out is the container: in Docker, Kubernetes, Colab or Kaggle
-the machine's free memory is not this process's: its memory cgroup has a limit, and going past it
-gets the process OOM-killed, however much ``/proc/meminfo`` says is free. Both cgroup layouts are
-read, from the files the kernel exposes:
+(``MemAvailable``), a process's resident memory, its open descriptors, a process group's live
+members. nbaccel asks them here and nowhere else. What psutil leaves out is the container: in
+Docker, Kubernetes, Colab or Kaggle the machine's free memory is not this process's: its memory
+cgroup has a limit, and going past it gets the process OOM-killed, however much
+``/proc/meminfo`` says is free. Both cgroup layouts are read, from the files the kernel exposes:
 
 - v2 (one hierarchy, ``cgroup2`` in ``mountinfo``, ``0::/path`` in ``/proc/self/cgroup``):
   ``memory.max`` (``max`` means none), ``memory.current``, ``inactive_file`` in ``memory.stat``;
@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["CgroupMemory", "available_memory", "cgroup_memory", "open_descriptors", "resident_bytes"]
+__all__ = ["CgroupMemory", "available_memory", "cgroup_memory", "group_members", "open_descriptors", "resident_bytes"]
 
 UNLIMITED = 2**60  # v1 writes "no limit" as PAGE_COUNTER_MAX pages (about 2**63 bytes)
 _FILES = {  # layout -> (limit, usage, the inactive page-cache key in memory.stat)
@@ -200,3 +200,17 @@ def open_descriptors() -> int | None:
         return psutil.Process().num_fds()
     except (psutil.Error, AttributeError):  # AttributeError: no num_fds (Windows)
         return None
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group ``pgid``."""
+    import psutil
+
+    members = []
+    for proc in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.info["status"] not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                members.append(proc.pid)
+        except OSError:  # exited since it was listed
+            continue
+    return members

@@ -5,9 +5,6 @@ A launcher takes a resolved :class:`LaunchRequest` (built by
 ``{rank: result}`` for the ranks it ran, or raises the :class:`~nbaccel.errors.WorkerFailedError`
 family (:mod:`nbaccel.launch.failures`), :class:`~nbaccel.errors.LaunchTimeoutError`, or the
 caller's ``KeyboardInterrupt`` once every worker is stopped. Nothing it started outlives the call.
-A :class:`~nbaccel.launch.backend.Backend` is its launcher plus the steps only some backends have;
-each backend module defines ``BACKEND``, found by name in :mod:`nbaccel.launch.registry` (Lightning
-Fabric's small ``_Launcher`` per backend; Ray Train's ``Backend`` chosen by configuration).
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """What background runs hold (GPUs, the warm one-process rank, a warm pool), and refusing launches that need it.
 
-A background run (:mod:`nbaccel.runs`) keeps the devices it uses until it ends, while the kernel
-runs other cells. A second launch or pool that needs one of them would otherwise wait for it in
-silence (the warm rank's lock, a pool's one-run-at-a-time lock) or fail deep inside CUDA; it is
-refused up front instead, with a :class:`RunBusyError` naming the run and how to wait for or
-cancel it. CPU processes are not held: two CPU launches can run side by side.
-
-The check runs before every launch (:func:`refuse_claimed` comes first in
-:func:`nbaccel.launch.registry.run_before_launch`, which a pool's start runs too) and before a
-pool's run (:func:`refuse_held`). The run's own thread is never refused by its own claim.
+A background run (:mod:`nbaccel.runs`) keeps the devices it uses until it ends. A second launch or
+pool that needs one of them is refused up front with a :class:`RunBusyError` naming the run and
+how to wait for or cancel it, rather than waiting in silence or failing inside CUDA. CPU processes
+are not held. The check runs before every launch (:func:`refuse_claimed`, first in
+:func:`nbaccel.launch.registry.run_before_launch`) and before a pool's run (:func:`refuse_held`);
+a run's own thread is never refused by its own claim.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The observer base class: how a status panel follows a launch without slowing it down.
 
-Like Accelerate's ``ModelHook``, :class:`LaunchObserver` has a no-op method for every event, so
-the supervisor calls each one directly and an observer overrides only what it wants. An object
-that does not subclass it (any object with some of its methods) is wrapped once by
-:func:`as_observer`.
+Like Accelerate's ``ModelHook``, :class:`LaunchObserver` has a no-op method for every event; an
+object that does not subclass it is wrapped once by :func:`as_observer`.
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """Worker failures as data, and how they are raised in the caller, root cause first.
 
-The earliest failure is the root cause. Every launcher (one machine or several, processes or
-XLA replicas) reports failures as :class:`WorkerFailure` records and raises them here, so a
+Every launcher reports failures as :class:`WorkerFailure` records and raises them here, so a
 failed launch has one shape everywhere: an exception of the
 :class:`~nbaccel.errors.WorkerFailedError` family carrying every rank's failure on ``failures``,
-root cause first. A worker that raised an ``Exception`` is re-raised as its own type joined with
-``WorkerFailedError`` (so ``except KeyError`` still works), with its message; the remote
-traceback is chained as ``__cause__`` (:mod:`nbaccel.launch.rank_exceptions`). Failures that
-cannot be re-raised that way (``os._exit``, a signal, an exception that cannot be rebuilt, a
-rank's own ``SystemExit`` or ``KeyboardInterrupt``) raise :class:`~nbaccel.errors.ProcessExitedError`
-/ :class:`~nbaccel.errors.WorkerFailedError`, saying why. A report quotes a huge message or
-traceback cut in the middle, with its full size; the exception itself keeps it whole.
+root cause (the earliest) first. A worker's ``Exception`` is re-raised as its own type joined with
+``WorkerFailedError``, the remote traceback chained as ``__cause__``
+(:mod:`nbaccel.launch.rank_exceptions`); other ends (``os._exit``, a signal, an exception that
+cannot be rebuilt) raise :class:`~nbaccel.errors.ProcessExitedError` or ``WorkerFailedError``,
+saying why. A report cuts a huge message or traceback in the middle; the exception keeps it whole.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Length-prefixed message frames on the pipe between a worker and its supervisor.
 
-A ``display`` or ``clear_output`` frame also leaves :data:`DISPLAY_MARK` in the rank's stdout,
-written just after the frame, so the supervisor publishes the display exactly between the lines
-the rank printed before it and those it printed after.
+A ``display`` or ``clear_output`` frame also leaves :data:`DISPLAY_MARK` in the rank's stdout just
+after it, so the supervisor publishes the display between the lines printed before and after it.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """`WorkerHandle`: the supervisor's view of one rank for one run: how it is read, polled and signalled.
 
-A handle's run ends when :meth:`WorkerHandle.poll` says so. For a process started for this run
-(the one-shot lifetime) that is the process's exit; other lifetimes subclass the handle: a Ray
-actor's run (:mod:`nbaccel.launch.ray.handles`) or one task on a rank kept warm
-(:mod:`nbaccel.launch.pool.task_handle`), whose run ends with its reply while the process lives on.
+A handle's run ends when :meth:`WorkerHandle.poll` says so: for a process started for this run,
+its exit; subclasses end it otherwise (a Ray actor's call, :mod:`nbaccel.launch.ray.handles`; a
+warm rank's reply, :mod:`nbaccel.launch.pool.task_handle`).
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """`notebook_launcher` and `debug_launcher`: run a function on N worker processes from anywhere.
 
-The signature is Accelerate's, so existing notebooks run unchanged; nbaccel adds keywords for the
-start method, a timeout and hang watchdog, which ranks' output to show, every rank's result, and
-a status observer. Where we differ from Accelerate we do so on purpose:
-
-- the function's return value comes back (rank 0's, or ``{rank: value}`` with ``return_all``);
-- ``mixed_precision`` and the other settings really reach the workers;
-- a free loopback port is picked for every launch instead of always 29500;
-- on a CPU-only machine the workers form one gloo job without ``Accelerator(cpu=True)``;
-- when fork is unsafe (CUDA initialized in the notebook) we spawn instead of refusing.
-
-It is a thin adapter: its arguments become one :class:`~nbaccel.launch.request.LaunchRequest`
-(:func:`~nbaccel.launch.request.build_request`), which :func:`~nbaccel.launch.registry.launch`
-hands to the launcher that runs it.
+The signature is Accelerate's, so existing notebooks run unchanged; nbaccel adds keywords (start
+method, timeout and hang watchdog, output ranks, every rank's result, an observer) and differs on
+purpose: the function's return value comes back, the settings really reach the workers, a free
+port is picked, CPU-only machines form one gloo job, and an unsafe fork becomes a spawn. It is a
+thin adapter: its arguments become one :class:`~nbaccel.launch.request.LaunchRequest`, which
+:func:`~nbaccel.launch.registry.launch` hands to the launcher that runs it.
 """
 
 from __future__ import annotations

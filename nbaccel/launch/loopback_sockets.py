@@ -1,13 +1,9 @@
 """Who holds a loopback TCP socket: its remote port, owner uid, inode and state, asked of the kernel by port.
 
-The store guard (:mod:`nbaccel.launch.store_guard`) asks this once per connecting rank, so the
-answer must be quick. The kernel's ``sock_diag`` netlink interface (what ``ss`` uses) looks one
-connection up in its hash table by its ports: about 0.02 ms. Reading ``/proc/net/tcp`` walks the
-whole table and took 10-25 ms per read on this 2-core machine, whatever the number of sockets;
-it is the fallback where netlink is refused (no ``inet_diag`` in the kernel, a sandbox).
-
-A v4-mapped IPv6 socket (torch's ``TCPStore`` client talks to ``::ffff:127.0.0.1``) counts as
-loopback, as a plain IPv4 one does.
+The store guard (:mod:`nbaccel.launch.store_guard`) asks this once per connecting rank, so it must
+be quick: the kernel's ``sock_diag`` netlink interface (what ``ss`` uses) answers in about 0.02 ms;
+``/proc/net/tcp`` (10-25 ms a read here) is the fallback where netlink is refused. A v4-mapped
+IPv6 socket (torch's ``TCPStore`` client uses ``::ffff:127.0.0.1``) counts as loopback.
 """
 
 from __future__ import annotations

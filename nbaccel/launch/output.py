@@ -1,27 +1,20 @@
 """Relaying workers' output to the caller: whole lines, labelled with the rank, as written.
 
 Each worker's fd 1 and fd 2 are pipes the supervisor reads; bytes are split into lines here and
-written to the caller's ``sys.stdout`` / ``sys.stderr`` with a ``[rankN]: `` label. A line that is
-being redrawn with ``\\r`` (a progress bar) is shown live and redrawn in place. What a worker
-displays (rich output) is queued by :meth:`OutputRelay.queue_display` and published where its mark
-falls in the rank's stdout: after the text printed before it, before the text printed after.
+written to the caller's streams with a ``[rankN]: `` label. A line redrawn with ``\\r`` (a progress
+bar) is shown live, redrawn in place, and on stdout. A worker's display (queued by
+:meth:`OutputRelay.queue_display`) is published where its mark falls in the rank's stdout.
 
-What always holds, whatever a rank writes: the work and memory are linear in the bytes read.
-A line being redrawn keeps only its last state (100 MB of tqdm redraws cost what the last one
-does); a line longer than :data:`~nbaccel.launch.output_log.MAX_LINE_CHARS` is cut in the cell
-and written whole to the rank's log file, which the cut line names (:mod:`nbaccel.launch.output_log`);
-a bar's state is capped the same way (it is redrawn, so it is not logged); no unfinished line is
-held longer than that. Writes to the caller's streams are batched and
-flushed at most :data:`FLUSH_INTERVAL` apart (a Jupyter kernel sends one message per flush: a
-flush per line made 6,000 lines take 81 s to render), and always when a rank ends, a display is
-published, or :meth:`OutputRelay.flush` is called; a bar being redrawn is written at most once
-per interval too. Redrawn lines (progress bars, which tqdm
-writes to stderr) are shown on stdout, so a finished bar does not read as an error.
+What always holds, whatever a rank writes: the work and memory are linear in the bytes read. A
+redrawn line keeps only its last state; a line longer than
+:data:`~nbaccel.launch.output_log.MAX_LINE_CHARS` is cut in the cell and written whole to the
+rank's log file (:mod:`nbaccel.launch.output_log`). Writes are flushed at most
+:data:`FLUSH_INTERVAL` apart (a Jupyter kernel sends one message per flush: a flush per line made
+6,000 lines take 81 s to render), and always when a rank ends, a display is published, or
+:meth:`OutputRelay.flush` is called.
 
-A run supervised on another thread (a background run, :mod:`nbaccel.runs`) must not write to
-``sys.stdout``: in a kernel that stream belongs to whichever cell executes at that moment. Such a
-thread calls :func:`route_output` first; every relay on that thread then writes to the route's
-streams and hands displays to the route's publisher instead.
+A run supervised on another thread (:mod:`nbaccel.runs`) must not write to ``sys.stdout`` (in a
+kernel it belongs to whichever cell executes): it calls :func:`route_output` first.
 """
 
 from __future__ import annotations

@@ -2,9 +2,8 @@
 
 The cell shows at most :data:`MAX_LINE_CHARS` characters of a line (a notebook renders a 100 MB
 line as slowly as 100 MB of lines); the whole line is appended to ``rank<N>.log`` in a folder of
-its own under the temporary directory, and the cell's shortened line names that file. Nothing is
-created for a launch whose lines all fit. The files are the user's to read, so they outlive the
-launch (the temporary directory's own cleanup removes them).
+its own under the temporary directory, which the cell's shortened line names. The files are the
+user's to read, so they outlive the launch (the temporary directory's cleanup removes them).
 """
 
 from __future__ import annotations

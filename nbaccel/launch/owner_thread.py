@@ -1,15 +1,10 @@
 """The thread that starts long-lived workers: one per process, running until the process ends.
 
 Linux's ``PR_SET_PDEATHSIG`` (how every worker dies with its owner) fires when the *thread* that
-started the worker ends, not its process. A one-shot launch lives inside one call on its caller's
-thread, so that thread outlives its workers. A warm pool outlives the call that made it: made in
-a short-lived thread (a ``threading.Thread``, an executor, a widget callback), its workers were
-killed the moment that thread ended. So a pool's workers are started through
-:func:`on_owner_thread`: from the main thread (which ends only with the process) directly, from
-any other thread by this module's own daemon thread, which also ends only with the process.
-
-What always holds: a worker started through :func:`on_owner_thread` gets its parent-death signal
-when the process that owns it ends, whichever thread asked for it.
+started the worker ends, not its process. A warm pool made in a short-lived thread (a
+``threading.Thread``, an executor, a widget callback) would lose its workers when that thread
+ended, so a pool's workers are started through :func:`on_owner_thread`: from the main thread
+directly, from any other thread by this module's own daemon thread; both end only with the process.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Serializing what crosses the process boundary: the function for spawned workers, and results.
 
-Functions travel by value through cloudpickle, so functions, classes, lambdas and closures
-defined in ``__main__`` or a notebook cell work under spawn. When something cannot be pickled,
-:func:`dumps_payload` names the object and where it was found.
+Functions travel by value through cloudpickle, so what a notebook cell defines works under spawn;
+when something cannot be pickled, :func:`dumps_payload` names the object and where it was found.
 """
 
 from __future__ import annotations

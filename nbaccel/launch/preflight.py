@@ -1,8 +1,7 @@
 """Preflight: turn a `LaunchConfig` into concrete choices, or fail before anything starts.
 
-It picks the device kind (CUDA, CPU or XLA), the number of workers, the start method (fork when
-safe, else spawn, with the reason), and the settings every worker gets. Nothing here initializes
-CUDA or the XLA runtime.
+It picks the device kind, the number of workers, the start method (fork when safe, else spawn, with
+the reason) and every worker's settings, without initializing CUDA or the XLA runtime.
 """
 
 from __future__ import annotations

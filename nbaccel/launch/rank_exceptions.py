@@ -2,19 +2,15 @@
 
 In the rank, :func:`pack_exception` pickles the exception; when it will not pickle or unpickle as
 it is (its ``__reduce__`` raises, its ``__init__`` cannot take its own ``args``), its parts go
-instead: the class by reference, ``args`` and the attributes that pickle. In the caller,
-:func:`unpack_exception` rebuilds it from either, without calling the class's ``__init__`` again,
-and :func:`in_family` makes it an instance of its own type *and* of
-:class:`~nbaccel.errors.WorkerFailedError` (and so of torch elastic's ``ChildFailedError``)::
-
-    rank:   exc ──pickle──► bytes                 (else ExceptionParts(class, args, state) ──► bytes,
-                                                   else None and a note saying why)
-    caller: bytes ──► exc ──in_family──► joined(type(exc), WorkerFailedError, ChildFailedError)
+instead: the class by reference, ``args`` and the attributes that pickle (else ``None`` and a note
+saying why). In the caller, :func:`unpack_exception` rebuilds it from either, without calling the
+class's ``__init__`` again, and :func:`in_family` makes it an instance of its own type *and* of
+:class:`~nbaccel.errors.WorkerFailedError` (and so of torch elastic's ``ChildFailedError``).
 
 The joined type is named as the rank's type, so a traceback reads ``KeyError: ...``. A type that
 ``WorkerFailedError`` already derives from (``RuntimeError``, ``Exception``, ``LaunchError``) cannot
-come before it in a class's bases (no consistent method order exists), and needs no joining:
-its joined type is ``WorkerFailedError``'s own, under the rank's type's name.
+come before it in a class's bases, and needs no joining: its joined type is ``WorkerFailedError``'s
+own, under the rank's type's name.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """The group reaper: a tiny process that outlives a killed launcher and stops what its workers started.
 
-Workers die with their launcher (``PR_SET_PDEATHSIG``), but what *they* started (a
-``subprocess.Popen``, DataLoader worker processes) would not: those are the workers' children, and
-nothing signals them when the launching kernel is SIGKILLed. Every local worker leads its own
-process group, which holds everything it starts; the launcher tells this reaper which groups are
-live (``watch`` / ``forget``) over a pipe. When the pipe closes (the launcher exited or died) the
-reaper SIGKILLs every group still watched, removes every folder still watched (a warm pool's
-socket folder), then exits.
-
-One reaper per launching process, started at its first launch as a small separate interpreter
-(``python -S``, a few milliseconds to start, not waited for: forking the kernel twice cost 40-190 ms
-here). It holds only the pipe's read end, ignores interrupts, sits in its own session, and exits
-when the launcher does, so no reaper is left behind. Its command line carries :data:`MARKER`.
+Workers die with their launcher (``PR_SET_PDEATHSIG``), but their own children would not. Every
+local worker leads its own process group; the launcher tells this reaper which groups (and pool
+folders) are live over a pipe (``watch`` / ``forget``). When the pipe closes (the launcher exited
+or died) the reaper SIGKILLs every group still watched, removes every folder still watched, and
+exits. One reaper per launching process, started at its first launch (``python -S``, not waited
+for); it ignores interrupts, sits in its own session, and its command line carries :data:`MARKER`.
 """
 
 from __future__ import annotations

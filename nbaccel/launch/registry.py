@@ -1,11 +1,9 @@
 """Finding a backend by name, and running a request on it: the one table of nbaccel's backends.
 
-:data:`BACKENDS` maps each backend nbaccel ships to the module whose ``BACKEND`` it is
-(:class:`~nbaccel.launch.base.Backend`: its launcher, and its own planning, warm ranks and
-before-launch hook where it has them), imported only when asked for, so torch_xla, torch elastic
-or Ray cost nothing to a launch that does not use them. This table is the one place in the core
-that names a backend; adding one to nbaccel is a module plus a row here. Launchers defined
-elsewhere are added with :func:`register_launcher`.
+:data:`BACKENDS` maps each backend nbaccel ships to the module whose ``BACKEND`` it is, imported
+only when asked for, so torch_xla, torch elastic or Ray cost nothing to a launch that does not use
+them (docs/architecture.md, Registry). Launchers defined elsewhere are added with
+:func:`register_launcher`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The rendezvous store of a single-machine launch: hosted by the launcher, on loopback only, for its own ranks.
 
-The launcher binds the store's sockets on ``127.0.0.1`` itself (port 0 picks a free one, so
-back-to-back launches never collide) and hands the real one to a ``TCPStore`` it owns; every
-worker joins as a client through torch's agent-store protocol, through the front that
-:mod:`nbaccel.launch.store_guard` puts before it: a connection that does not come from one of
-the launch's own worker processes is closed on connect. The ports are released when the launch ends.
+The launcher binds the store's sockets on ``127.0.0.1`` itself (port 0: back-to-back launches never
+collide) and hands the real one to a ``TCPStore`` it owns; workers join as clients through the
+front that :mod:`nbaccel.launch.store_guard` puts before it. The ports are released when the launch ends.
 """
 
 from __future__ import annotations

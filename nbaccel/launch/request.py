@@ -1,14 +1,10 @@
 """`LaunchRequest`: one launch, resolved and validated once, carrying every setting a launcher needs.
 
 The magic, the CLI and :func:`~nbaccel.launch.launcher.notebook_launcher` each build one with
-:func:`build_request` and hand it to :func:`~nbaccel.launch.registry.launch`; no launcher reads
-a setting from anywhere else, and nothing unpacks a request back into keyword arguments.
-
-Precedence, lowest first: the config file < the session's defaults (``%accel_config``) < flags
-< explicit arguments. The callers layer the first three into a :class:`LaunchConfig` (the magic
-and the CLI read the file; ``notebook_launcher`` starts from ``config=`` or the defaults);
-:func:`build_request` applies the explicit arguments on top, plans the launch on this machine
-(:func:`~nbaccel.launch.preflight.plan_launch`) and chooses the launcher, in one place.
+:func:`build_request`; no launcher reads a setting from anywhere else. Precedence, lowest first:
+the config file < the session's defaults (``%accel_config``) < flags < explicit arguments; the
+callers layer the first three into a :class:`LaunchConfig`, and :func:`build_request` applies the
+explicit arguments, plans the launch and chooses the launcher, in one place.
 """
 
 from __future__ import annotations

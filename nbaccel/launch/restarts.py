@@ -1,8 +1,7 @@
 """Restarting a failed single-machine launch, as ``notebook_launcher(..., max_restarts=N)`` does in Accelerate.
 
-On several machines torch's elastic agent restarts the workers; on one machine nbaccel launches
-again itself: a launch whose worker failed (:class:`~nbaccel.errors.WorkerFailedError`) is run
-again from the start, up to ``max_restarts`` more times. Timeouts and interrupts are not retried.
+On one machine nbaccel launches again itself (on several, torch's elastic agent restarts): a launch
+whose worker failed is run again, up to ``max_restarts`` more times. Timeouts and interrupts are not.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """Publishing what workers displayed, in the caller: the cell's own outputs in a notebook, text elsewhere.
 
-The supervisor receives a worker's display as a mime bundle (``{"text/html": ..., "image/png":
-..., "text/plain": ...}``, as IPython formatted it in the worker) and the relay calls the launch's
-:class:`CellPublisher` once the rank's earlier lines are out. In an IPython shell (a Jupyter
-kernel above all) the bundle is published with ``IPython.display.display(..., raw=True)``, so a
-saved notebook holds the HTML and images like any cell's; ``update_display`` updates in place,
-and ``clear_output`` clears that rank's displays (see :class:`CellPublisher`). Anywhere else
-(``nbaccel launch``, a plain ``python``), the text/plain part is printed with the rank's label.
-
-With several ranks shown, each display says whose it is: an HTML rendering of the bundle opens
-with the rank's label, and the text/plain part starts with it.
+The relay calls the launch's :class:`CellPublisher` with a worker's mime bundle once the rank's
+earlier lines are out. In an IPython shell it is published with
+``IPython.display.display(..., raw=True)``, so a saved notebook holds it like any cell's output
+(``update_display`` and ``clear_output`` as :class:`CellPublisher` says); anywhere else its
+text/plain part is printed with the rank's label. With several ranks shown, each display opens
+with the rank's label.
 """
 
 from __future__ import annotations

@@ -1,27 +1,17 @@
 """Who may talk to a launch's rendezvous store: the launch's own ranks, checked on connect.
 
-A ``TCPStore`` has no authentication: anything that can reach its port can read the keys the
-ranks exchange and write values rank 0 reads. On loopback that is every local user. So the store
-a launch hosts sits behind a guard:
+A ``TCPStore`` has no authentication: on loopback every local user could read the keys the ranks
+exchange and write values rank 0 reads. So ranks connect to a front (``127.0.0.1:MASTER_PORT``)
+that asks the kernel (sock_diag) who holds each connecting socket: it must belong to this user
+and to one of the launch's own worker processes, else it is closed. One thread relays checked
+connections to the real store, whose socket filter drops every connection whose source is not
+one of the relay's own ports, so going around the front does not work either.
 
-::
-
-    rank (torch's TCPStore client) ──► front 127.0.0.1:P  (MASTER_PORT; any local process can connect)
-                                         │  checked on connect, asking the kernel (sock_diag): the connecting
-                                         │  socket must belong to this user and to one of the
-                                         │  launch's own worker processes; anything else is closed
-                                         ▼  relayed by one thread
-                                       the real TCPStore 127.0.0.1:R   (a socket filter drops every
-                                         connection attempt whose source is not one of the relay's
-                                         own ports, so going around the front does not work either)
-
-What always holds once :meth:`StoreGuard.start` returned: every connection the real store
-serves is the store's own (made before the filter, and checked to be ours) or one the relay made
-for a checked rank. The filter lists only ports the relay holds bound at that moment: a port is
-added before the relay's socket connects and removed before it closes, so a port freed by a
-closing pair (a pool task's ``destroy_process_group()``) never lets in whoever binds it next.
-Where the kernel answers neither by netlink nor in ``/proc/net/tcp`` (not
-Linux) the front cannot check, and accepts (said in SECURITY.md).
+What always holds once :meth:`StoreGuard.start` returned: every connection the real store serves
+is the store's own or one the relay made for a checked rank. A port is added to the filter before
+the relay's socket connects and removed before it closes, so a freed port never lets in whoever
+binds it next. Where the kernel answers neither by netlink nor in ``/proc/net/tcp`` (not Linux)
+the front cannot check, and accepts (said in SECURITY.md).
 """
 
 from __future__ import annotations

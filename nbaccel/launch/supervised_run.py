@@ -1,11 +1,8 @@
 """One supervised run, the same for every backend and lifetime: the observer's bracket, the policy, the relay.
 
-::
-
-    with SupervisedRun(request, lifetime) as run:     observer.on_launch(ranks, lifetime.name)
-        handles = <the backend starts the ranks>
-        values = run.supervise(handles).get()          Supervisor(handles, relay, policy).run() ─► RunResult
-                                                      observer.on_end(ok), also when starting failed
+Entering calls ``observer.on_launch``; :meth:`SupervisedRun.supervise` runs the
+:class:`~nbaccel.launch.supervisor.Supervisor` and returns its ``RunResult``; leaving calls
+``observer.on_end(ok)``, also when starting failed (docs/architecture.md, the walk of a launch).
 """
 
 from __future__ import annotations

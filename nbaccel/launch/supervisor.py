@@ -4,15 +4,9 @@ It reads every worker's output and control pipes in one loop on the caller's thr
 of any size are read while the workers run), notices exits, stops the other ranks after the first
 failure, enforces the timeout and the hang watchdog, and on the caller's ``KeyboardInterrupt``
 stops everything (SIGTERM, then SIGKILL after a grace period) before re-raising it. Whatever
-happens, no worker outlives :meth:`Supervisor.run`.
-
-What varies between launchers is configuration, not subclassing: a :class:`SupervisorPolicy`
-(timeouts, grace period, whether ranks outlive the run) and, where the ranks run inside another
-process that nbaccel started (torch_xla's host process), that ``host`` handle. How one rank is
-read, polled and signalled for this run is its :class:`WorkerHandle`'s business: a process started
-for the run, a Ray actor's call, or one task on a rank kept warm (docs/architecture.md, Lifetimes).
-What it learns of each rank is its own :class:`~nbaccel.launch.outcomes.RankOutcome`; a run ends
-as a :class:`~nbaccel.launch.outcomes.RunResult`. Launchers reach it through :mod:`~nbaccel.launch.supervised_run`.
+happens, no worker outlives :meth:`Supervisor.run`. It is configured, not subclassed
+(:class:`SupervisorPolicy`, an optional ``host``), and each rank's transport is its
+:class:`WorkerHandle` (docs/architecture.md, Supervisor and Lifetimes).
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
 """Importing what DDP needs once, in the caller, so forked workers inherit it; never on a trivial launch's path.
 
 The first ``DistributedDataParallel`` built in a process imports ``torch._dynamo``: about 1 s
-here, and about 2 s in *each* of 4 workers that share 2 cores. Imported in the caller before
-forking, workers get it for free. But a function that never builds a DDP model would pay that
-second for nothing on its first launch, so the import happens:
-
-- in a background thread started when the extension loads (``%load_ext nbaccel``), while the
-  user is still typing; and at the start of a launch whose function looks like it builds a
-  model (:func:`may_build_ddp`), finished before the launch creates anything else;
-- never on the path of a launch that does not need it.
-
-The public ``nbaccel`` names a launched function uses (``Accelerator``, ...) are imported in the
-caller before forking too (:func:`import_used_exports`): cheap here, several times dearer in
-each forked worker.
+here, and about 2 s in *each* of 4 workers that share 2 cores. So it is imported in the caller:
+in a background thread started when the extension loads, and at the start of a launch whose
+function looks like it builds a model (:func:`may_build_ddp`); never on the path of a launch that
+does not need it. The public ``nbaccel`` names a launched function uses are imported before
+forking too (:func:`import_used_exports`).
 
 Forking while another thread is in the middle of an import would leave the child with a
 half-initialized module and a module lock nobody will release, so the thread is always joined
-before any fork in this process: by the launchers, and by an ``os.register_at_fork`` hook for
-forks nbaccel does not make itself.
+before any fork in this process: by the launchers, and by an ``os.register_at_fork`` hook.
 """
 
 from __future__ import annotations

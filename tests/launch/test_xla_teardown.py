@@ -9,7 +9,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from nbaccel.launch.xla.launcher import _group_members, _kill_group
+from nbaccel.host_memory import group_members
+from nbaccel.launch.xla.launcher import _kill_group
 
 
 def test_kill_group_returns_once_the_group_is_gone():
@@ -18,9 +19,9 @@ def test_kill_group_returns_once_the_group_is_gone():
                                "flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE, start_new_session=True)
     try:
         assert member.stdout.readline().strip() == b"ready"
-        assert _group_members(member.pid) == [member.pid]
+        assert group_members(member.pid) == [member.pid]
         _kill_group(member.pid)
-        assert _group_members(member.pid) == [], "a process of the group was still alive when the launch returned"
+        assert group_members(member.pid) == [], "a process of the group was still alive when the launch returned"
     finally:
         member.kill()
         member.wait()

@@ -1,12 +1,9 @@
 """The elastic launcher: multi-machine launches through torch's elastic agent (an existing, well-tested engine).
 
-Each machine runs one launcher; their agents meet through a c10d (or static) rendezvous and
-start their local workers. Every worker records its identity from the agent's variables, runs
-the function, and on failure writes torch's error file with nbaccel's report in it (the
-exception pickled, as a local worker sends it), so a failure on several machines is raised as
-on one: the :class:`~nbaccel.errors.WorkerFailedError` family, the worker's own type joined in,
-root cause first. The agent installs signal handlers in the calling process and leaves them
-there; they are saved and restored around the call.
+Each machine runs one launcher; their agents meet through a c10d (or static) rendezvous. Every
+worker records its identity from the agent's variables, runs the function, and on failure writes
+torch's error file with nbaccel's report in it, so a failure on several machines is raised as on
+one. The agent's signal handlers are saved and restored around the call.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """The local launcher: this machine's workers, started by fork or spawn, watched by the supervisor.
 
-::
-
-    LaunchRequest ─► LocalLauncher.launch
-                        ├─ loopback rendezvous store (several workers)
-                        ├─ start_forked / start_spawned ──► worker × N (worker.run_worker)
-                        └─ SupervisedRun.supervise ◄── ctl / stdout / stderr pipes, per rank
+A loopback rendezvous store (several workers), the workers from
+:mod:`nbaccel.launch.local.starter`, and one :class:`~nbaccel.launch.supervised_run.SupervisedRun`.
 """
 
 from __future__ import annotations

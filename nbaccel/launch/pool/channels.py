@@ -1,13 +1,10 @@
 """What a warm pool's owner reads from its workers: one selector over every rank's pipes and socket.
 
-Each pool member has four descriptors on the owner's side: the stdout and stderr pipes (relayed,
-labelled, through an :class:`~nbaccel.launch.output.OutputRelay`), the control pipe of its worker
-body (a start failure is reported there), and its task socket (``ready``, then ``started`` and
-``result`` / ``error`` per task); plus a pidfd that wakes the loop the moment it exits.
-
-The owner's descriptors are closed in every child this process forks later (``os.register_at_fork``):
-a later launch's workers, or another pool's, must not hold this pool's sockets open, or closing
-the pool would not reach its workers.
+Each member has, on the owner's side, its stdout and stderr pipes (relayed through an
+:class:`~nbaccel.launch.output.OutputRelay`), its control pipe, its task socket and a pidfd. These
+descriptors are closed in every child this process forks later (``os.register_at_fork``), or a
+later launch's workers would hold this pool's sockets open and closing the pool would not reach
+its workers.
 """
 
 from __future__ import annotations

@@ -1,29 +1,13 @@
 """A fresh run on a warm rank: what a newly forked worker would inherit, given to a rank that ran before.
 
-A one-process launch forks a worker that starts from the caller as it is at that moment: its
-environment, working directory, ``sys.path``, random number generators and torch's global
-switches, and none of nbaccel's per-process state. A warm rank (:mod:`nbaccel.launch.pool.warm`)
-was forked earlier and has run other tasks since, so each task carries a :class:`CallerSnapshot`
-taken in the caller at launch time, and :func:`run_fresh` puts the rank back into that state
-before the function runs and clears what the function left after it returns:
-
-- before: environment (the caller's, plus the rank's settings), cwd, ``sys.path``; nbaccel's
-  per-process state (:func:`~nbaccel.rank_resets.reset_rank_state`), the persisted namespace;
-  NumPy's and torch's generators as the caller's (torch's CUDA ones seeded as a fork's would be),
-  Python's ``random`` reseeded from the OS (as Python does in every forked child); torch's default
-  dtype, grad mode, determinism and TF32/cuDNN switches.
-- after: open figures shown (as a launch's worker does when it ends) and closed; a process group
-  the function made destroyed; the namespace emptied; garbage collected (cycles included: nothing a
-  run made is frozen at its end); GPU memory: cached blocks freed, peak statistics reset, the
-  pinned host cache emptied; then the process itself (:mod:`nbaccel.launch.pool.process_reset`):
-  descendants killed, threads ended, signal handlers, umask, resource limits, recursion limit,
-  torch thread counts, atexit callbacks, warnings filters and logging put back.
-- reported to the caller (:class:`FreshResult`): whether the rank must be replaced (a thread that
-  would not end, a setting that cannot be put back: the caller closes it before the launch
-  returns), and the user's modules the run imported, which the caller then checks for edits.
-
-What this does not undo: changes a function makes to imported modules' globals (monkeypatching)
-stay in the rank until it is replaced. ``fresh=True`` runs in a new process.
+A one-process launch forks a worker that starts from the caller as it is at that moment. A warm
+rank (:mod:`nbaccel.launch.pool.warm`) was forked earlier and has run other tasks since, so each
+task carries a :class:`CallerSnapshot` taken in the caller at launch time, and :func:`run_fresh`
+puts the rank back into that state before the function runs and clears what the function left
+after it returns (the README's "A repeated one-process launch" lists what is reset and what is
+kept); the process itself is put back by :mod:`nbaccel.launch.pool.process_reset`. The caller
+gets a :class:`FreshResult`: whether the rank must be replaced, and the user's modules the run
+imported, which it then checks for edits.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """A pool's ranks on this machine: started once, each run supervised as a launch is, kept between runs.
 
-::
-
-    LocalPoolRanks.start(request) ─► start_pool (processes, sockets, store; every rank "ready")
-    ranks.run(fn, run) ─► "task" frame to every rank ─► TaskHandle × N ─► run.supervise ─► {rank: result}
-    after a run: a rank that died (or was killed for not stopping) ends the pool: every rank is killed
-    ranks.shutdown() ─► PoolProcesses.shutdown
-
-The Ray counterpart is :class:`~nbaccel.launch.ray.pool.RayPoolRanks`; both are what
-:class:`~nbaccel.launch.pool.WorkerPool` holds, behind the same five methods.
+:func:`~nbaccel.launch.pool.start.start_pool` starts them; each run sends a ``task`` frame to every
+rank and supervises one :class:`~nbaccel.launch.pool.task_handle.TaskHandle` per rank; a rank that
+died (or was killed for not stopping) ends the pool. The Ray counterpart is
+:class:`~nbaccel.launch.ray.pool.RayPoolRanks`; both are what :class:`~nbaccel.launch.pool.WorkerPool`
+holds, behind the same five methods.
 """
 
 from __future__ import annotations

@@ -1,34 +1,14 @@
 """A warm rank's process state: taken before its first run, put back after each run, or the rank replaced.
 
 :mod:`nbaccel.launch.pool.fresh_task` gives each run on a warm rank what a newly forked worker
-would inherit from the caller. This module covers what lives in the *process* rather than in
-Python's objects, which a function changes as easily and which a fresh worker never sees:
-
-=========================  ============================================  ==============================
-state                      put back after each run to                    when that is impossible
-=========================  ============================================  ==============================
-descendants                none: every process the run started (its      (never: SIGKILL, reaped)
-                           group, ``setsid`` daemons) killed and reaped
-threads                    none: threads the run started must have       the rank is replaced
-                           ended (they get :data:`THREAD_GRACE` seconds)
-signal handlers, mask,     as before the first run (the rank's           a handler set outside Python:
-interval timers            ``SIGTERM`` handler ends its daemons)         ``SIG_DFL``
-umask, resource limits     as before the first run                       a lowered hard limit: replaced
-user, groups               as before the first run                       changed: replaced
-recursion limit            as before the first run, first of all         (never)
-torch intra-op threads     as when the rank first saw torch              (never)
-torch inter-op threads     as when the rank first saw torch              changed: replaced (torch sets
-                                                                         it once per process)
-atexit callbacks           none added (a rank leaves by ``os._exit``:    (never)
-                           they would never run, only hold objects)
-warnings filters, logging  as when the run started (loggers that         (never)
-                           existed then: level, handlers, propagate)
-=========================  ============================================  ==============================
-
-:func:`end_run` returns why the rank must be replaced (``""``: it need not); the caller's side
-closes it before the launch returns. The objects that exist before the first run are frozen
-(``gc.freeze``) once, so each run's collection walks only what runs made; nothing a run made is
-ever frozen (a frozen model in a reference cycle would never be collected).
+would inherit; this module covers what lives in the *process*: descendants (killed and reaped),
+threads (they get :data:`THREAD_GRACE` seconds to end), signal handlers, mask and timers, umask,
+resource limits, user and groups, the recursion limit, torch's thread counts, atexit callbacks,
+warnings filters and logging (the README's "A repeated one-process launch" says to what each
+goes back). What cannot be put back (a thread still running, a lowered hard limit, a changed
+user, torch's inter-op thread count) gets the rank replaced: :func:`end_run` returns why (``""``:
+it need not), and the caller closes it before the launch returns. The objects that exist before
+the first run are frozen (``gc.freeze``) once, so each run's collection walks only what runs made.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Starting a warm pool's workers and tearing them down: the pool's processes, sockets and store.
 
-::
-
-    LaunchRequest ─► start_pool
-                       ├─ private Unix socket (a 0700 folder), one connection per rank
-                       ├─ loopback rendezvous store (several workers), kept for the pool's life
-                       ├─ start_forked / start_spawned ──► worker × N running pool_worker.serve
-                       └─ wait for every rank's "ready" (it joined the process group), or the first failure
-
-:meth:`PoolProcesses.shutdown` ends them: each worker's process group (the worker and whatever it
-started) is killed. Nothing is left running, bound or on disk. If the owner dies first (an OOM-killed
-kernel), the group reaper (:mod:`nbaccel.launch.reaper`), told of every worker's group and of the
-pool's folder, kills the groups and removes the folder. The workers are started from a thread that
-lives as long as the process (:mod:`nbaccel.launch.owner_thread`), so a pool made in a short-lived
-thread keeps its workers when that thread ends.
+:func:`start_pool` makes a private Unix socket (in a 0700 folder) that each rank connects to, a
+loopback rendezvous store (several workers) kept for the pool's life, forks or spawns the workers
+(running :func:`~nbaccel.launch.pool.serve.serve`) from the owner thread
+(:mod:`nbaccel.launch.owner_thread`), and waits for every rank's ``ready`` or the first failure.
+:meth:`PoolProcesses.shutdown` kills each worker's process group; nothing is left running, bound
+or on disk. If the owner dies first, the group reaper (:mod:`nbaccel.launch.reaper`) kills the
+groups and removes the folder.
 """
 
 from __future__ import annotations
@@ -31,8 +24,7 @@ from nbaccel.errors import LaunchError
 from nbaccel.launch.failures import RankError, WorkerFailure, raise_failures, rank_failure
 from nbaccel.launch.frames import FrameReader
 from nbaccel.launch.handles import REAP_TIMEOUT, WorkerHandle, wait_reaped
-from nbaccel.launch.local.starter import local_environments
-from nbaccel.launch.local.starter import SpawnFiles, start_forked, start_spawned
+from nbaccel.launch.local.starter import SpawnFiles, local_environments, start_forked, start_spawned
 from nbaccel.launch.owner_thread import on_owner_thread
 from nbaccel.launch.pool.channels import PoolChannels, PoolMember
 from nbaccel.launch.pool.serve import serve
@@ -167,11 +159,6 @@ def start_pool(request: LaunchRequest, start_timeout: float = 300.0) -> PoolProc
             files.remove()  # every worker read its spec and payload before it said hello (or it is gone)
 
 
-def _start_failure(processes: PoolProcesses, failures: list[WorkerFailure]) -> None:
-    processes.kill()
-    raise_failures(failures, len(processes.members))
-
-
 def _check_deadline(processes: PoolProcesses, deadline: float, start_timeout: float) -> None:
     if time.monotonic() > deadline:
         late = [m.rank for m in processes.members if not m.ready]
@@ -219,7 +206,8 @@ def _check_starting(processes: PoolProcesses, wait: float) -> None:
         if failure is not None:
             failures.append(failure)
     if failures:
-        _start_failure(processes, failures)
+        processes.kill()
+        raise_failures(failures, len(processes.members))
 
 
 def _on_start_event(processes: PoolProcesses, member: PoolMember, kind: str, body: object) -> WorkerFailure | None:

@@ -1,24 +1,11 @@
 """`TaskHandle`: one task on a rank kept warm, as the supervisor sees it (the keep-alive lifetime).
 
-A launch's ranks end with their run: their handle's run is over when the process exits. A warm
-rank's process outlives the task, so its handle reads the rank's pipes and task socket for one
-task and says the run is over when the rank replied (``result`` or ``error``), or when its
-process died. Everything else is the supervisor's, as for a launch: output, displays, figures,
-log records, progress, the observer, the timeout, the hang watchdog and the interrupt. What
-"stop" means changes with the lifetime:
-
-=================  ==========================================  =====================================
-supervisor sends   a one-shot rank (``WorkerHandle``)           a warm rank (``TaskHandle``)
-=================  ==========================================  =====================================
-``SIGTERM``        the process ends                             ``SIGINT``: ``KeyboardInterrupt`` in
-                                                                the task; the rank replies and waits
-``SIGKILL``        the process group is killed                  the same: the rank is gone, and the
-                                                                pool (its process group) with it
-``SIGUSR1``        the Python stacks are dumped (faulthandler)  the same
-=================  ==========================================  =====================================
-
-A cancel sent before the rank said ``started`` waits for it: until then the task is not armed,
-and an interrupt would be lost (see :mod:`nbaccel.launch.pool.serve`).
+A warm rank's process outlives the task, so its handle reads the rank's pipes and task socket for
+one task and says the run is over when the rank replied (``result`` or ``error``), or when its
+process died. The supervisor's ``SIGTERM`` becomes ``SIGINT`` (``KeyboardInterrupt`` in the task);
+``SIGKILL`` ends the rank and its pool (docs/architecture.md, Lifetimes). A cancel sent before the
+rank said ``started`` waits for it: until then the task is not armed, and an interrupt would be
+lost (see :mod:`nbaccel.launch.pool.serve`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Which imported modules are the user's, and whether one changed on disk: when a warm rank must be replaced.
 
-A warm rank (:mod:`nbaccel.launch.pool.warm`) keeps the modules it imported, so a module the user
-edited after the rank imported it would run stale. The user's modules are those whose file lies
-outside Python, the environment's packages and nbaccel. The caller checks its own modules, and
-the modules each run imported in the rank (the rank reports them: :func:`new_user_module_files`).
+A warm rank (:mod:`nbaccel.launch.pool.warm`) keeps the modules it imported, so one the user edited
+since would run stale. The user's modules are those whose file lies outside Python, the
+environment's packages and nbaccel; the caller checks its own and those each run imported in the
+rank (:func:`new_user_module_files`).
 """
 
 from __future__ import annotations

@@ -4,26 +4,14 @@ On one GPU (Colab), every ``notebook_launcher(fn, num_processes=1)`` used to for
 set CUDA up again: 0.8 s, against Accelerate's in-process call of 0.03 s. The ``"warm"`` launcher
 keeps one rank (a one-member pool, :mod:`nbaccel.launch.pool.local_ranks`) per kernel and per
 settings, and runs each launch on it as a fresh run (:mod:`nbaccel.launch.pool.fresh_task`),
-supervised as every launch is (output, displays, figures, logs, progress, timeout, interrupt).
-
-::
-
-    build_request: one process, this machine, not fresh=True ─► launcher "warm"
-    WarmLauncher.launch ─► payload pickles? no ─► the local launcher (a fork needs no pickling)
-                        ─► the kept rank: same settings, alive, no user module changed since it
-                           started? else close it and start a new one
-                        ─► run_fresh(caller snapshot, fn) on it ─► result; any failure closes it
+supervised as every launch is; a payload that will not pickle goes to the local launcher (a fork).
 
 The rank is closed after any failure or interrupt (a CUDA error sticks to its context), when a
-run left what cannot be undone in place (a thread still running, a setting torch takes once), when
-a user module it may have imported (in the caller, or in the rank by a run) changed on disk, after
-:data:`IDLE_CLOSE_SECONDS` unused, when another launch or a pool needs its GPU, at
+run left what cannot be undone in place, when a user module it may have imported changed on disk,
+after :data:`IDLE_CLOSE_SECONDS` unused, when another launch or a pool needs its GPU, at
 ``%accel_workers stop``, and at interpreter exit. The rank belongs to the process that started it:
-a forked child of the caller forgets it (a launch there starts its own) and never closes it.
-``fresh=True`` (``%%accel_launch --fresh``) runs in a new process instead. Where this differs from
-a fresh process on purpose: the function travels by pickling, as under spawn, so a cell reaches
-the notebook names it uses by name (not ``globals()["x"]``), and what it changes in imported
-modules stays in the rank until the rank closes.
+a forked child of the caller forgets it and never closes it. Where a warm run differs from a fresh
+process on purpose: docs/architecture.md, Lifetimes.
 """
 
 from __future__ import annotations

@@ -1,29 +1,18 @@
 """`WorkerPool`: N warm workers that stay up between runs, with their process group and their state.
 
-A launch (:func:`~nbaccel.notebook_launcher`, ``%%accel_launch``) starts workers, runs one function
-and ends them; everything they built dies with them. A pool starts its workers once (fork when
-safe, else spawn, as a launch would), each joins the process group once, and then every
-:meth:`WorkerPool.run` is a message to live workers: what a run leaves behind (a loaded model, an
-``Accelerator``, anything in :func:`~nbaccel.launch.pool.serve.worker_namespace`) is there for
-the next one. Accelerate has no counterpart; ipyparallel keeps engines alive but knows nothing of
-ranks or process groups. One run at a time: a second thread's :meth:`WorkerPool.run` waits for
-the first to end (each caller gets its own result), and only the values asked for travel back.
-
-::
-
-    WorkerPool(...) ─► build_request (the options of notebook_launcher) ─► the backend's ranks:
-                       LocalPoolRanks (this machine, launch/pool/local_ranks.py) or RayPoolRanks
-       run(fn) ─► ranks.run ─► one Supervisor per run, as a launch has (keep-alive policy):
-                  output, displays, figures, accelerator.log, progress, observer, timeout, watchdog
-       close() / restart() / interpreter exit ─► ranks.shutdown()
+A launch starts workers, runs one function and ends them. A pool starts its workers once (fork
+when safe, else spawn), each joins the process group once, and then every :meth:`WorkerPool.run`
+is a message to live workers: what a run leaves behind (a loaded model, an ``Accelerator``,
+anything in :func:`~nbaccel.launch.pool.serve.worker_namespace`) is there for the next one. One
+run at a time: a second thread's :meth:`WorkerPool.run` waits for the first to end. Where the
+ranks live is the backend's (docs/architecture.md, Lifetimes: its diagram is this module's).
 
 What always holds: after a run returns or raises, the pool is either alive with every rank
 waiting, or dead with every worker gone; a dead or closed pool refuses to run
 (:class:`~nbaccel.errors.WorkerPoolError`) until :meth:`WorkerPool.restart`. Nothing outlives the
 pool's owner: ``close()``, garbage collection and interpreter exit shut it down; each worker dies
-with the owning process (``PR_SET_PDEATHSIG``, set from a thread that lives as long as the process,
-whichever thread made the pool) or when its socket closes; and the group reaper kills what the
-workers started and removes the pool's folder when the owner is killed.
+with the owning process (``PR_SET_PDEATHSIG``, :mod:`nbaccel.launch.owner_thread`) or when its
+socket closes; and the group reaper kills what the workers started when the owner is killed.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """What nbaccel asks of a Ray cluster: a connection, room for N ranks, and where each rank landed.
 
-Ray does the scheduling, node discovery and failure detection; this module only states the
-request in Ray's terms (one placement-group bundle per rank, a GPU per rank unless CPU ranks)
-and reads the answer back as torchrun's layout: ranks grouped by node, node 0 first, local ranks
-ordered by the GPU each one holds, so ``cuda:LOCAL_RANK`` is the rank's own GPU.
-
-Ray is imported only here and in the actor; ``pip install 'nbaccel[ray]'`` brings it.
+Ray schedules, discovers nodes and detects failures; this module states the request in Ray's
+terms (a placement-group bundle per rank, a GPU each unless CPU ranks) and reads the answer back
+as torchrun's layout (ranks grouped by node, local ranks ordered by GPU, so ``cuda:LOCAL_RANK`` is
+the rank's own). Ray is imported only here and in the actor (``pip install 'nbaccel[ray]'``).
 """
 
 from __future__ import annotations

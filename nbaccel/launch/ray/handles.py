@@ -1,11 +1,9 @@
 """Ranks on Ray seen as local workers: the supervisor's handles, fed by a pump thread.
 
-The supervisor (:mod:`nbaccel.launch.supervisor`) reads each worker's control, stdout and stderr
-pipes and polls and signals its process. For a rank that is a Ray actor, :class:`RayRankHandle`
-holds the read ends of three local pipes, and :class:`RunPump` (one thread per run) writes into
-them what each actor's :meth:`~nbaccel.launch.ray.actor.RankActor.drain` returns. So output
-labels, the status panel, displays, ``accelerator.log`` records, results, the root-cause failure,
-the timeout and the hang watchdog are the local launch's own code. Signals become Ray calls:
+For a rank that is a Ray actor, :class:`RayRankHandle` holds the read ends of three local pipes,
+and :class:`RunPump` (one thread per run) writes into them what each actor's
+:meth:`~nbaccel.launch.ray.actor.RankActor.drain` returns, so the supervisor reads a Ray rank as
+it reads a local one. Signals become Ray calls:
 
 =========================  ==========================================================
 ``SIGINT``, ``SIGTERM``    ``KeyboardInterrupt`` in the rank's function (it may stop)
@@ -75,12 +73,15 @@ class RayRankHandle(WorkerHandle):
     def finish(self, code: int | None, died: str | None = None) -> None:
         """The run ended (``code``) or the actor died (``died``): EOF on every pipe, and wake the supervisor."""
         self.code, self.died, self.died_at = code, died, time.time()
-        for name in ("ctl_w", "out_w", "err_w", "exit_w"):
+        self._close(("ctl_w", "out_w", "err_w", "exit_w"))
+        self.outcome.set()
+
+    def _close(self, names: Sequence[str]) -> None:
+        for name in names:
             fd = getattr(self, name)
             if fd >= 0:
                 os.close(fd)
                 setattr(self, name, -1)
-        self.outcome.set()
 
     # ------------------------------------------------------------------ what the supervisor calls
     def open_exit_fd(self) -> int | None:
@@ -130,14 +131,7 @@ class RayRankHandle(WorkerHandle):
 
     def close_writers(self) -> None:
         """Close the pump's ends of the pipes, if the run was abandoned before it ended."""
-        for name in ("ctl_w", "out_w", "err_w", "exit_w"):
-            fd = getattr(self, name)
-            if fd >= 0:
-                os.close(fd)
-                setattr(self, name, -1)
-        if self.exit_r >= 0:
-            os.close(self.exit_r)
-            self.exit_r = -1
+        self._close(("ctl_w", "out_w", "err_w", "exit_w", "exit_r"))
 
 
 class RunPump:
@@ -185,10 +179,7 @@ class RunPump:
 
         try:
             code = ray.get(ref)
-        except ray.exceptions.RayError as exc:
-            handle.finish(None, _death_reason(exc))
-            return
-        try:  # the run returned only after its capture reached EOF: this is the rest of it
+            # the run returned only after its capture reached EOF: this is the rest of it
             handle.deliver(*ray.get(handle.actor.drain.remote(self._run_id, 0.0))[:3])
         except ray.exceptions.RayError as exc:
             handle.finish(None, _death_reason(exc))

@@ -1,12 +1,9 @@
 """The Ray launcher: a launch's ranks as Ray actors in one placement group, on a Ray cluster.
 
-``notebook_launcher(fn, num_processes=8, backend="ray")`` and ``%%accel_launch --backend ray``
-build a request whose plan comes from the cluster (:func:`plan_ray_launch`: it connects first, as
-``ray_address`` says, and refuses what the whole cluster could never hold); this launcher
-starts the ranks (:class:`~nbaccel.launch.ray.ranks.RayRanks`), runs the function once under the
-local launch's supervisor, and ends the job: after success, a failure or an interrupt, every actor
-is killed and the placement group removed. Ray does the placement and notices dead actors;
-nbaccel never re-implements either.
+The request's plan comes from the cluster (:func:`plan_ray_launch`: it connects first, as
+``ray_address`` says, and refuses what the whole cluster could never hold); this launcher starts
+the ranks (:class:`~nbaccel.launch.ray.ranks.RayRanks`), runs the function once under the local
+launch's supervisor, and then kills every actor and removes the placement group, whatever happened.
 """
 
 from __future__ import annotations

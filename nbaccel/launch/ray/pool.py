@@ -1,18 +1,11 @@
 """A warm pool on Ray: the ranks' actors, their process group and namespaces kept between runs.
 
 :class:`~nbaccel.launch.pool.worker_pool.WorkerPool` with ``backend="ray"`` keeps a
-:class:`~nbaccel.launch.ray.ranks.RayRanks` instead of local processes: the actors join the
-process group once when the pool starts, and each run is a call on live actors, supervised as a
-launch is. The rules are a local pool's: a rank that raises leaves the pool alive; an interrupt,
-a timeout or a failure interrupts the other ranks (``KeyboardInterrupt`` in their function), and
-a rank that does not stop within ``grace`` is killed, which ends the pool (its process group is
-broken). ``close()`` kills the actors and removes the placement group.
-
-Where a Ray pool differs from a local one, because Ray runs actor methods in threads and never
-interrupts them: the ``KeyboardInterrupt`` reaches a rank's Python code between two bytecodes,
-not a native call in progress. A training loop stops at its next Python step; a rank inside one
-long native call (``time.sleep(600)``, a collective waiting for a rank that left) is killed after
-``grace``, and the pool with it.
+:class:`~nbaccel.launch.ray.ranks.RayRanks` instead of local processes, with a local pool's rules.
+Where it differs, because Ray runs actor methods in threads and never interrupts them: the
+``KeyboardInterrupt`` reaches a rank's Python code between two bytecodes, not a native call in
+progress; a rank inside one long native call (``time.sleep(600)``, a collective waiting for a rank
+that left) is killed after ``grace``, and the pool with it.
 """
 
 from __future__ import annotations

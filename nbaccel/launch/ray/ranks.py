@@ -1,17 +1,12 @@
 """`RayRanks`: N rank actors in one placement group, started, run (once or many times), and ended.
 
-::
-
-    RayRanks.start(request)
-       place_bundles ─► one bundle per rank (strategy: PACK unless configured)
-       RankActor × N ─► where(): node, address, GPUs ─► layout_ranks (torchrun's numbering)
-       rank 0's actor hosts the rendezvous store on its node ─► prepare(env) on every rank
-    ranks.run(function, ...) ─► payload put once ─► actor.run per rank
-       RayRankHandle × N + RunPump ─► SupervisedRun.supervise (the local launch's) ─► {rank: result} or the failure
-    ranks.shutdown() ─► ray.kill every actor, remove the placement group
-
-The one-shot launcher (:mod:`nbaccel.launch.ray.launcher`) starts, runs once and shuts down; a pool on Ray
-(:class:`~nbaccel.launch.pool.worker_pool.WorkerPool` with ``backend="ray"``) keeps the ranks between runs.
+:meth:`RayRanks.start` places one bundle per rank (PACK unless configured), starts a
+:class:`~nbaccel.launch.ray.actor.RankActor` in each, numbers the ranks as torchrun would from
+where they landed, and has rank 0's actor host the rendezvous store. Each run puts the payload
+once and supervises one :class:`~nbaccel.launch.ray.handles.RayRankHandle` per rank, fed by a
+:class:`~nbaccel.launch.ray.handles.RunPump`. :meth:`RayRanks.shutdown` kills every actor and
+removes the placement group. The one-shot launcher starts, runs once and shuts down; a pool on
+Ray keeps the ranks between runs.
 """
 
 from __future__ import annotations

@@ -2,16 +2,13 @@
 
 :func:`~nbaccel.launch.worker.process.run_body` opens it on the rank's control pipe before the function
 starts and closes it after; code inside the function (the notebook tracker) finds it with
-:func:`current_channel`. Outside an nbaccel launch, or under a launcher without a control pipe
-(torch's elastic agent on several machines), there is none. Like the identity, a channel is per
-process, or per thread for XLA replica threads that share one process.
+:func:`current_channel`. Outside an nbaccel launch, or under torch's elastic agent, there is none.
+A channel is per process, or per thread for XLA replica threads that share one process.
 
 Messages are :mod:`~nbaccel.launch.frames` on the same pipe as the ``result`` frame; a lock keeps
-frames from two threads of one worker from interleaving. Frequent small messages (a record per
-training step) are posted, not sent: they go out together at most every ``flush_interval``
-(0.2 s), and when the channel closes. Each frame wakes the launching process, and on a machine
-whose cores the workers already fill, a wake-up per step slowed a 2-process DDP loop by a
-quarter (``benchmarks/tracking.py``); one per 0.2 s costs nothing measurable.
+frames from two threads from interleaving. Frequent small messages are posted, not sent: they go
+out together at most every ``flush_interval`` (0.2 s), and when the channel closes (a wake-up per
+step slowed a 2-process DDP loop by a quarter, ``benchmarks/tracking.py``).
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """Text progress bars in workers forked from a Jupyter kernel: ``tqdm.auto`` picks the console bar there.
 
 ``tqdm.auto`` chooses its notebook bar (an ipywidget) when ``ipykernel.zmqshell`` is imported,
-which is true in every worker forked from a kernel. A widget made in a worker cannot reach the
-frontend (the kernel refuses messages "sent from fork"), so the bar would silently vanish. In a
-worker, :func:`use_console_tqdm` makes ``tqdm.auto`` and ``tqdm.autonotebook`` give the text bar
-instead: rebound where the notebook had already imported them, and chosen by tqdm's own
-detection, with the kernel module hidden while it runs, where they are imported later. The text
-bar's ``\\r`` redraws then reach the status panel as one bar per rank
-(:class:`~nbaccel.launch.output.OutputRelay`). A ``tqdm`` name the notebook itself bound to the
-notebook bar (``from tqdm.auto import tqdm`` in a notebook cell) is the notebook's class and
-stays so; import it inside the launched code.
+which is true in every worker forked from a kernel, and a widget made in a worker cannot reach the
+frontend. In a worker, :func:`use_console_tqdm` makes ``tqdm.auto`` and ``tqdm.autonotebook`` give
+the text bar instead, whose ``\\r`` redraws reach the status panel as one bar per rank. A ``tqdm``
+name a notebook cell bound to the notebook bar (``from tqdm.auto import tqdm``) stays the
+notebook's class; import it inside the launched code.
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
 """A worker's descendants end with it: the worker is a child subreaper that kills and reaps them.
 
-A worker's process group holds what it starts, and the launch kills that group. A daemon leaves
-the group (``setsid``, ``start_new_session=True``, a double fork): ``killpg`` cannot reach it, and
-once its parent exits Linux hands it to the nearest *child subreaper* ancestor, else to init.
-Each worker marks itself a child subreaper (``PR_SET_CHILD_SUBREAPER``), so every orphan below it
-becomes its direct child; when the worker ends it SIGKILLs its children and reaps them, round
-after round (a killed child's own children are orphaned to the worker in turn), until none is left.
+A daemon leaves the worker's process group (``setsid``, a double fork), so ``killpg`` cannot reach
+it. Each worker marks itself a child subreaper (``PR_SET_CHILD_SUBREAPER``), so every orphan below
+it becomes its direct child; when the worker ends it SIGKILLs and reaps its children, round after
+round, until none is left.
 
-What always holds: a worker that ends by returning, raising, being interrupted, or being stopped
-with ``SIGTERM`` (how a launch stops its ranks, and how a pool closes) leaves no descendant
-running, in its process group or out of it. Not covered (Linux gives the worker no chance to act):
-a worker killed by ``SIGKILL`` (the grace after ``SIGTERM`` passed, the OOM killer, its owner
-SIGKILLed); then what left its group lives on under init. Reparented orphans that exit while the
-worker runs stay zombies until it ends (reaping them earlier could take an exit status that a
-``subprocess.Popen`` in the worker is waiting for).
+What always holds: a worker that ends by returning, raising, being interrupted, or ``SIGTERM``
+leaves no descendant running. Not covered: a worker killed by ``SIGKILL`` (what left its group
+then lives on under init). Reparented orphans that exit while the worker runs stay zombies until
+it ends (reaping them earlier could take an exit status a ``subprocess.Popen`` waits for).
 """
 
 from __future__ import annotations

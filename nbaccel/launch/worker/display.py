@@ -1,22 +1,13 @@
 """What a worker displays travels to the launching cell: a socket-less IPython shell in each worker.
 
 In a worker, ``get_ipython()`` answers a :class:`WorkerShell`: an ``InteractiveShell`` that owns no
-socket and runs no code, so ``IPython.display.display``, ``update_display`` and ``clear_output``
-(however they were imported, even before the fork) find it, format objects as the notebook would,
-and hand the bundle to its :class:`ForwardingPublisher`. That publisher flushes the rank's printed
-text, then writes the bundle as a ``display`` (or ``clear_output``) frame on the rank's control
-pipe, and a mark in the rank's stdout, so the supervisor publishes it between the lines printed
-before it and after it.
-
-Libraries see a terminal, not a notebook: the shell's config names no ``IPKernelApp`` and its class
-is not ``ZMQInteractiveShell``, the two tests libraries use to detect a notebook (``tqdm.auto``'s
-own test is handled in :mod:`nbaccel.launch.worker.kernel_cutoff`).
-Widgets cannot live in a worker (their model would sit in a process the browser cannot reach):
-a widget bundle is dropped with a one-line note, once per worker.
-
-Cost when nothing is displayed: the shell (built without ``__init__``: no history, no magics) is
-made once in the caller and installed in each forked worker, about 0.5 ms per worker with the kernel
-cut-off; where IPython is not imported yet (a spawned worker), an import hook installs it on first use.
+socket and runs no code, so ``display``, ``update_display`` and ``clear_output`` find it and hand
+the formatted bundle to its :class:`ForwardingPublisher`, which flushes the rank's text, writes the
+bundle as a frame on the control pipe and a mark in stdout (docs/architecture.md, Kernel cut-off
+and displays). Libraries see a terminal, not a notebook (no ``IPKernelApp``, not a
+``ZMQInteractiveShell``). A widget bundle is dropped with a one-line note, once per worker.
+The shell is built once in the caller without ``__init__`` (about 0.5 ms per forked worker); a
+spawned worker gets it from an import hook on first use of IPython.
 """
 
 from __future__ import annotations

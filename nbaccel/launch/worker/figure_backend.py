@@ -1,11 +1,8 @@
 """The matplotlib backend of a worker: ``plt.show()`` displays each open figure as a PNG, like the inline backend.
 
-Workers use it as ``module://nbaccel.launch.worker.figure_backend`` (set by
-:func:`nbaccel.launch.worker.display.route_figures`) when the notebook's backend is the inline one
-or none was chosen. It draws with Agg; ``show()`` hands every open figure to
-``IPython.display.display``, which the worker forwards to the launching cell, then closes them.
-Figures still open when the worker's function returns are shown then, as the inline backend
-shows a cell's figures when the cell ends.
+Set by :func:`nbaccel.launch.worker.display.route_figures` when the notebook's backend is the
+inline one or none was chosen. It draws with Agg; ``show()`` displays every open figure (forwarded
+to the launching cell) and closes it; figures still open when the function returns are shown then.
 """
 
 from __future__ import annotations

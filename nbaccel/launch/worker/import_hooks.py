@@ -1,9 +1,8 @@
 """Running a callback right after a module is first imported (a worker adapts libraries it loads later).
 
-A spawned worker imports IPython or ``comm`` only if and when the user's code does; paying for
-those imports up front in every worker would cost more than the whole fork launch. Instead
-:func:`when_imported` leaves one finder on ``sys.meta_path`` that wraps the named module's
-loader, so the callback runs once that module has finished executing.
+A spawned worker imports IPython or ``comm`` only when the user's code does (paying for them up
+front would cost more than a whole fork launch), so :func:`when_imported` leaves one finder on
+``sys.meta_path`` that wraps the named module's loader and runs the callback once it executed.
 """
 
 from __future__ import annotations

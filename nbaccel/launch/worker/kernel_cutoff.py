@@ -1,24 +1,14 @@
 """Cutting a worker off the Jupyter kernel it was forked from.
 
-A worker forked from a kernel inherits the kernel's ZeroMQ sockets and the Python objects that
-use them: the IPython shell singleton, ipykernel's ``Kernel`` and ``IPKernelApp``, its display
-hook, the comm functions ipywidgets call, and the session that signs and sends every message. A
-forked copy of that machinery must never be used: several processes would write to one socket
-(ipykernel's own fork check instead dumps the messages onto the kernel's stderr, the Jupyter
-server's log). :func:`detach_from_kernel` makes all of it unreachable, in this order:
-
-- the session's ``send`` drops messages (noting once, on the rank's stderr, what was dropped);
-- ``get_ipython()`` no longer answers the kernel's shell (:mod:`nbaccel.launch.worker.display`
-  installs a socket-less one), and ipykernel's singletons are cleared;
-- ``sys.displayhook`` / ``sys.excepthook`` are Python's own again;
-- ``comm.create_comm`` builds a comm that sends nothing, with the widget note;
-- ``ipykernel.zmqshell`` leaves ``sys.modules`` (``tqdm.auto`` tests for it to pick its widget
-  bar); a ``tqdm.auto`` imported in the notebook before the fork is pointed at the text bar, and
-  the worker's copy of ``tqdm.notebook``'s class loses its widget methods, so a bar class the
-  notebook's names already hold draws as text too.
-
-Nothing is imported here: each step applies to what the worker has loaded, and the comm step
-also to a ``comm`` package imported later (:mod:`nbaccel.launch.worker.import_hooks`).
+A worker forked from a kernel inherits the kernel's ZeroMQ sockets and the objects that use them
+(the shell singleton, ipykernel's ``Kernel`` and ``IPKernelApp``, the display hook, the comm
+functions, the session); several processes must never write to one socket. :func:`detach_from_kernel`
+makes all of it unreachable, in this order: the session's ``send`` drops messages (noted once on
+the rank's stderr); ``get_ipython()`` no longer answers the kernel's shell and ipykernel's
+singletons are cleared; ``sys.displayhook`` / ``sys.excepthook`` are Python's own again;
+``comm.create_comm`` builds a comm that sends nothing; ``ipykernel.zmqshell`` leaves
+``sys.modules`` and ``tqdm.auto`` / ``tqdm.notebook`` draw text bars. Nothing is imported here: each
+step applies to what the worker has loaded (a ``comm`` imported later: :mod:`nbaccel.launch.worker.import_hooks`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Entry point of a spawned worker: ``python -m nbaccel.launch.worker.trampoline SPEC_FILE PAYLOAD_FILE``.
 
-The spec (rank, environment, descriptors) and the cloudpickled ``(function, args, kwargs)`` come
-from private files the supervisor wrote; the worker's fd 1 and 2 are already the supervisor's
-pipes. CUDA tensors in the payload (spawn is chosen when the notebook uses CUDA) arrive on this
-worker's own GPU: unpickled as saved they would land on the notebook's ``cuda:N`` in every rank,
-each creating a context there before the worker picks its device.
+The spec and the cloudpickled ``(function, args, kwargs)`` come from private files the supervisor
+wrote; fd 1 and 2 are already its pipes. CUDA tensors in the payload arrive on this worker's own
+GPU, not on the notebook's ``cuda:N`` (which would create a context there in every rank).
 """
 
 from __future__ import annotations

@@ -1,43 +1,23 @@
 """Launching on TPUs (and torch_xla's CPU runtime) through ``torch_xla.launch``, with nbaccel's promises.
 
 ``torch_xla.launch`` starts one process per TPU chip and, inside each, one thread per XLA device
-(two per chip on TPU v2/v3, one on v4 and later; on the CPU runtime ``CPU_NUM_DEVICES`` threads
-in one process). It discards what the function returns. nbaccel wraps it like this::
-
-    notebook (supervisor)  ──fork──►  host process (own process group)
-        ▲  per-rank pipes                 └─ torch_xla.launch(start_method="fork")
-        │  ctl / stdout / stderr               └─ replica process × chips
-        └──────────────────────────────────────────└─ replica thread × devices per chip
-
-The caller creates a control, stdout and stderr pipe per rank before forking the host, so every
-replica, whichever process or thread it runs in, reports ``started`` / ``result`` / ``error``
-frames on its own pipe and the usual :class:`~nbaccel.launch.supervisor.Supervisor` reads them,
-with the host as its ``host`` (not a rank): output arrives labelled per rank, results of any
-size come back (moved to CPU), and the first failure is raised with its remote traceback. Every
-replica runs the same worker body as a local worker (:func:`~nbaccel.launch.worker.process.run_body`),
-with its :class:`~nbaccel.identity.WorkerIdentity` set for its thread when replicas share a
-process, so ``ProcessState``, ``%%accel_launch`` cells and the collectives see its own rank.
-
-Output: a replica process that holds one replica points its fd 1 and 2 at that rank's pipes, so
-even C++ output is labelled. Where several replica threads share a process, only Python-level
-writes to ``sys.stdout`` / ``sys.stderr`` from the replica's own thread are labelled with its
-rank; what native code, other threads, or handlers bound to the original streams write is shown
-with the ``[xla]`` label.
+(on the CPU runtime ``CPU_NUM_DEVICES`` threads in one process), and discards what the function
+returns. nbaccel forks a host process (its own process group) that calls it; the caller creates a
+control, stdout and stderr pipe per rank before forking, so every replica reports on its own pipes
+to the usual supervisor, with the host as its ``host`` (not a rank). Every replica runs the local
+worker body (:func:`~nbaccel.launch.worker.process.run_body`), with its identity set per thread
+when replicas share a process. Where replica threads share a process, only Python-level writes
+from the replica's own thread are labelled with its rank; the rest is shown as ``[xla]``.
 
 Where torch_xla limits the promises:
 
-- A replica cannot be stopped alone: the first failure stops the whole process group (SIGTERM,
-  then SIGKILL), which is what torch_xla does too.
-- When a replica process dies in native code (an XLA abort, an OOM kill), torch_xla only
-  reports a broken process pool, so every rank that had not reported is named, not the one
-  process that died; its Python stacks (``faulthandler``) are in the ``[xla]`` or rank output.
-- Replica processes are torch_xla's, not ours: they are tied to the host (they die with it),
-  the host dies with the caller, and the host's process group is killed when the launch ends,
-  so none outlives it, unless a replica starts its own session (``setsid``).
-- Only fork: the notebook must not have initialized the XLA runtime (it then holds the TPU and
-  no replica could use it); restarting the kernel is the only fix. Spawn is refused.
-- ``num_processes`` is 1 or every device the runtime reports (torch_xla's rule); another count
-  runs every device, with a note (any count works on the CPU runtime).
+- A replica cannot be stopped alone: the first failure stops the whole process group.
+- When a replica process dies in native code, torch_xla only reports a broken process pool, so
+  every rank that had not reported is named; its Python stacks are in the ``[xla]`` or rank output.
+- Replica processes are torch_xla's: they die with the host, the host with the caller, and the
+  host's process group is killed when the launch ends (unless a replica calls ``setsid``).
+- Only fork: the notebook must not have initialized the XLA runtime (then restart the kernel).
+- ``num_processes`` is 1 or every device the runtime reports (any count on the CPU runtime).
 """
 
 from __future__ import annotations
@@ -60,6 +40,7 @@ from nbaccel.environment import (
     apply_environment,
     worker_environment,
 )
+from nbaccel.host_memory import group_members
 from nbaccel.identity import WorkerIdentity, current_identity
 from nbaccel.launch.backend import Backend
 from nbaccel.launch.failures import ProcessExit
@@ -356,24 +337,8 @@ def _kill_group(pgid: int, wait: float = 10.0) -> None:
     except (ProcessLookupError, PermissionError):
         return
     deadline = time.monotonic() + wait
-    while _group_members(pgid) and time.monotonic() < deadline:
+    while group_members(pgid) and time.monotonic() < deadline:
         time.sleep(0.01)
-
-
-def _group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes of process group ``pgid``, read from ``/proc``."""
-    members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            members.append(int(entry))
-    return members
 
 
 LAUNCHER = XlaLauncher()
