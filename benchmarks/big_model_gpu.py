@@ -252,7 +252,7 @@ def llama_lines(results: dict[str, list[dict]], bus: float) -> str:
           prefill (s): nbaccel 1.000 [1.000-1.000]; accelerate 4.000 [4.000-4.000]; nbaccel/accelerate 0.25; bus limit 0.500 (nbaccel/limit 2.00)
           generation (tokens/s): nbaccel 4.00 [4.00-4.00]; accelerate 0.50 [0.50-0.50]; nbaccel/accelerate 8.00; bus limit 2.00
           load (s): nbaccel 2.00; accelerate 2.00; offloaded: nbaccel 0.93 GiB, accelerate 0.93 GiB
-    """
+    """  # noqa: E501 - the example's expected output: the lines as printed
     def spread(lib: str, value) -> tuple[float, float, float]:  # noqa: ANN001 - a function of a run
         got = [value(r) for r in results[lib]]
         return _med(got), min(got), max(got)

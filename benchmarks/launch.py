@@ -361,7 +361,7 @@ def main() -> None:
             return _child_repeated(args.child[1], int(args.child[2]))
         return _child(args.child[0], args.child[1], int(args.child[2]))
     try:
-        import accelerate  # noqa: F401
+        import accelerate  # noqa: F401 - only whether it imports
     except ImportError:
         print("accelerate not installed: its column is skipped (pip install accelerate)", file=sys.stderr)
         LAUNCHERS.pop("accelerate notebook_launcher")

@@ -30,6 +30,10 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jupyter_client import BlockingKernelClient
 
 WORKERS = """
 import os
@@ -81,9 +85,9 @@ def _caller_case(folder: Path, kind: str, how: str, amount: int) -> tuple[float,
     proc = subprocess.Popen([sys.executable, str(script), kind, how, str(amount)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     err: list[bytes] = []
-    reader = threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True)  # type: ignore[union-attr]
+    reader = threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True)  # type: ignore[union-attr]  # a PIPE
     reader.start()
-    while proc.stdout.read(1 << 20):  # type: ignore[union-attr]
+    while proc.stdout.read(1 << 20):  # type: ignore[union-attr]  # a PIPE
         pass
     proc.wait()
     reader.join()
@@ -116,7 +120,7 @@ notebook_launcher(lines, (10,), num_processes=2)
 class _IOPubCounter:
     """Drains the kernel's IOPub; counts stream messages and characters per request, notes idle."""
 
-    def __init__(self, client) -> None:
+    def __init__(self, client: BlockingKernelClient) -> None:
         self.client = client
         self.counts: dict[str, list[int]] = {}
         self.idle: dict[str, float] = {}
@@ -161,8 +165,8 @@ def kernel_table(folder: Path, lines: int, redraw_mb: int) -> None:
         counter.run(KERNEL_SETUP.format(folder=str(folder)))
         print("2. A real kernel's IOPub: stream messages sent, characters in them, seconds until idle")
         print(f"   {'case':<58} {'messages':>9} {'chars':>12} {'to idle s':>10}")
-        cases = [(f"2 ranks x 3,000 lines: notebook_launcher", "notebook_launcher(lines, (3000,), num_processes=2)"),
-                 (f"6,000 lines: plain print in the kernel", "lines(6000)"),
+        cases = [("2 ranks x 3,000 lines: notebook_launcher", "notebook_launcher(lines, (3000,), num_processes=2)"),
+                 ("6,000 lines: plain print in the kernel", "lines(6000)"),
                  (f"{lines:,} lines from 2 ranks: notebook_launcher",
                   f"notebook_launcher(lines, ({lines // 2},), num_processes=2)"),
                  (f"{lines:,} lines: plain print in the kernel", f"lines({lines})"),

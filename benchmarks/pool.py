@@ -25,12 +25,16 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402
+import torch
 
-from nbaccel import WorkerPool, notebook_launcher, worker_namespace  # noqa: E402
+from nbaccel import WorkerPool, notebook_launcher, worker_namespace
+
+if TYPE_CHECKING:
+    from IPython.core.interactiveshell import InteractiveShell
 
 WIDTH = 4096  # one Linear(4096, 4096) is 64 MiB of fp32 weights
 
@@ -58,7 +62,7 @@ def _accelerate_launcher() -> Callable[..., object] | None:
     return theirs
 
 
-def _shell():  # an in-process IPython shell with nbaccel's magics
+def _shell() -> InteractiveShell:  # an in-process IPython shell with nbaccel's magics
     from IPython.testing import globalipapp
 
     globalipapp.start_ipython()
@@ -67,7 +71,7 @@ def _shell():  # an in-process IPython shell with nbaccel's magics
     return shell
 
 
-def _cell(shell, source: str) -> Callable[[], None]:
+def _cell(shell: InteractiveShell, source: str) -> Callable[[], None]:
     def run() -> None:
         shell.run_cell(source).raise_error()
     return run

@@ -50,6 +50,7 @@ the pool pays that once, after which a DDP run returns faster than a local fork 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import socket
 import statistics
@@ -194,7 +195,7 @@ def serve(library: str, address: str) -> None:
     channel.write(f"{time.perf_counter() - started}\n")
     for line in sys.stdin:
         try:
-            channel.write(f"{_timed(lambda: runs[library](line.strip()))}\n")
+            channel.write(f"{_timed(functools.partial(runs[library], line.strip()))}\n")
         except Exception as error:  # noqa: BLE001 - reported to the parent, which stops
             channel.write(f"error: {type(error).__name__}: {error}\n".replace("\n", " ") + "\n")
     if pool is not None:
@@ -226,7 +227,8 @@ def warm(rounds: int) -> None:
             print(f"  nbaccel ray / nbaccel local    {_ratio(times['nbaccel ray'], times['nbaccel local'])}")
             print(f"  ray pool run / ray train       {_ratio(times['nbaccel ray pool'], times['ray train'])}")
             print(f"  ray pool run / nbaccel local   {_ratio(times['nbaccel ray pool'], times['nbaccel local'])}")
-        print(f"\nWorkerPool(4, backend='ray') start (actors, process group): {drivers['nbaccel ray pool'].started:.3f} s")
+        started = drivers["nbaccel ray pool"].started
+        print(f"\nWorkerPool(4, backend='ray') start (actors, process group): {started:.3f} s")
     finally:
         for driver in drivers.values():
             driver.close()

@@ -20,8 +20,12 @@ import os
 import tempfile
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jupyter_client.manager import start_new_kernel
+
+if TYPE_CHECKING:
+    from jupyter_client import BlockingKernelClient
 
 SETUP = """
 import time, statistics, importlib.util
@@ -81,7 +85,7 @@ print(f"RESULT  time inside the panel's callbacks: median {spent * 1000:.1f} ms 
 """
 
 
-def _drain(client, stop: threading.Event) -> None:
+def _drain(client: BlockingKernelClient, stop: threading.Event) -> None:
     while not stop.is_set():
         try:
             client.get_iopub_msg(timeout=0.2)
@@ -89,7 +93,7 @@ def _drain(client, stop: threading.Event) -> None:
             continue
 
 
-def _execute(client, code: str, timeout: float = 600) -> None:
+def _execute(client: BlockingKernelClient, code: str, timeout: float = 600) -> None:
     """Run ``code`` in the kernel and wait for it to finish."""
     msg_id = client.execute(code, store_history=False)
     reply = client.get_shell_msg(timeout=timeout)

@@ -23,11 +23,11 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+from torch import nn
 
-import nbaccel  # noqa: E402
-from nbaccel.widgets.status_panel import StatusPanel  # noqa: E402
+import nbaccel
+from nbaccel.widgets.status_panel import StatusPanel
 
 
 def train(rounds: int, steps: int) -> dict[str, list[float]]:

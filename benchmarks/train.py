@@ -19,12 +19,12 @@ from collections.abc import Callable
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-import nbaccel  # noqa: E402
+import nbaccel
 
 
 def make_model(width: int) -> nn.Module:
@@ -109,7 +109,8 @@ def main() -> None:
     rates = nbaccel.notebook_launcher(worker, (args.steps, args.width, args.batch_size, args.rounds),
                                       num_processes=args.processes, use_cpu=True, timeout=900)
     base = statistics.median(rates["hand-written DDP"])
-    print(f"{args.processes} CPU processes (gloo), MLP 64-{args.width}-{args.width}-10, batch {args.batch_size}/process, "
+    print(f"{args.processes} CPU processes (gloo), MLP 64-{args.width}-{args.width}-10, "
+          f"batch {args.batch_size}/process, "
           f"{args.steps} steps x {args.rounds} interleaved rounds; torch {torch.__version__}")
     print(f"{'implementation':<18} {'median steps/s':>14} {'min':>8} {'max':>8} {'vs DDP':>8} {'paired':>8}")
     for name, values in rates.items():

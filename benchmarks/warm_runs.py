@@ -30,18 +30,22 @@ def _child(case: str, runs: int) -> None:
 
     gc.freeze()
     from nbaccel.launch.payload import dumps_payload
+    import cloudpickle
+
     from nbaccel.launch.pool.fresh_task import run_fresh, snapshot_caller
+    from nbaccel.rank_lifecycle import RankLifecycle
 
     snapshot = snapshot_caller({"RANK": "0"})
+    lifecycle = cloudpickle.dumps(RankLifecycle())
     trivial = dumps_payload(int, (), {})
     if case == "after importing transformers":
-        run_fresh(snapshot, dumps_payload(__import__, ("transformers.modeling_utils",), {}))
+        run_fresh(snapshot, dumps_payload(__import__, ("transformers.modeling_utils",), {}), lifecycle)
     for _ in range(3):
-        run_fresh(snapshot, trivial)
+        run_fresh(snapshot, trivial, lifecycle)
     times = []
     for _ in range(runs):
         began = time.perf_counter()
-        run_fresh(snapshot, trivial)
+        run_fresh(snapshot, trivial, lifecycle)
         times.append(time.perf_counter() - began)
     print(json.dumps(statistics.median(times)))
 

@@ -37,6 +37,7 @@ __all__ = ["GpuSelection", "NvmlGpu", "cuda_device_count", "cuda_fork_poisoned",
            "nccl_p2p_workaround", "nvml_gpus", "run_in_fork", "select_gpus", "torch_cuda_built"]
 
 _PROBE_TIMEOUT_S = 20.0
+_REAP_TIMEOUT_S = 5.0  # after SIGKILL: only a process stuck in the kernel takes longer
 _MAX_COUNT = 200  # exit statuses carry 0..255; 255 means the probe itself failed
 
 
@@ -44,7 +45,7 @@ def run_in_fork(probe: Callable[[], int], timeout: float = _PROBE_TIMEOUT_S) -> 
     """Run ``probe()`` in a throwaway forked child and return what it returned (0..254).
 
     Returns ``None`` when the child could not start, raised, died of a signal, or ran past
-    ``timeout`` (it is killed then).
+    ``timeout`` (it is killed then; one that SIGKILL does not end within 5 s is left, with a warning).
 
     Example:
         >>> run_in_fork(lambda: 7)
@@ -66,18 +67,24 @@ def run_in_fork(probe: Callable[[], int], timeout: float = _PROBE_TIMEOUT_S) -> 
             os._exit(code)
     deadline = time.monotonic() + timeout
     pause = 0.0005
+    killed = False
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             break
         if time.monotonic() > deadline:
+            if killed:  # SIGKILL did not end it: stuck in the kernel (a hung driver call); not waited for forever
+                warnings.warn(f"the GPU probe (pid {pid}) did not exit within {_REAP_TIMEOUT_S:g}s of SIGKILL: it is "
+                              "stuck in the kernel, most likely in a hung GPU driver call, so nbaccel stopped waiting "
+                              f"and counts no GPU. Fix: see where it waits with `cat /proc/{pid}/stack`; `nvidia-smi` "
+                              "hanging too means the driver needs a reset or the machine a restart", stacklevel=2)
+                return None
             os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            return None
+            killed, deadline = True, time.monotonic() + _REAP_TIMEOUT_S
         time.sleep(pause)
         pause = min(pause * 2, 0.005)
     code = os.waitstatus_to_exitcode(status)
-    return code if 0 <= code < 255 else None
+    return code if 0 <= code < 255 and not killed else None
 
 
 def _cuda_built() -> bool:

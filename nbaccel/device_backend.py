@@ -72,8 +72,9 @@ def get_accelerator_free_memory(device_module: Any, device_index: int) -> int:
         >>> get_accelerator_free_memory(torch.cuda, 0)  # doctest: +SKIP
         84502347776
     """
-    if device_module is getattr(torch, "accelerator", None) and hasattr(device_module, "get_memory_info"):
-        return device_module.get_memory_info(device_index)[0]
+    accelerator = getattr(torch, "accelerator", None)  # torch's device-generic module (torch >= 2.6)
+    if accelerator is not None and device_module is accelerator and hasattr(accelerator, "get_memory_info"):
+        return accelerator.get_memory_info(device_index)[0]
     return device_module.mem_get_info(device_index)[0]
 
 

@@ -18,7 +18,7 @@ import dataclasses
 import json
 import os
 import socket
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,16 +43,12 @@ __all__ = [
     "clear_environment",
     "config_file_path",
     "env_flag",
-    "get_int_from_env",
-    "parse_choice_from_env",
-    "parse_flag_from_env",
     "patch_environment",
     "read_distributed_env",
     "read_worker_settings",
     "replace_environment",
     "settings_from_fields",
     "single_process_environment",
-    "str_to_bool",
     "temporary_environment",
     "without_outer_job",
     "worker_environment",
@@ -182,43 +178,6 @@ def env_flag(env: Mapping[str, str], name: str) -> bool:
         return False
     raise ConfigError(f"environment variable {name} must be 0 or 1 (got {raw!r})",
                       key=name, value=raw, valid=("0", "1"))
-
-
-def str_to_bool(value: str, to_bool: bool = False) -> int | bool:
-    """Accelerate's ``str_to_bool``: ``"yes"``/``"true"``/``"on"``/``"1"``... -> 1, negatives -> 0 (or bools).
-
-    Raises:
-        ValueError: any other text, as in Accelerate.
-
-    Example:
-        >>> str_to_bool("Yes"), str_to_bool("off", to_bool=True)
-        (1, False)
-    """
-    value = value.lower()
-    if value in ("y", "yes", "t", "true", "on", "1"):
-        return True if to_bool else 1
-    if value in ("n", "no", "f", "false", "off", "0"):
-        return False if to_bool else 0
-    raise ValueError(f"invalid truth value {value!r}; use one of yes/no, true/false, on/off, 1/0")
-
-
-def parse_flag_from_env(key: str, default: bool = False) -> bool:
-    """The environment variable ``key`` read as a yes/no flag (``default`` when unset)."""
-    return str_to_bool(os.environ.get(key, str(default))) == 1
-
-
-def parse_choice_from_env(key: str, default: str = "no") -> str:
-    """The environment variable ``key`` as it is (``default`` when unset)."""
-    return os.environ.get(key, str(default))
-
-
-def get_int_from_env(env_keys: Sequence[str], default: int) -> int:
-    """The first of ``env_keys`` set to an int >= 0 (``default`` when none is), as Accelerate reads ranks."""
-    for key in env_keys:
-        value = int(os.environ.get(key, -1))
-        if value >= 0:
-            return value
-    return default
 
 
 def _choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:

@@ -1,7 +1,8 @@
 """Accelerate's ``accelerate.hooks`` import path: re-exports only, so ``from accelerate.hooks import X`` ports as is.
 
 Nothing is defined here; the hooks live in :mod:`nbaccel.big_modeling.hooks` (the protocol and the
-device/offload hooks), :mod:`nbaccel.big_modeling.hook_attach` (attaching them to a module tree)
+device/offload hooks), :mod:`nbaccel.big_modeling.cpu_offload_hook` (a whole model on CPU),
+:mod:`nbaccel.big_modeling.hook_attach` (attaching them to a module tree)
 and :mod:`nbaccel.big_modeling.layerwise_casting`.
 """
 
@@ -13,12 +14,11 @@ from nbaccel.big_modeling.hook_attach import (
     attach_execution_device_hook,
     remove_hook_from_submodules,
 )
+from nbaccel.big_modeling.cpu_offload_hook import CpuOffload, UserCpuOffloadHook
 from nbaccel.big_modeling.hooks import (
     AlignDevicesHook,
-    CpuOffload,
     ModelHook,
     SequentialHook,
-    UserCpuOffloadHook,
     add_hook_to_module,
     remove_hook_from_module,
 )

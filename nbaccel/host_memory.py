@@ -17,7 +17,10 @@ tightest one binds (a parent's limit caps its children); a cgroup's headroom is 
 its usage less the inactive page cache (which the kernel reclaims before it OOM-kills, as
 Docker's and the kubelet's "working set" count it); a file that is missing or unreadable is
 skipped, never an error (no cgroup, not Linux, a hybrid layout whose v2 half has no memory
-controller). psutil is imported on first use, not with nbaccel (it takes about 30 ms).
+controller). psutil is imported on first use, not with nbaccel (it takes 20-50 ms). The two facts
+every launch's preflight asks (free memory, open descriptors) are read on Linux from the same
+``/proc`` files psutil reads, so a process's first launch does not pay that import
+(``benchmarks/launch_trees.py``: an empty 2-process first launch went from 65 to 118 ms with it).
 """
 
 from __future__ import annotations
@@ -152,17 +155,31 @@ def cgroup_memory(proc: str = "/proc/self") -> CgroupMemory | None:
     return tightest
 
 
+def _meminfo_available() -> int | None:
+    """``MemAvailable`` from ``/proc/meminfo`` in bytes (psutil's ``available`` on Linux), ``None`` elsewhere."""
+    try:
+        with open("/proc/meminfo", "rb") as meminfo:
+            for line in meminfo:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def available_memory(proc: str = "/proc/self", free: int | None = None) -> int:
     """Bytes this process may still take: the least of the free memory and its cgroup's headroom.
 
     Args:
         proc: where to read ``cgroup`` and ``mountinfo`` (a test points it at its own files).
-        free: the machine's free memory; default psutil's ``available`` (``MemAvailable`` on Linux).
+        free: the machine's free memory; default ``MemAvailable`` (psutil's ``available`` where there is none).
 
     Example:
         >>> available_memory() > 0
         True
     """
+    if free is None:
+        free = _meminfo_available()
     if free is None:
         import psutil
 
@@ -194,6 +211,10 @@ def open_descriptors() -> int | None:
         >>> open_descriptors() >= 3   # stdin, stdout, stderr at least
         True
     """
+    try:
+        return len(os.listdir("/proc/self/fd"))  # what psutil counts on Linux (its own listing included)
+    except OSError:  # not Linux
+        pass
     import psutil
 
     try:

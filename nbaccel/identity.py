@@ -17,9 +17,8 @@ import threading
 from dataclasses import dataclass
 
 from nbaccel.environment import DistributedEnv, read_distributed_env
-from nbaccel.rank_resets import register_rank_reset
 
-__all__ = ["WorkerIdentity", "clear_identity", "current_identity", "set_identity"]
+__all__ = ["WorkerIdentity", "clear_identity", "current_identity", "rank_generation", "set_identity", "start_afresh"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +60,7 @@ class WorkerIdentity:
 
 _process: WorkerIdentity | None = None
 _thread = threading.local()
+_generation = 0
 
 
 def set_identity(identity: WorkerIdentity | None, *, thread: bool = False) -> None:
@@ -83,7 +83,26 @@ def clear_identity() -> None:
     _thread.__dict__.clear()
 
 
-register_rank_reset("nbaccel.identity", clear_identity)  # a rank that starts afresh is nobody until its launcher says
+def start_afresh() -> None:
+    """This process becomes a rank that must not see what ran in it before: it is nobody until its launcher says.
+
+    Forgets every identity and begins a new rank generation; state kept per process (the process state
+    of :mod:`nbaccel.process_state`) belongs to the generation it was made in and is dropped when next
+    read in a newer one. A launcher calls it through its rank lifecycle
+    (:class:`nbaccel.rank_lifecycle.RankLifecycle`) in a fresh worker and before each warm-rank task.
+
+    Example:
+        >>> before = rank_generation(); start_afresh(); rank_generation() - before
+        1
+    """
+    global _generation
+    clear_identity()
+    _generation += 1
+
+
+def rank_generation() -> int:
+    """How many times this process has started afresh as a rank (0 in a process no launcher reused)."""
+    return _generation
 
 
 def current_identity() -> WorkerIdentity | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 
@@ -100,9 +100,11 @@ def check_tied_parameters_in_config(model: nn.Module) -> bool:
     if "PreTrainedModel" not in [c.__name__ for c in inspect.getmro(type(model))]:
         return False
     config = getattr(model, "config", None)
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    get_text_config = getattr(config, "get_text_config", None)
+    text = get_text_config(decoder=True) if get_text_config is not None else config
+    pretrained = cast(Any, model)  # a transformers PreTrainedModel (checked above), untyped here
     word_embeddings = bool(text is not None and getattr(text, "tie_word_embeddings", False)
-                           and model.get_output_embeddings())
+                           and pretrained.get_output_embeddings())
     encoder_decoder = bool(getattr(config, "is_encoder_decoder", False)
                            and getattr(config, "tie_encoder_decoder", False))
     return word_embeddings or encoder_decoder or any(hasattr(m, "_tie_weights") for m in model.modules())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -55,9 +55,9 @@ def recursively_apply(func: Callable[..., Any], data: Any, *args: Any,
                                    **kwargs) for o in data]
         return type(data)(*items) if hasattr(data, "_fields") else type(data)(items)
     if isinstance(data, Mapping):
-        return type(data)({k: recursively_apply(func, v, *args, test_type=test_type,
-                                                error_on_other_type=error_on_other_type, **kwargs)
-                           for k, v in data.items()})
+        return _mapping_like(data, {k: recursively_apply(func, v, *args, test_type=test_type,
+                                                         error_on_other_type=error_on_other_type, **kwargs)
+                                    for k, v in data.items()})
     if test_type(data):
         return func(data, *args, **kwargs)
     if error_on_other_type:
@@ -105,8 +105,9 @@ def send_to_device(tensor: Any, device: torch.device | str | int, non_blocking: 
         items = [send_to_device(o, device, non_blocking, skip_keys) for o in tensor]
         return type(tensor)(*items) if hasattr(tensor, "_fields") else type(tensor)(items)
     if isinstance(tensor, Mapping):
-        return type(tensor)({k: v if skip_keys and k in skip_keys
-                             else send_to_device(v, device, non_blocking, skip_keys) for k, v in tensor.items()})
+        return _mapping_like(tensor, {k: v if skip_keys and k in skip_keys
+                                      else send_to_device(v, device, non_blocking, skip_keys)
+                                      for k, v in tensor.items()})
     return tensor
 
 
@@ -126,7 +127,7 @@ def concatenate(data: list[Any], dim: int = 0) -> Any:
     if isinstance(first, (tuple, list)):
         return honor_type(first, (concatenate([d[i] for d in data], dim=dim) for i in range(len(first))))
     if isinstance(first, Mapping):
-        return type(first)({k: concatenate([d[k] for d in data], dim=dim) for k in first})
+        return _mapping_like(first, {k: concatenate([d[k] for d in data], dim=dim) for k in first})
     if torch.is_tensor(first):
         return torch.cat(data, dim=dim)
     if isinstance(data, (tuple, list)) and len(data) == 1:
@@ -164,6 +165,13 @@ def is_namedtuple(data: Any) -> bool:
         (True, False)
     """
     return isinstance(data, tuple) and hasattr(data, "_asdict") and hasattr(data, "_fields")
+
+
+def _mapping_like(template: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
+    """``items`` in a mapping of ``template``'s type (as Accelerate rebuilds them)."""
+    # Mapping's own __init__ takes nothing, but the mappings batches hold (dict, OrderedDict,
+    # BatchEncoding...) are built from a dict.
+    return cast(Callable[[dict[Any, Any]], Any], type(template))(items)
 
 
 def honor_type(obj: Any, generator: Any) -> Any:

@@ -7,9 +7,10 @@ under them can deadlock).
 
 A process keeps one shared state (as Accelerate's ``PartialState`` does) so that every
 ``Accelerator`` in it agrees; launched workers drop whatever state they inherited through fork
-(:func:`reset_process_state`, registered in :mod:`nbaccel.rank_resets`), so an ``Accelerator``
-made in the notebook never leaks into them. A warm rank joins its group through
-:func:`join_pool_group`, registered there too. Accelerate's names for this state
+(a launcher's rank lifecycle starts a new rank generation, :func:`nbaccel.identity.start_afresh`, and
+the state of an older generation is dropped when next read), so an ``Accelerator`` made in the
+notebook never leaks into them. Device and backend choices, and joining the group, are
+:mod:`nbaccel.process_group`'s rules, which a warm rank's join shares. Accelerate's names for this state
 (``PartialState``, ``AcceleratorState``) build on it in :mod:`nbaccel.partial_state`, and
 :mod:`nbaccel.state` gathers them at Accelerate's import path.
 """
@@ -26,15 +27,11 @@ import torch
 from nbaccel.distributed_type import DistributedType
 from nbaccel.environment import MixedPrecision, read_worker_settings
 from nbaccel.errors import ConfigError
-from nbaccel.hardware import cuda_device_count, tpu_detected
-from nbaccel.identity import WorkerIdentity, current_identity
-from nbaccel.rank_resets import register_rank_reset
+from nbaccel.identity import WorkerIdentity, current_identity, rank_generation
+from nbaccel.process_group import CUDA_WITH_CPU_BACKEND, choose_backend, choose_device, join_process_group
 
-__all__ = ["CUDA_WITH_CPU_BACKEND", "ProcessState", "is_initialized", "join_pool_group", "reset_process_state",
-           "shared_state", "wait_for_everyone"]
-
-CUDA_WITH_CPU_BACKEND = "cuda:nccl,cpu:gloo"
-
+__all__ = ["CUDA_WITH_CPU_BACKEND", "ProcessState", "is_initialized", "reset_process_state", "shared_state",
+           "wait_for_everyone"]
 
 def _fsdp_needs_cpu_collectives(settings: Any) -> bool:
     """Accelerate's rule: an FSDP launch that offloads parameters or gathers full state dicts reduces CPU tensors."""
@@ -49,9 +46,16 @@ _lock = threading.Lock()
 _shared: dict[str, Any] = {}
 # XLA replicas that run as threads of one process (TPU v2/v3, the CPU runtime) each get their own state.
 _per_replica: dict[int, dict[str, Any]] = {}
+_generation = rank_generation()  # the rank generation the kept state belongs to
 
 
 def _state_dict(identity: WorkerIdentity | None) -> dict[str, Any]:
+    global _generation
+    if _generation != rank_generation():  # this process started afresh as a rank: what an older one left goes
+        with _lock:  # once: XLA replica threads may all ask first, and none may clear what another just made
+            if _generation != rank_generation():
+                reset_process_state()
+                _generation = rank_generation()
     if identity is None or not identity.shares_process:
         return _shared
     with _lock:
@@ -111,7 +115,7 @@ class ProcessState:
             self.local_num_processes = dist.local_world_size if dist else 1
             self.node_rank = dist.node_rank if dist else 0
             self.mixed_precision: MixedPrecision = settings.mixed_precision
-            self.device = self._pick_device(settings.distributed_type)
+            self.device: torch.device = self._pick_device(settings.distributed_type)
             self.backend = backend or self._pick_backend(cpu_collectives or _fsdp_needs_cpu_collectives(settings))
             self.distributed_type: DistributedType = self._pick_type(settings.distributed_type)
             self._timeout = timeout
@@ -121,22 +125,10 @@ class ProcessState:
 
     # ------------------------------------------------------------------ choices
     def _pick_device(self, requested: str) -> torch.device:
-        if not self.use_cpu and (requested == "XLA" or (requested == "NO" and tpu_detected())):
-            import torch_xla
-
-            return torch_xla.device()
-        gpus = 0 if self.use_cpu else cuda_device_count()  # NVML: an Accelerator() in a notebook keeps fork safe
-        if gpus:
-            return torch.device("cuda", self.local_process_index % gpus)
-        return torch.device("cpu")
+        return choose_device(self.use_cpu, requested, self.local_process_index)
 
     def _pick_backend(self, cpu_collectives: bool = False) -> str:
-        if self.device.type == "xla":
-            return "xla"
-        if self.device.type != "cuda":
-            return "gloo"
-        # Plain NCCL carries CUDA tensors only; CPU-offloaded FSDP2 reduces CPU DTensors (torch issue 148532).
-        return CUDA_WITH_CPU_BACKEND if cpu_collectives else "nccl"
+        return choose_backend(self.device, cpu_collectives)
 
     def _pick_type(self, requested: str) -> DistributedType:
         if self.device.type == "xla":
@@ -170,26 +162,9 @@ class ProcessState:
 
     # ------------------------------------------------------------------ process group
     def init_process_group(self) -> None:
-        """Join the process group from the environment (``env://``);
-        only make this rank's GPU current if joined already.
-
-        Whoever made an existing group (user code, a pool, a script's own ``init_process_group``),
-        this rank's current CUDA device is set from its local rank: otherwise every rank's stays
-        ``cuda:0``, and object collectives and NCCL's own buffers all land on GPU 0.
-        """
-        import torch.distributed as dist
-
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        if dist.is_initialized():
-            return
-        kwargs: dict[str, Any] = {"backend": self.backend, "rank": self.process_index,
-                                  "world_size": self.num_processes}
-        if self._timeout is not None:
-            kwargs["timeout"] = self._timeout
-        if self.device.type == "cuda":
-            kwargs["device_id"] = self.device
-        dist.init_process_group(**kwargs)
+        """Join the process group from the environment (``env://``); only make this rank's GPU current if joined
+        already (:func:`nbaccel.process_group.join_process_group`)."""
+        join_process_group(self.device, self.backend, self.process_index, self.num_processes, self._timeout)
 
     def destroy_process_group(self) -> None:
         """Leave the process group, collecting dead DDP modules first (avoids a gloo teardown hang)."""
@@ -240,24 +215,6 @@ def reset_process_state() -> None:
     """Forget the shared state (called in a fresh worker, which must read its own environment)."""
     _shared.clear()
     _per_replica.clear()
-
-
-register_rank_reset("nbaccel.process_state", reset_process_state)
-
-
-def join_pool_group() -> str:
-    """Join the process group of a warm rank (a pool's, once for the pool's life); returns this rank's device.
-
-    The pool's group outlives any one task, and a later task's ``Accelerator(fsdp_plugin=...cpu_offload)``
-    reduces CPU shards: on GPUs the group carries CPU tensors too (``cuda:nccl,cpu:gloo``), as
-    Accelerate's FSDP jobs do.
-
-    Example:
-        >>> join_pool_group()   # one process, no GPU: nothing to join
-        'cpu'
-    """
-    return str(ProcessState(cpu_collectives=True).device)
-
 
 
 def is_initialized() -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -157,7 +157,9 @@ def _split(inputs: Any, n: int, rank: int, apply_padding: bool) -> Any:
         if len(set(lengths.values())) > 1:
             raise ConfigError(f"split_between_processes needs dict values of one length (got lengths {lengths})",
                               key="inputs", value=lengths, valid="equal lengths")
-        return type(inputs)({k: _split(v, n, rank, apply_padding) for k, v in inputs.items()})
+        # Mapping's own __init__ takes nothing, but the mappings split here (dict, BatchEncoding...) take a dict
+        return cast(Callable[[dict[Any, Any]], Any], type(inputs))({k: _split(v, n, rank, apply_padding)
+                                                                    for k, v in inputs.items()})
     length = len(inputs)
     per, extra = divmod(length, n)
     start = rank * per + min(rank, extra)

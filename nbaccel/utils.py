@@ -101,13 +101,15 @@ from nbaccel.device_backend import (
 from nbaccel.distributed_type import (
     DistributedType,
 )
-from nbaccel.environment import (
-    clear_environment,
+from nbaccel.env_flags import (
     get_int_from_env,
     parse_choice_from_env,
     parse_flag_from_env,
-    patch_environment,
     str_to_bool,
+)
+from nbaccel.environment import (
+    clear_environment,
+    patch_environment,
 )
 from nbaccel.errors import (
     DistributedOperationException,

@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_checks, here and in spawned workers
 
-from gpu_checks import CHECKS, model_checks, workers  # noqa: E402
-from gpu_checks.runner import Check, Skip, expect, launch, line, run_checks  # noqa: E402
+from gpu_checks import CHECKS, model_checks, workers
+from gpu_checks.runner import Check, Skip, expect, launch, line, run_checks
 
 __all__ = ["CHECKS", "Check", "Skip", "expect", "launch", "line", "main", "model_checks", "run_checks", "workers"]
 

@@ -25,9 +25,13 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from nbaccel import Accelerator
 
 CHECKS: list[tuple[str, Callable[..., object]]] = []
 
@@ -40,7 +44,7 @@ def check(name: str) -> Callable[[Callable[..., object]], Callable[..., object]]
 
 
 @check("accelerator sees its replica")
-def _identity(acc, rank: int, world: int, folder: str) -> None:
+def _identity(acc: Accelerator, rank: int, world: int, folder: str) -> None:
     assert (acc.process_index, acc.num_processes) == (rank, world), \
         f"Accelerator says rank {acc.process_index} of {acc.num_processes}, torch_xla says {rank} of {world}"
     import torch_xla
@@ -49,20 +53,20 @@ def _identity(acc, rank: int, world: int, folder: str) -> None:
 
 
 @check("gather")
-def _gather(acc, rank: int, world: int, folder: str) -> None:
+def _gather(acc: Accelerator, rank: int, world: int, folder: str) -> None:
     got = acc.gather(torch.tensor([float(rank)], device=acc.device)).cpu().tolist()
     assert got == [float(r) for r in range(world)], got
 
 
 @check("reduce sum and mean")
-def _reduce(acc, rank: int, world: int, folder: str) -> None:
+def _reduce(acc: Accelerator, rank: int, world: int, folder: str) -> None:
     total = acc.reduce(torch.tensor([rank + 1.0], device=acc.device), "sum").cpu().item()
     mean = acc.reduce(torch.tensor([rank + 1.0], device=acc.device), "mean").cpu().item()
     assert total == world * (world + 1) / 2 and abs(mean - (world + 1) / 2) < 1e-6, (total, mean)
 
 
 @check("broadcast from rank 0")
-def _broadcast(acc, rank: int, world: int, folder: str) -> None:
+def _broadcast(acc: Accelerator, rank: int, world: int, folder: str) -> None:
     from nbaccel.ops import broadcast
 
     got = broadcast(torch.tensor([rank + 10.0], device=acc.device), from_process=0).cpu().item()
@@ -70,13 +74,13 @@ def _broadcast(acc, rank: int, world: int, folder: str) -> None:
 
 
 @check("pad_across_processes")
-def _pad(acc, rank: int, world: int, folder: str) -> None:
+def _pad(acc: Accelerator, rank: int, world: int, folder: str) -> None:
     padded = acc.pad_across_processes(torch.ones(rank + 1, device=acc.device), dim=0)
     assert padded.shape[0] == world and padded.cpu().sum().item() == rank + 1, padded
 
 
 @check("gather_object and broadcast_object_list")
-def _objects(acc, rank: int, world: int, folder: str) -> None:
+def _objects(acc: Accelerator, rank: int, world: int, folder: str) -> None:
     from nbaccel.ops import broadcast_object_list, gather_object
 
     assert gather_object([f"r{rank}"]) == [f"r{r}" for r in range(world)]
@@ -84,7 +88,7 @@ def _objects(acc, rank: int, world: int, folder: str) -> None:
 
 
 @check("wait_for_everyone is a rendezvous")
-def _barrier(acc, rank: int, world: int, folder: str) -> None:
+def _barrier(acc: Accelerator, rank: int, world: int, folder: str) -> None:
     if rank == 0:
         time.sleep(2.0)
     started = time.monotonic()
@@ -94,7 +98,7 @@ def _barrier(acc, rank: int, world: int, folder: str) -> None:
 
 
 @check("replicas start from rank 0's weights")
-def _initial_weights(acc, rank: int, world: int, folder: str) -> None:
+def _initial_weights(acc: Accelerator, rank: int, world: int, folder: str) -> None:
     torch.manual_seed(rank)  # replica threads (v2/v3) share one CPU generator anyway: seeding cannot align them
     model = acc.prepare(torch.nn.Linear(5, 5))
     mine = acc.unwrap_model(model).weight.detach()
@@ -103,7 +107,7 @@ def _initial_weights(acc, rank: int, world: int, folder: str) -> None:
 
 
 @check("dataloader shards and gradient all-reduce")
-def _training(acc, rank: int, world: int, folder: str) -> None:
+def _training(acc: Accelerator, rank: int, world: int, folder: str) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     draw = torch.Generator().manual_seed(0)  # private: the global one is shared by replica threads
@@ -131,7 +135,7 @@ def _training(acc, rank: int, world: int, folder: str) -> None:
 
 
 @check("accumulation steps at the epoch's end (10 batches, 4 per step)")
-def _accumulation(acc, rank: int, world: int, folder: str) -> None:
+def _accumulation(acc: Accelerator, rank: int, world: int, folder: str) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     acc.gradient_accumulation_steps = 4
@@ -157,7 +161,7 @@ def _accumulation(acc, rank: int, world: int, folder: str) -> None:
 
 
 @check("gather_for_metrics drops an uneven dataset's padding")
-def _gather_for_metrics(acc, rank: int, world: int, folder: str) -> None:
+def _gather_for_metrics(acc: Accelerator, rank: int, world: int, folder: str) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     n = 4 * world + 2  # the last global batch is short
@@ -167,12 +171,12 @@ def _gather_for_metrics(acc, rank: int, world: int, folder: str) -> None:
 
 
 class _Stream(torch.utils.data.IterableDataset):
-    def __iter__(self):
+    def __iter__(self) -> Iterator[torch.Tensor]:
         return iter(torch.arange(40.0))
 
 
 @check("IterableDataset loader gives every replica batches")
-def _iterable(acc, rank: int, world: int, folder: str) -> None:
+def _iterable(acc: Accelerator, rank: int, world: int, folder: str) -> None:
     from torch.utils.data import DataLoader
 
     loader = acc.prepare(DataLoader(_Stream(), batch_size=4))
@@ -183,7 +187,7 @@ def _iterable(acc, rank: int, world: int, folder: str) -> None:
 
 
 @check("save_state once, load_state back")
-def _checkpoint(acc, rank: int, world: int, folder: str) -> None:
+def _checkpoint(acc: Accelerator, rank: int, world: int, folder: str) -> None:
     model = acc.prepare(torch.nn.Linear(2, 2))
     acc.save_state(folder)
     acc.wait_for_everyone()
@@ -195,7 +199,7 @@ def _checkpoint(acc, rank: int, world: int, folder: str) -> None:
 
 
 @check("torchrun variables in a process of its own")
-def _environment(acc, rank: int, world: int, folder: str) -> None:
+def _environment(acc: Accelerator, rank: int, world: int, folder: str) -> None:
     from nbaccel.launch.xla.launcher import current_replica
 
     info = current_replica()

@@ -103,7 +103,8 @@ class Recorder:
 
 
 class PoolVariant(Variant):
-    """A warm pool (local, or Ray's with ``backend="ray"``): the same ranks for every run, and what a run leaves stays."""
+    """A warm pool (local, or Ray's with ``backend="ray"``): the same ranks for every run, and what a run leaves
+    stays."""
 
     keeps_state = True
     forks_caller = False
@@ -418,7 +419,9 @@ def test_an_interrupt_stops_the_run_and_the_next_run_works(runner, tmp_path):
     main = threading.get_ident()
 
     def interrupt_once_every_rank_runs() -> None:
-        running = lambda: len([n for n in os.listdir(tmp_path) if n.startswith("running-")])  # noqa: E731
+        def running() -> int:
+            return len([n for n in os.listdir(tmp_path) if n.startswith("running-")])
+
         if wait_for(lambda: running() == runner.num_processes, 60.0):
             signal.pthread_kill(main, signal.SIGINT)
 

@@ -19,7 +19,7 @@ class _FakeCudaAfterImport(importlib.abc.MetaPathFinder):
     def find_spec(self, name: str, path: object, target: object = None) -> importlib.machinery.ModuleSpec | None:
         if name != "torch":
             return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)  # type: ignore[arg-type]
+        spec = importlib.machinery.PathFinder.find_spec(name, path)  # type: ignore[arg-type]  # the import system passes a path list or None
         assert spec is not None and spec.loader is not None
         run = spec.loader.exec_module
 
@@ -32,7 +32,7 @@ class _FakeCudaAfterImport(importlib.abc.MetaPathFinder):
 
             module.cuda._device_count_nvml = real_nvml_count
 
-        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]  # wrapped on purpose
         return spec
 
 

@@ -22,14 +22,14 @@ class FakeCudaTensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @property
-    def device(self) -> torch.device:  # type: ignore[override]
+    def device(self) -> torch.device:  # type: ignore[override]  # a fake device on purpose
         return CUDA0
 
     @property
-    def is_cuda(self) -> bool:  # type: ignore[override]
+    def is_cuda(self) -> bool:  # type: ignore[override]  # a fake device on purpose
         return True
 
-    def cpu(self, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
+    def cpu(self, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]  # a plain tensor back
         return self.as_subclass(torch.Tensor).clone()
 
 

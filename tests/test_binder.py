@@ -20,8 +20,8 @@ def test_binder_requirements_match_pyproject_dependencies():
     listed = {_name(line) for line in lines if line and not line.startswith(("#", "-"))}
     assert declared <= listed, f"binder lacks {sorted(declared - listed)}"
     # Besides JupyterLab, what the notebooks use from nbaccel's extras: the live chart and TensorBoard (02).
-    optional = {"jupyterlab"} | {_name(d) for extra in ("live", "tensorboard") for d in
-                                 tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"][extra]}
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    optional = {"jupyterlab"} | {_name(d) for extra in ("live", "tensorboard") for d in extras[extra]}
     assert listed - declared <= optional, f"binder has extra {sorted(listed - declared - optional)}"
     assert optional - {"jupyterlab"} <= listed, "binder lacks what notebook 02 uses: matplotlib, tensorboard"
 

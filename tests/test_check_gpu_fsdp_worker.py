@@ -13,7 +13,7 @@ import nbaccel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-from gpu_checks import workers  # noqa: E402
+from gpu_checks import workers
 
 
 def test_the_fsdp_shard_first_worker_runs_on_a_cpu_process():

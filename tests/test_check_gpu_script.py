@@ -88,7 +88,8 @@ def test_the_launched_training_code_runs_on_cpu_processes(script):
     with tempfile.TemporaryDirectory() as folder:
         gap, steps_on, _ = script.launch(script.workers.save_load, folder, n=2)[0]
     assert gap < 1e-5 and steps_on == "cpu"
-    config = LaunchConfig(distributed_type="FSDP", use_cpu=True, fsdp_config={"fsdp_state_dict_type": "FULL_STATE_DICT"})
+    config = LaunchConfig(distributed_type="FSDP", use_cpu=True,
+                          fsdp_config={"fsdp_state_dict_type": "FULL_STATE_DICT"})
     backend, norm, keys = script.launch(script.workers.fsdp, n=2, config=config)[0]
     assert backend == "gloo" and norm == norm and keys == 4
 
@@ -132,7 +133,7 @@ def test_first_use_checks_run_their_code_on_a_cpu_machine(script):
     with tempfile.TemporaryDirectory() as folder:
         code, written = first._last_json(first._python(first._CONFIG, str(Path(folder) / "c.yaml")))
     assert code == 0 and written["use_cpu"] is True
-    runs, times, fresh = first._last_json(first._python(first._WARM))
+    runs, _times, fresh = first._last_json(first._python(first._WARM))
     assert len({pid for pid, _, _ in runs}) == 1 and {d for _, d, _ in runs} == {"cpu"} and fresh[0] != runs[0][0]
     names = [c.name for c in script.CHECKS]
     assert names[:5] == ["fresh-process-launch", "config-default", "cupy-first", "warm-one-gpu", "notebooks"]

@@ -9,11 +9,24 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from nbaccel.cuda_probe import cuda_device_count, cuda_fork_poisoned, run_in_fork
+import pytest
+
+from nbaccel import cuda_probe
+from nbaccel.cuda_probe import (
+    NvmlGpu,
+    cuda_device_count,
+    cuda_fork_poisoned,
+    nccl_p2p_workaround,
+    run_in_fork,
+    select_gpus,
+)
+from nbaccel.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,17 +102,31 @@ def test_a_hung_probe_is_killed_at_its_timeout():
     assert time.monotonic() - start < 5
 
 
+def test_a_probe_that_sigkill_does_not_end_is_left_with_a_warning_not_waited_for(monkeypatch):
+    """A probe stuck in the kernel (a hung driver call) survives SIGKILL; the caller must not hang on it.
+
+    Such a process cannot be made here, so SIGKILL is withheld: to run_in_fork the real child looks the same.
+    """
+    children: list[int] = []
+    monkeypatch.setattr(cuda_probe, "_REAP_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(cuda_probe.os, "kill", lambda pid, sig: children.append(pid))
+    began = time.monotonic()
+    try:
+        with pytest.warns(UserWarning, match=r"did not exit within 0.3s of SIGKILL: it is stuck in the kernel.*Fix:"):
+            assert run_in_fork(lambda: time.sleep(30), timeout=0.3) is None
+        assert time.monotonic() - began < 5
+    finally:
+        monkeypatch.undo()
+        for pid in children:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+
+
 def test_cpu_only_torch_costs_no_fork():
     assert cuda_fork_poisoned() is False and cuda_device_count() == 0
 
 
 # --------------------------------------------------------------------------- gpu_ids arithmetic
-
-
-import pytest  # noqa: E402
-
-from nbaccel.cuda_probe import select_gpus  # noqa: E402
-from nbaccel.errors import ConfigError  # noqa: E402
 
 
 @pytest.mark.parametrize(("visible", "gpu_ids", "count", "expected", "physical"), [
@@ -137,8 +164,6 @@ def test_impossible_gpu_ids_are_named(visible, gpu_ids, count, says):
 
 # --------------------------------------------------------------------------- NCCL on consumer cards
 
-
-from nbaccel.cuda_probe import NvmlGpu, nccl_p2p_workaround  # noqa: E402
 
 _4090 = NvmlGpu("NVIDIA GeForce RTX 4090", (8, 9))
 

@@ -1,4 +1,5 @@
-"""The example configs in ``examples/configs``: each loads (in nbaccel and in Accelerate), and runs where it can here."""
+"""The example configs in ``examples/configs``: each loads (in nbaccel and in Accelerate), and runs where it can
+here."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ def test_bits_and_bytes_and_bare_numbers():
     assert convert_file_size_to_int("1KiB") == 1024 and convert_file_size_to_int(100) == 100
     for bad in (True, 1.5, None):
         with pytest.raises(nbaccel.ConfigError):
-            convert_file_size_to_int(bad)  # type: ignore[arg-type]
+            convert_file_size_to_int(bad)  # type: ignore[arg-type]  # the wrong type is the test
 
 
 def test_max_memory_and_max_shard_size_read_sizes_the_same_way(tmp_path):

@@ -5,6 +5,8 @@ memory, a process's resident memory and its descriptors as psutil tells them."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -127,3 +129,15 @@ def test_this_machines_cgroup_is_read_and_caps_the_pinned_memory() -> None:
             if "memory" in controllers.split(",") and limit.exists():
                 assert int(limit.read_text()) >= 2**60
     assert pinned_cap(1.0) > 0 and available_cpu_memory() > 0
+
+
+def test_a_first_launchs_preflight_does_not_import_psutil() -> None:
+    """Free memory and open descriptors come from /proc on Linux: psutil's 20-50 ms import stays off a first launch."""
+    code = ("import sys; from nbaccel.launch import build_request;"
+            "build_request(print, num_processes=2, use_cpu=True); print('psutil' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "False", done.stderr
+
+
+def test_meminfo_and_psutil_agree_on_free_memory() -> None:
+    assert abs(available_memory("/nonexistent", free=None) - psutil.virtual_memory().available) < 256 * 2**20

@@ -19,8 +19,9 @@ MAIN_SUITE = [nb for nb in NOTEBOOKS if "tpu" not in nb.stem and "ray" not in nb
 EXPECTED = {
     "01_quickstart": ["[rank1]: worker 1 of 2 on cpu", "[rank0]: epoch 20: loss", "evaluated 512 samples (of 512)",
                       "caught: bad batch on rank 1 | root cause rank: 1"],
-    "02_training": ["128 records in the notebook", "TensorBoard: 128 loss points in runs/blobs", "resumed run matches the original exactly",
-                    "301 predictions gathered", "background run finished: 128 records"],
+    "02_training": ["128 records in the notebook", "TensorBoard: 128 loss points in runs/blobs",
+                    "resumed run matches the original exactly", "301 predictions gathered",
+                    "background run finished: 128 records"],
     "06_warm_workers": ["2 warm workers (fork), alive", "model, optimizer", "trained 40 steps in two cells",
                         "caught: RuntimeError", "still here: DistributedDataParallel", "nbaccel: warm workers stopped"],
 }
@@ -72,5 +73,6 @@ def test_notebook_runs_twice_in_a_real_kernel_and_leaves_its_folder_as_it_was(pa
         assert len(images) == EXPECTED_IMAGES.get(path.stem, len(images)), f"{path.name}: {len(images)} images"
         left = sorted(p.name for p in tmp_path.iterdir())
         assert not left, f"{path.name}, run {run}: wrote {left} into the folder it ran in"
-    left_in_temp = sorted(n for n in _temp_entries() - temp_before if n.startswith(("nbaccel-02-", "nbaccel-05-", "big-model-")))
+    left_in_temp = sorted(n for n in _temp_entries() - temp_before
+                          if n.startswith(("nbaccel-02-", "nbaccel-05-", "big-model-")))
     assert not left_in_temp, f"{path.name} left {left_in_temp} in the temporary folder"

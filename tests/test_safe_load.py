@@ -87,6 +87,6 @@ def test_a_config_file_that_cannot_be_opened_is_a_config_error(tmp_path, monkeyp
         raise PermissionError(13, "Permission denied")  # what a non-root user gets for a 000 file
 
     monkeypatch.setattr(os, "open", refuse)
-    with pytest.raises(nbaccel.ConfigError, match="cannot read the config file .*: Permission denied") as info:
+    with pytest.raises(nbaccel.ConfigError, match=r"cannot read the config file .*: Permission denied") as info:
         load_config(path)
     assert info.value.key == "config_file"

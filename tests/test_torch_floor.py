@@ -66,6 +66,6 @@ def test_every_torch_name_nbaccel_imports_exists_in_this_torch():
     assert not missing, f"torch {torch.__version__} lacks:\n" + "\n".join(missing)
 
 
-@pytest.mark.skipif(not str(ROOT / ".venv-torch-floor") in torch.__file__, reason="only under run_torch_floor.sh")
+@pytest.mark.skipif(str(ROOT / ".venv-torch-floor") not in torch.__file__, reason="only under run_torch_floor.sh")
 def test_the_floor_run_uses_exactly_the_floor():
     assert Version(torch.__version__.split("+")[0]).release[:2] == _floor().release[:2]

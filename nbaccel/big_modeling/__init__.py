@@ -20,12 +20,11 @@ from nbaccel.big_modeling.dispatch import (
                                            disk_offload,
                                            dispatch_model,
 )
+from nbaccel.big_modeling.cpu_offload_hook import CpuOffload, UserCpuOffloadHook
 from nbaccel.big_modeling.hooks import (
                                            AlignDevicesHook,
-                                           CpuOffload,
                                            ModelHook,
                                            SequentialHook,
-                                           UserCpuOffloadHook,
                                            add_hook_to_module,
                                            remove_hook_from_module,
 )

@@ -27,9 +27,11 @@ import os
 import pickle
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from nbaccel.big_modeling.tensors import cpu_memoryview
 from nbaccel.errors import CheckpointError, UnsafeCheckpointError
 from nbaccel.file_kinds import regular_file
 
@@ -190,7 +192,7 @@ def read_tensor(info: TensorInfo, release_on_free: bool = False) -> torch.Tensor
         torch.empty(info.shape, dtype=info.dtype)
     if info.nbytes == 0:
         return out
-    read_into(info, memoryview(out.reshape(-1).view(torch.uint8).numpy()))
+    read_into(info, cpu_memoryview(out.reshape(-1).view(torch.uint8)))
     return out
 
 
@@ -284,7 +286,7 @@ class SafetensorsFile:
             f"cannot read {self.path} as safetensors: {why}. Save or download the file again.",
             path=self.path, key=key)
 
-    def _entry(self, name: str, entry: object, start: int, size: int) -> TensorInfo:
+    def _entry(self, name: str, entry: Any, start: int, size: int) -> TensorInfo:
         try:
             dtype = SAFETENSORS_DTYPES[entry["dtype"]]
             shape = tuple(int(d) for d in entry["shape"])

@@ -39,6 +39,7 @@ from nbaccel.big_modeling.checkpoint_files import (
     read_tensor,
     truncated_error,
 )
+from nbaccel.big_modeling.tensors import cpu_memoryview
 from nbaccel.errors import CheckpointError
 
 __all__ = ["CHUNK_BYTES", "FileDescriptors", "copy_threads", "copy_to_cpu", "populate", "wait_all"]
@@ -226,7 +227,7 @@ def _read_job(files: FileDescriptors, info: TensorInfo, flat: torch.Tensor, firs
     def job() -> None:
         size = flat.element_size()
         populate(flat.data_ptr() + first * size, (last - first) * size, MADV_POPULATE_WRITE)
-        view = memoryview(flat[first:last].view(torch.uint8).numpy())
+        view = cpu_memoryview(flat[first:last].view(torch.uint8))
         files.read(info, view, first * size)
     return job
 

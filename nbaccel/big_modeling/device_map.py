@@ -14,7 +14,7 @@ import logging
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal, TypeVar, get_args
 
 import torch
 from torch import nn
@@ -45,6 +45,7 @@ __all__ = [
 
 DeviceMapStrategy = Literal["auto", "balanced", "balanced_low_0", "sequential"]
 MapDevice = int | str  # normalized: GPU index, "cpu", "disk", "mps" or "meta"
+_D = TypeVar("_D")  # a device map's values: MapDevice once checked, Device as a user wrote them
 _NAMED = ("cpu", "disk", "mps", "meta")
 _log = logging.getLogger(__name__)
 
@@ -159,8 +160,7 @@ def _clean(model: nn.Module, device_map: dict[str, MapDevice]) -> dict[str, MapD
     return dict(sorted(device_map.items(), key=lambda kv: order.get(kv[0], len(order))))
 
 
-def device_for(name: str, device_map: Mapping[str, MapDevice],
-               default: MapDevice | None = None) -> MapDevice | None:
+def device_for(name: str, device_map: Mapping[str, _D], default: _D | None = None) -> _D | None:
     """The device of tensor or module ``name``: the entry with the longest matching prefix.
 
     Example:

@@ -32,6 +32,7 @@ import torch
 from nbaccel.big_modeling.checkpoint_files import TensorInfo
 from nbaccel.big_modeling.cpu_copies import FileDescriptors, copy_threads, wait_all
 from nbaccel.big_modeling.pinned_slabs import host_buffer
+from nbaccel.big_modeling.tensors import cpu_memoryview
 
 __all__ = ["BUFFER_BYTES", "Read", "plan_reads", "read_to_devices"]
 
@@ -107,7 +108,7 @@ class _Reader:
                     event.synchronize()  # the copies out of this buffer are done
                 buffer = self.buffers[slot][:read.nbytes]
                 files.read(TensorInfo(read.path, read.offset, read.nbytes, torch.uint8, (read.nbytes,)),
-                           memoryview(buffer.numpy()), 0)
+                           cpu_memoryview(buffer), 0)
                 self.done[slot] = self._copy(read, buffer, outs)
                 if on_piece is not None:
                     for k, _, _, n in read.pieces:

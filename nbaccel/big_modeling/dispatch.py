@@ -22,14 +22,9 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
+from nbaccel.big_modeling.cpu_offload_hook import CpuOffload, UserCpuOffloadHook, default_execution_device
 from nbaccel.big_modeling.device_map import MapDevice, check_device_map, map_device
-from nbaccel.big_modeling.hooks import (
-    AlignDevicesHook,
-    CpuOffload,
-    UserCpuOffloadHook,
-    add_hook_to_module,
-    default_execution_device,
-)
+from nbaccel.big_modeling.hooks import AlignDevicesHook, add_hook_to_module
 from nbaccel.big_modeling.map_entries import dispatch_entries, has_no_forward
 from nbaccel.big_modeling.offload import (
     IndexEntry,
@@ -39,7 +34,7 @@ from nbaccel.big_modeling.offload import (
 )
 from nbaccel.big_modeling.offload_groups import block_of, no_split_classes
 from nbaccel.big_modeling.streamed_offload import OFFLOAD_SLOTS, stream_offloaded
-from nbaccel.big_modeling.tensors import Device, named_module_tensors
+from nbaccel.big_modeling.tensors import Device, named_module_tensors, set_module_attribute
 from nbaccel.errors import CheckpointMismatchError
 
 __all__ = ["cpu_offload", "cpu_offload_with_hook", "disk_offload", "dispatch_model"]
@@ -185,7 +180,7 @@ def dispatch_model(model: nn.Module, device_map: Mapping[str, Device],
         if device != "meta":
             _check_loaded(model, [n for n, _ in named_module_tensors(model, recurse=True)])
             model.to(_torch_device(device))
-        model.hf_device_map = dict(checked)
+        set_module_attribute(model, "hf_device_map", dict(checked))
         return model
     if main_device is None:
         main_device = next((d for d in checked.values() if d not in ("cpu", "disk")), "cpu")
@@ -208,10 +203,12 @@ def dispatch_model(model: nn.Module, device_map: Mapping[str, Device],
     chain, blocks, no_split = [], [], no_split_classes(model, no_split_module_classes)
     for _entry, site, device, place, names in sites:
         offload = device in offloaded
+        weights: Mapping[str, torch.Tensor] | None = None  # no loader: no offloaded site has a tensor
+        if offload and loader is not None:
+            weights = PrefixedDataset(loader, f"{site}.") if site else loader
         hook = AlignDevicesHook(
             execution_device=_torch_device(main if offload else device), offload=offload,
-            io_same_device=not site, weights_map=(PrefixedDataset(loader, f"{site}.") if site
-                                                  else loader) if offload else None,
+            io_same_device=not site, weights_map=weights,
             offload_buffers=offload_buffers, place_submodules=place, skip_keys=skip_keys)
         add_hook_to_module(model.get_submodule(site), hook, append=True)
         if offload and names:
@@ -221,7 +218,7 @@ def dispatch_model(model: nn.Module, device_map: Mapping[str, Device],
         add_hook_to_module(model, AlignDevicesHook(io_same_device=True, skip_keys=skip_keys),
                            append=True)
     _chain_prefetch(chain, _torch_device(main), blocks, offload_slots)
-    model.hf_device_map = dict(checked)
+    set_module_attribute(model, "hf_device_map", dict(checked))
     return model
 
 
@@ -272,7 +269,7 @@ def cpu_offload(model: nn.Module, execution_device: Device | None = None,
         state_dict = {n: t.to("cpu") for n, t in named_module_tensors(model, recurse=True)}
     _offload_every_module(model, device, OffloadedWeightsLoader(state_dict=state_dict),
                           offload_buffers, preload_module_classes)
-    model.hf_device_map = {"": "cpu"}
+    set_module_attribute(model, "hf_device_map", {"": "cpu"})
     return model
 
 
@@ -305,7 +302,7 @@ def disk_offload(model: nn.Module, offload_dir: str | os.PathLike,
         if execution_device is not None else default_execution_device()
     _offload_every_module(model, device, OffloadedWeightsLoader(save_folder=offload_dir),
                           offload_buffers, preload_module_classes)
-    model.hf_device_map = {"": "disk"}
+    set_module_attribute(model, "hf_device_map", {"": "disk"})
     return model
 
 

@@ -44,14 +44,14 @@ def remove_hook_from_submodules(module: nn.Module) -> None:
         remove_hook_from_submodules(child)
 
 
-def attach_execution_device_hook(module: nn.Module, execution_device: Device,
+def attach_execution_device_hook(module: nn.Module, execution_device: Device | None,
                                  skip_keys: str | Sequence[str] | None = None,
                                  preload_module_classes: Sequence[str] | None = None) -> None:
     """Give every module with a state (and no hook yet) a hook that runs it on ``execution_device``.
 
     Args:
         module: the root of the tree.
-        execution_device: where the forwards run.
+        execution_device: where the forwards run (``None``: where the tensors are, nothing is moved).
         skip_keys: keyword arguments not moved.
         preload_module_classes: class names whose submodules get no hook of their own.
 
@@ -112,7 +112,8 @@ def attach_align_device_hook(module: nn.Module, execution_device: Device | None 
                                  skip_keys=skip_keys, preload_module_classes=preload_module_classes)
 
 
-def attach_align_device_hook_on_blocks(module: nn.Module, execution_device: Device | Mapping[str, Device] | None = None,
+def attach_align_device_hook_on_blocks(module: nn.Module,
+                                       execution_device: Device | Mapping[str, Device | None] | None = None,
                                        offload: bool | Mapping[str, bool] = False,
                                        weights_map: Mapping[str, torch.Tensor] | None = None,
                                        offload_buffers: bool = False, module_name: str = "",
@@ -142,7 +143,12 @@ def attach_align_device_hook_on_blocks(module: nn.Module, execution_device: Devi
         >>> m[0].weight.device.type, m[1].weight.device.type, torch.equal(m(x), ref)
         ('cpu', 'meta', True)
     """
-    if not isinstance(execution_device, Mapping) and not isinstance(offload, Mapping):
+    devices: Mapping[str, Device | None]
+    if isinstance(execution_device, Mapping):
+        devices = execution_device
+    elif isinstance(offload, Mapping):
+        devices = dict.fromkeys(offload, execution_device)
+    else:  # neither is a dict: the whole module is one block
         if offload:
             attach_align_device_hook(module, execution_device, True, weights_map, offload_buffers, module_name,
                                      skip_keys)
@@ -150,7 +156,6 @@ def attach_align_device_hook_on_blocks(module: nn.Module, execution_device: Devi
             add_hook_to_module(module, AlignDevicesHook(execution_device, io_same_device=True, skip_keys=skip_keys,
                                                         place_submodules=True))
         return
-    devices = execution_device if isinstance(execution_device, Mapping) else dict.fromkeys(offload, execution_device)
     offloads = offload if isinstance(offload, Mapping) else dict.fromkeys(devices, offload)
     if module_name in devices and module_name in offloads:
         device = devices[module_name]

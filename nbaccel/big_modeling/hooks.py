@@ -1,4 +1,4 @@
-"""Hooks around a module's forward: the protocol, chaining, and the device and offload hooks.
+"""Hooks around a module's forward: the protocol, chaining, and the device and offload hook of a dispatch.
 
 A hook is a small object with four methods (``init_hook``, ``pre_forward``, ``post_forward``,
 ``detach_hook``). :func:`add_hook_to_module` wraps ``module.forward`` so that the hook runs
@@ -7,33 +7,34 @@ the execution device and offloading them afterwards are just hooks. The attribut
 (``_hf_hook``, ``_old_forward``) are Accelerate's, so libraries that look for them work. One
 addition to Accelerate's protocol: when the wrapped forward raises, a hook's optional
 ``forward_failed(module)`` runs (``post_forward`` does not), so offloaded weights and device
-slots loaded for that call are given back instead of staying loaded after the error.
+slots loaded for that call are given back instead of staying loaded after the error. The hook that
+keeps a whole model on CPU (``cpu_offload_with_hook``) is in :mod:`nbaccel.big_modeling.cpu_offload_hook`.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from nbaccel.big_modeling.tensors import (
     Device,
-    clear_device_cache,
     find_device,
     named_module_tensors,
+    key_list,
+    set_module_attribute,
     set_module_tensor_to_device,
 )
+from nbaccel.errors import ConfigError
 from nbaccel.nested_data import send_to_device
 
 __all__ = [
     "AlignDevicesHook",
-    "CpuOffload",
     "ModelHook",
     "SequentialHook",
-    "UserCpuOffloadHook",
     "add_hook_to_module",
     "remove_hook_from_module",
 ]
@@ -131,33 +132,33 @@ def add_hook_to_module(module: nn.Module, hook: ModelHook, append: bool = False)
         True
     """
     if append and getattr(module, "_hf_hook", None) is not None:
-        old_hook = module._hf_hook
+        old_hook = _hook_of(module)
         remove_hook_from_module(module)
         hook = SequentialHook(old_hook, hook)
     if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward"):
-        old_forward = module._old_forward  # replacing a hook: wrap the original forward
+        old_forward = _old_forward_of(module)  # replacing a hook: wrap the original forward
     else:
         old_forward = module.forward
-        module._old_forward = old_forward
+        set_module_attribute(module, "_old_forward", old_forward)
     module = hook.init_hook(module)
-    module._hf_hook = hook
+    set_module_attribute(module, "_hf_hook", hook)
 
     def new_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = module._hf_hook.pre_forward(module, *args, **kwargs)
+        args, kwargs = _hook_of(module).pre_forward(module, *args, **kwargs)
         try:
-            if module._hf_hook.no_grad:
+            if _hook_of(module).no_grad:
                 with torch.no_grad():
-                    output = module._old_forward(*args, **kwargs)
+                    output = _old_forward_of(module)(*args, **kwargs)
             else:
-                output = module._old_forward(*args, **kwargs)
+                output = _old_forward_of(module)(*args, **kwargs)
         except BaseException:
             # nbaccel's addition to the protocol: a hook that loaded something for this call
             # (offloaded weights, a device slot) gives it back when the forward raises
-            failed = getattr(module._hf_hook, "forward_failed", None)
+            failed = getattr(_hook_of(module), "forward_failed", None)
             if failed is not None:
                 failed(module)
             raise
-        return module._hf_hook.post_forward(module, output)
+        return _hook_of(module).post_forward(module, output)
 
     wrapped = functools.update_wrapper(functools.partial(new_forward, module), old_forward)
     if "GraphModuleImpl" in str(type(module)):  # fx modules look forward up on the class
@@ -165,6 +166,14 @@ def add_hook_to_module(module: nn.Module, hook: ModelHook, append: bool = False)
     else:
         module.forward = wrapped
     return module
+
+
+def _hook_of(module: nn.Module) -> ModelHook:
+    return cast(ModelHook, module._hf_hook)  # set by add_hook_to_module; nn.Module types unknown attributes as tensors
+
+
+def _old_forward_of(module: nn.Module) -> Callable[..., Any]:
+    return cast("Callable[..., Any]", module._old_forward)  # the forward add_hook_to_module wrapped, as above
 
 
 def remove_hook_from_module(module: nn.Module, recurse: bool = False) -> nn.Module:
@@ -185,13 +194,13 @@ def remove_hook_from_module(module: nn.Module, recurse: bool = False) -> nn.Modu
         False
     """
     if hasattr(module, "_hf_hook"):
-        module._hf_hook.detach_hook(module)
+        _hook_of(module).detach_hook(module)
         delattr(module, "_hf_hook")
     if hasattr(module, "_old_forward"):
         if "GraphModuleImpl" in str(type(module)):
-            module.__class__.forward = module._old_forward
+            module.__class__.forward = _old_forward_of(module)
         else:
-            module.forward = module._old_forward
+            module.forward = _old_forward_of(module)
         delattr(module, "_old_forward")
     if recurse:
         for child in module.children():
@@ -292,8 +301,8 @@ class AlignDevicesHook(ModelHook):
             self._streaming.append(values is not None)
             try:
                 for name in self._names(module):
-                    set_module_tensor_to_device(module, name, self.execution_device,
-                                                value=(self.weights_map if values is None else values)[name])
+                    device, weights = self._load_from(values)
+                    set_module_tensor_to_device(module, name, device, value=weights[name])
             except BaseException:
                 self.forward_failed(module)
                 raise
@@ -302,13 +311,22 @@ class AlignDevicesHook(ModelHook):
         if self.execution_device is None:
             return args, kwargs
         return (send_to_device(args, self.execution_device),
-                send_to_device(kwargs, self.execution_device, skip_keys=self.skip_keys))
+                send_to_device(kwargs, self.execution_device, skip_keys=key_list(self.skip_keys)))
+
+    def _load_from(self, values: Mapping[str, torch.Tensor] | None) -> tuple[Device, Mapping[str, torch.Tensor]]:
+        """Where offloaded weights go for this call, and what they are read from (the streamed slot's ``values``)."""
+        weights = self.weights_map if values is None else values
+        if self.execution_device is None or weights is None:  # weights_map: only a "meta" device keeps none
+            missing = "execution_device" if self.execution_device is None else "weights_map"
+            raise ConfigError(f"{self!r} cannot load its offloaded weights: it has no {missing}. Fix: pass "
+                              "execution_device (e.g. 0 or 'cpu') and weights_map.", key=missing, value=None)
+        return self.execution_device, weights
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         if self.offload:
             self._unload(module)
         if self.io_same_device and self.input_device is not None:
-            output = send_to_device(output, self.input_device, skip_keys=self.skip_keys)
+            output = send_to_device(output, self.input_device, skip_keys=key_list(self.skip_keys))
         return output
 
     def _unload(self, module: nn.Module) -> None:
@@ -326,72 +344,7 @@ class AlignDevicesHook(ModelHook):
         if self.offload:
             for name, device in self.original_devices.items():
                 if device.type != "meta":
+                    assert self.weights_map is not None, "init_hook set original_devices and weights_map together"
                     set_module_tensor_to_device(module, name, device,
                                                 value=self.weights_map.get(name))
         return module
-
-
-class CpuOffload(ModelHook):
-    """Keep a whole model on CPU, and move it to ``execution_device`` when it is called.
-
-    Calling it first sends the previous model of a pipeline back to CPU (``prev_module_hook``).
-
-    Args:
-        execution_device: where the forward runs; the first GPU when ``None``, else CPU.
-        prev_module_hook: the :class:`UserCpuOffloadHook` of the model that runs before this one.
-
-    Example:
-        >>> m = add_hook_to_module(torch.nn.Linear(2, 2), CpuOffload("cpu"))
-        >>> m(torch.ones(1, 2)).shape
-        torch.Size([1, 2])
-    """
-
-    def __init__(self, execution_device: Device | None = None,
-                 prev_module_hook: UserCpuOffloadHook | None = None) -> None:
-        self.prev_module_hook = prev_module_hook
-        self.execution_device = execution_device if execution_device is not None \
-            else default_execution_device()
-
-    def init_hook(self, module: nn.Module) -> nn.Module:
-        return module.to("cpu")
-
-    def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
-        if self.prev_module_hook is not None:
-            self.prev_module_hook.offload()
-            clear_device_cache()
-        module.to(self.execution_device)
-        return (send_to_device(args, self.execution_device),
-                send_to_device(kwargs, self.execution_device))
-
-
-class UserCpuOffloadHook:
-    """The handle :func:`~nbaccel.big_modeling.dispatch.cpu_offload_with_hook` returns.
-
-    Args:
-        model: the model the hook is attached to.
-        hook: its :class:`CpuOffload` hook.
-
-    Example:
-        >>> from nbaccel.big_modeling.dispatch import cpu_offload_with_hook
-        >>> model, hook = cpu_offload_with_hook(torch.nn.Linear(2, 2), "cpu")
-        >>> hook.offload(); hook.remove()
-    """
-
-    def __init__(self, model: nn.Module, hook: CpuOffload) -> None:
-        self.model = model
-        self.hook = hook
-
-    def offload(self) -> None:
-        """Send the model back to CPU."""
-        self.hook.init_hook(self.model)
-
-    def remove(self) -> None:
-        """Remove the hook from the model."""
-        remove_hook_from_module(self.model)
-
-
-def default_execution_device() -> torch.device:
-    """Where offloaded weights run when no device is named: the first GPU, else the CPU."""
-    from nbaccel.hardware import cuda_device_count
-
-    return torch.device("cuda", 0) if cuda_device_count() > 0 else torch.device("cpu")

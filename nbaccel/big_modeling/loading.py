@@ -23,6 +23,7 @@ import logging
 import os
 import warnings
 from collections.abc import Mapping, Sequence
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -47,7 +48,7 @@ from nbaccel.big_modeling.resident_values import (
 )
 from nbaccel.big_modeling.sizes import MaxMemory, find_tied_parameters
 from nbaccel.big_modeling.streamed_offload import OFFLOAD_SLOTS
-from nbaccel.big_modeling.tensors import Device, set_module_tensor_to_device
+from nbaccel.big_modeling.tensors import Device, as_torch_dtype, set_module_tensor_to_device
 from nbaccel.errors import CheckpointMismatchError, ConfigError
 
 __all__ = ["load_checkpoint_and_dispatch", "load_checkpoint_in_model"]
@@ -117,6 +118,7 @@ def _home(name: str, tensor: torch.Tensor, device_map: Mapping[str, MapDevice] |
         return "cpu" if tensor.is_meta else (tensor.device.index if tensor.is_cuda
                                              else tensor.device.type)
     device = device_for(name, device_map)
+    assert device is not None, "check_device_map made the map place every tensor"
     return "cpu" if device == "disk" and is_buffer and not offload_buffers else device
 
 
@@ -125,7 +127,7 @@ def _share(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     owner, _, leaf = name.rpartition(".")
     module = model.get_submodule(owner)
     if leaf in module._parameters:
-        module._parameters[leaf] = tensor
+        module._parameters[leaf] = cast(nn.Parameter, tensor)  # the parameter another name of the tie holds
     else:
         module._buffers[leaf] = tensor
 
@@ -135,7 +137,8 @@ class _Before:
     so that the model is left as it was (``set_module_tensor_to_device`` replaces, never mutates)."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.model, self.kept = model, []
+        self.model = model
+        self.kept: list[tuple[dict[str, Any], str, torch.Tensor | None]] = []
 
     def keep(self, name: str) -> None:
         owner_name, _, leaf = name.rpartition(".")
@@ -195,6 +198,7 @@ def _load_into(model: nn.Module, ckpt: Checkpoint, sources: Mapping[str, str],
             elif home == "disk":
                 location = ckpt.location(key)
                 if location is None:
+                    assert offload_folder is not None, "a disk weight stored in a pickle is in `copies`, checked above"
                     offload_weight(ckpt.read(key).to(target), name, offload_folder, index)
                 else:
                     index[name] = {"safetensors_file": location.path, "weight_name": key,
@@ -299,10 +303,9 @@ def load_checkpoint_in_model(model: nn.Module, checkpoint: str | os.PathLike,
         'cpu'
     """
     _check_whole_tensor_loading(full_state_dict, broadcast_from_rank0, offload_8bit_bnb)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype.removeprefix("torch."))
+    as_dtype = as_torch_dtype(dtype)
     checked = None if device_map is None else check_device_map(model, device_map, on_this_machine=True)
-    _load(model, checkpoint, checked, offload_folder, dtype, offload_buffers,
+    _load(model, checkpoint, checked, offload_folder, as_dtype, offload_buffers,
           list(keep_in_fp32_modules or ()), strict, index_needs_folder=True,
           show_progress=show_progress)
 
@@ -369,22 +372,21 @@ def load_checkpoint_and_dispatch(model: nn.Module, checkpoint: str | os.PathLike
         True
     """
     _check_whole_tensor_loading(full_state_dict, broadcast_from_rank0)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype.removeprefix("torch."))
+    as_dtype = as_torch_dtype(dtype)
     # On GPUs, offloaded layers stream through OFFLOAD_SLOTS device buffers: keep room for them
     # (fewer when the budget cannot hold them), and run them on the budget's first GPU.
     plan = None if device_map is None else plan_device_map(
-        model, device_map, max_memory, no_split_module_classes, dtype, offload_buffers,
+        model, device_map, max_memory, no_split_module_classes, as_dtype, offload_buffers,
         reserved_slots=OFFLOAD_SLOTS)
     checked = None if plan is None else plan.device_map
     if checked is not None:
         dispatch_entries(model, checked)  # a map dispatch would reject fails before any read
-    index = _load(model, checkpoint, checked, offload_folder, dtype, offload_buffers,
+    index = _load(model, checkpoint, checked, offload_folder, as_dtype, offload_buffers,
                   list(keep_in_fp32_modules or ()), strict, index_needs_folder=False,
                   show_progress=show_progress)
-    if checked is None:
+    if plan is None:  # no device map: loaded only
         return model
-    return dispatch_model(model, checked, offload_dir=offload_folder, offload_index=index,
+    return dispatch_model(model, plan.device_map, offload_dir=offload_folder, offload_index=index,
                           offload_buffers=offload_buffers, skip_keys=skip_keys,
                           preload_module_classes=preload_module_classes, force_hooks=force_hooks,
                           main_device=plan.main_device, no_split_module_classes=no_split_module_classes,

@@ -114,8 +114,13 @@ def has_offloaded_params(module: nn.Module) -> bool:
         >>> has_offloaded_params(nn.Linear(1, 1))
         False
     """
+    return _offload_hook(module) is not None
+
+
+def _offload_hook(module: nn.Module) -> AlignDevicesHook | None:
+    """``module``'s :class:`AlignDevicesHook` when it has one with ``offload=True``."""
     hook = getattr(module, "_hf_hook", None)
-    return isinstance(hook, AlignDevicesHook) and hook.offload
+    return hook if isinstance(hook, AlignDevicesHook) and hook.offload else None
 
 
 @contextlib.contextmanager
@@ -131,8 +136,8 @@ def align_module_device(module: nn.Module, execution_device: torch.device | str 
         ...     lin.weight.device.type
         'meta'
     """
-    if has_offloaded_params(module):
-        hook = module._hf_hook
+    hook = _offload_hook(module)
+    if hook is not None:
         original = hook.execution_device
         if execution_device is not None:
             hook.execution_device = execution_device
@@ -304,7 +309,8 @@ def calculate_maximum_sizes(model: nn.Module) -> tuple[int, tuple[int, list[str]
     """
     sizes = compute_module_sizes(model)
     no_split = list(getattr(model, "_no_split_modules", None) or [])
-    pieces = [*model.named_parameters(recurse=False), *model.named_children(), *model.named_buffers(recurse=False)]
+    pieces: list[tuple[str, nn.Module | torch.Tensor]] = [
+        *model.named_parameters(recurse=False), *model.named_children(), *model.named_buffers(recurse=False)]
     return sizes[""], get_max_layer_size(pieces, sizes, no_split)
 
 

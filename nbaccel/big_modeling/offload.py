@@ -28,6 +28,7 @@ from nbaccel.big_modeling.checkpoint_files import (
     map_tensor,
     read_tensor,
 )
+from nbaccel.big_modeling.tensors import cpu_memoryview
 from nbaccel.errors import CheckpointError
 
 __all__ = [
@@ -64,7 +65,7 @@ def offload_weight(weight: torch.Tensor, weight_name: str, offload_folder: str |
     data = weight.detach().to("cpu").contiguous()
     with open(folder / f"{weight_name}.dat", "wb") as f:
         if data.numel():
-            f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+            f.write(cpu_memoryview(data.reshape(-1).view(torch.uint8)))
     index[weight_name] = {"dtype": str(data.dtype).removeprefix("torch."),
                           "shape": list(data.shape)}
     return index
@@ -253,10 +254,13 @@ class OffloadedWeightsLoader(Mapping):
         wanted = [k for k in keys if k not in self.state_dict and k in self.index]
         for key in wanted:  # resolve in the caller's thread, so errors surface there
             self._where(key)
-        if self._executor is None and wanted:
+        if not wanted:
+            self._pending = {}
+            return
+        if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="nbaccel-prefetch")
-        self._pending = {k: self._pending.get(k) or self._executor.submit(self._read, k)
-                         for k in wanted}
+        executor = self._executor
+        self._pending = {k: self._pending.get(k) or executor.submit(self._read, k) for k in wanted}
 
     def _after_fork(self) -> None:
         if os.getpid() != self._pid:  # a forked child has no prefetch thread: start over

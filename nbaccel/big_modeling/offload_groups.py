@@ -67,7 +67,8 @@ def stream_model(model: nn.Module, device: torch.device, slots: int = OFFLOAD_SL
     hooks, blocks = [], []
     for name, module in model.named_modules():
         hook = getattr(module, "_hf_hook", None)
-        for part in getattr(hook, "hooks", (hook,)):  # a SequentialHook's parts too
+        parts: Sequence[Any] = getattr(hook, "hooks", (hook,))  # a SequentialHook's parts too (hooks are duck-typed)
+        for part in parts:
             if getattr(part, "offload", False) and getattr(part, "weights_map", None) is not None:
                 names = part._names(module)
                 if names:

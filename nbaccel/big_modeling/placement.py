@@ -45,8 +45,8 @@ def _split(piece: nn.Module | torch.Tensor, name: str) -> list[Piece]:
     """A split module's pieces: its direct parameters, then its children (no direct buffers)."""
     if not isinstance(piece, nn.Module):
         return []
-    return [(f"{name}.{n}", t) for n, t in [*piece.named_parameters(recurse=False),
-                                            *piece.named_children()]]
+    parts: list[Piece] = [*piece.named_parameters(recurse=False), *piece.named_children()]
+    return [(f"{name}.{n}", t) for n, t in parts]
 
 
 def _splittable(piece: nn.Module | torch.Tensor, no_split: Sequence[str]) -> bool:
@@ -146,8 +146,8 @@ def place(model: nn.Module, budget: dict[MapDevice, int], no_split: list[str],
         {'0': 'cpu', '1': 'disk', '2': 'disk'}
     """
     walk = _Walk(model, budget, no_split, dtype, special, tied, verbose)
-    queue = [*model.named_parameters(recurse=False), *model.named_children(),
-             *model.named_buffers(recurse=False)]
+    queue: list[Piece] = [*model.named_parameters(recurse=False), *model.named_children(),
+                          *model.named_buffers(recurse=False)]
     layer, layer_names = walk.largest(queue, tensors_too=True)
     device_map: dict[str, MapDevice] = {}
     index = 0

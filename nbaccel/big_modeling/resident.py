@@ -23,6 +23,7 @@ from __future__ import annotations
 import mmap
 import os
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -69,7 +70,7 @@ class FileMaps:
         first = info.offset - info.offset % mmap.PAGESIZE  # only this tensor's pages: a shard
         _populate(storage.data_ptr() + first, info.offset + info.nbytes - first)  # may hold others
         out = torch.empty(0, dtype=info.dtype)
-        return out.set_(storage, info.offset // info.dtype.itemsize, info.shape)
+        return out.set_(storage, info.offset // info.dtype.itemsize, info.shape, _contiguous_strides(info.shape))
 
     def view(self, info: TensorInfo) -> torch.Tensor | None:
         """A view of the tensor's bytes in the file's map, to read (cast) from, not to keep.
@@ -87,7 +88,8 @@ class FileMaps:
         if info.nbytes == 0 or info.offset % info.dtype.itemsize:
             return None
         out = torch.empty(0, dtype=info.dtype)
-        return out.set_(self._storage(info), info.offset // info.dtype.itemsize, info.shape)
+        return out.set_(self._storage(info), info.offset // info.dtype.itemsize, info.shape,
+                        _contiguous_strides(info.shape))
 
     def _storage(self, info: TensorInfo) -> torch.UntypedStorage:
         storage = self._maps.get(info.path)
@@ -101,7 +103,22 @@ class FileMaps:
         if size < info.offset + info.nbytes:
             raise truncated_error(info, size)
         # shared=False: torch maps the file MAP_PRIVATE (copy-on-write) and closes its descriptor
-        return torch.UntypedStorage.from_file(info.path, shared=False, nbytes=size)
+        storage = torch.UntypedStorage.from_file(info.path, shared=False, nbytes=size)
+        return cast(torch.UntypedStorage, storage)  # from_file of UntypedStorage makes one (typed as any storage)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (what ``set_`` takes when given none).
+
+    Example:
+        >>> _contiguous_strides((2, 0, 3)) == torch.empty(2, 0, 3).stride()
+        True
+    """
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _populate(address: int, size: int) -> None:

@@ -32,9 +32,9 @@ def staged_to_gpus(ckpt: Checkpoint, sources: Mapping[str, str], homes: Mapping[
     dtype, read by reader threads for all GPUs at once."""
     wanted: dict[tuple[str, int], TensorInfo] = {}
     for name, key in sources.items():
-        info = ckpt.location(key)
-        if info is not None and isinstance(homes[name], int):
-            wanted[(key, homes[name])] = info
+        info, home = ckpt.location(key), homes[name]
+        if info is not None and isinstance(home, int):
+            wanted[(key, home)] = info
     if not wanted:
         return {}
     infos = list(wanted.values())
@@ -70,10 +70,13 @@ def copied_to_cpu(ckpt: Checkpoint, sources: Mapping[str, str], homes: Mapping[s
         if info is not None and homes[name] == "cpu" and (targets[name] != info.dtype or not can_map(info)):
             wanted[(key, targets[name])] = info
     infos = list(wanted.values())
-    reports = {} if progress is None or not infos else dict(
-        on_piece=_reporter([key for key, _ in wanted], infos, progress),
-        on_wait=progress.tick, wake=progress.moved)
-    tensors = copy_to_cpu(infos, [dtype for _, dtype in wanted], view=maps.view, **reports)
+    dtypes = [dtype for _, dtype in wanted]
+    if progress is None or not infos:
+        tensors = copy_to_cpu(infos, dtypes, view=maps.view)
+    else:
+        tensors = copy_to_cpu(infos, dtypes, view=maps.view,
+                              on_piece=_reporter([key for key, _ in wanted], infos, progress),
+                              on_wait=progress.tick, wake=progress.moved)
     return dict(zip(wanted, tensors))
 
 

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
+from nbaccel.big_modeling.tensors import as_torch_dtype
 from nbaccel.errors import ConfigError
 from nbaccel.file_size import convert_file_size_to_int
 
@@ -103,15 +104,14 @@ def compute_module_sizes(model: nn.Module, dtype: torch.dtype | str | None = Non
         >>> compute_module_sizes(torch.nn.Linear(2, 2))[""]
         24
     """
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype.removeprefix("torch."))
+    as_dtype = as_torch_dtype(dtype)
     special = {k: getattr(torch, v.removeprefix("torch.")) if isinstance(v, str) else v
                for k, v in (special_dtypes or {}).items()}
     sizes: dict[str, int] = defaultdict(int)
     tensors = list(model.named_buffers()) if buffers_only else \
         [*model.named_parameters(), *model.named_buffers()]
     for name, tensor in tensors:
-        size = _load_size(tensor, special.get(name), dtype)
+        size = _load_size(tensor, special.get(name), as_dtype)
         parts = name.split(".")
         for i in range(len(parts) + 1):
             sizes[".".join(parts[:i])] += size
@@ -187,7 +187,8 @@ def _device_key(key: object, gpus: int, planning: bool = False) -> int | str:
 
 def _sorted_budget(budget: dict[int | str, int]) -> dict[int | str, int]:
     gpus = sorted(k for k in budget if isinstance(k, int))
-    return {k: budget[k] for k in [*gpus, *(n for n in _NAMED_DEVICES if n in budget)]}
+    order: list[int | str] = [*gpus, *(n for n in _NAMED_DEVICES if n in budget)]
+    return {k: budget[k] for k in order}
 
 
 def get_max_memory(max_memory: MaxMemory | None = None) -> dict[int | str, int]:

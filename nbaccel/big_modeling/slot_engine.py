@@ -29,6 +29,7 @@ from nbaccel.big_modeling.checkpoint_files import TensorInfo
 from nbaccel.big_modeling.cpu_copies import copy_threads
 from nbaccel.big_modeling.pinned_slabs import ALIGN, host_buffer, unpin
 from nbaccel.big_modeling.staging_reads import SplitReads
+from nbaccel.big_modeling.tensors import cpu_memoryview
 
 __all__ = ["READERS", "Member", "PassClock", "SlotEngine"]
 
@@ -138,6 +139,16 @@ class SlotEngine:
                          .view(m.dtype).view(m.shape)) if m.nbytes else
                 torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in members}
 
+    def _staging(self) -> torch.Tensor:
+        """The staging ring; called for staged members only (no `direct`, some bytes), so it exists."""
+        assert self.staging is not None, "__init__ makes the staging ring when a staged member exists"
+        return self.staging
+
+    def _reads(self) -> SplitReads:
+        """The split readers; called only where the reader pool exists (both are made for staged members)."""
+        assert self.reads is not None, "__init__ makes the readers with the reader pool"
+        return self.reads
+
     def _context(self) -> contextlib.AbstractContextManager:
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
@@ -152,6 +163,7 @@ class SlotEngine:
             self.freed[slot].record(torch.cuda.current_stream(self.device))
         freed = self.freed[slot]
         if any(m.direct is None and m.nbytes for m in self.groups[group]):
+            assert self.pool is not None, "a staged member exists, so __init__ made the reader pool"
             self.jobs[slot] = self.pool.submit(self._staged_copy, slot, group, freed)
         else:
             self.ready[slot] = self._issue(slot, group, freed)
@@ -195,7 +207,7 @@ class SlotEngine:
                 if not m.nbytes:
                     continue
                 source = m.direct if m.direct is not None else \
-                    self.staging[base + m.offset:base + m.offset + m.nbytes]
+                    self._staging()[base + m.offset:base + m.offset + m.nbytes]
                 target = self.buffers[base + m.offset:base + m.offset + m.nbytes]
                 target.copy_(_bytes(source), non_blocking=self.cuda)
             if self.stream is None:
@@ -212,12 +224,13 @@ class SlotEngine:
         for m in self.groups[group]:
             if m.direct is not None or not m.nbytes:
                 continue
-            target = self.staging[base + m.offset:base + m.offset + m.nbytes]
+            target = self._staging()[base + m.offset:base + m.offset + m.nbytes]
             if m.info is not None:
-                parts.append((m.info, memoryview(target.numpy())))
+                parts.append((m.info, cpu_memoryview(target)))
             else:
+                assert m.fetch is not None, "a member has `direct`, `info` or `fetch` (see streamed_offload)"
                 target.copy_(_bytes(m.fetch()))
-        self.reads.read(parts)
+        self._reads().read(parts)
         self.ready[slot] = self.staged[slot] = self._issue(slot, group, freed)
 
     def close(self) -> None:
@@ -227,7 +240,7 @@ class SlotEngine:
             # the collector may run this on one of the readers (a thread cannot join itself)
             joined = not threading.current_thread().name.startswith("nbaccel-offload")
             self.pool.shutdown(wait=joined)
-            self.reads.close(wait=joined)
+            self._reads().close(wait=joined)
         if self.stream is not None:
             self.stream.synchronize()  # no copy out of host memory outlives its registration
         unpin([self.staging, *(m.direct for g in self.groups for m in g)])

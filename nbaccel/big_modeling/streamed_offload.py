@@ -204,8 +204,8 @@ def stream_offloaded(hooks: Sequence[tuple[Any, Sequence[str]]], device: torch.d
     plain, to_pin = [], []
     grouped: dict[Hashable, list[tuple[Any, list[Member]]]] = {}
     for k, (hook, names) in enumerate(hooks):
-        found = [_member(hook.weights_map, n) for n in names]
-        if not names or any(f is None for f in found):
+        found = [f for f in (_member(hook.weights_map, n) for n in names) if f is not None]
+        if not names or len(found) < len(names):  # a weight that cannot be streamed
             plain.append(hook)
             continue
         key = blocks[k] if blocks is not None and blocks[k] is not None else ("hook", k)
@@ -219,18 +219,18 @@ def stream_offloaded(hooks: Sequence[tuple[Any, Sequence[str]]], device: torch.d
     for index, members in enumerate(grouped.values()):
         groups.append([])
         for position, (hook, own) in enumerate(members):
-            names = {}
+            own_names: dict[str, str] = {}
             for member in own:  # two hooks of a block may both own a "weight"
                 key = f"{position}:{member.name}"
-                names[member.name] = key
+                own_names[member.name] = key
                 member.name = key
                 groups[-1].append(member)
-            owners.append((hook, index, names))
+            owners.append((hook, index, own_names))
     offload = _fitting(device, groups, slots)
     if offload is None:
         return [*plain, *(hook for hook, _, _ in owners)]
-    for hook, index, names in owners:
-        hook.streamed = StreamedGroup(offload, index, names)
+    for hook, index, own_names in owners:
+        hook.streamed = StreamedGroup(offload, index, own_names)
     return plain
 
 

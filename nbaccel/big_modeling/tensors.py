@@ -8,13 +8,16 @@ nested structure of tensors somewhere, and find where a nested structure lives.
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from nbaccel.errors import CheckpointError, CheckpointMismatchError, DeviceMapError
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
 
 __all__ = [
     "Device",
@@ -93,19 +96,20 @@ def set_module_tensor_to_device(module: nn.Module, tensor_name: str, device: Dev
             f"{tensor_name!r} is on the meta device (it holds no values), so it cannot be moved to {device}. "
             f"Fix: pass its values, e.g. set_module_tensor_to_device(module, {tensor_name!r}, {str(device)!r}, "
             "value=state_dict[...]).")
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype.removeprefix("torch."))
+    cast_to = as_torch_dtype(dtype)
     new = old if value is None else value
-    target = None
-    if dtype is not None and new.is_floating_point():
-        target = dtype
+    target: torch.dtype | None = None
+    if cast_to is not None and new.is_floating_point():
+        target = cast_to
     elif value is not None and new.is_floating_point() and old.is_floating_point():
         target = old.dtype  # as load_state_dict does: values take the model's dtype
     new = new.to(device) if target in (None, new.dtype) else new.to(device=device, dtype=target)
     if is_param:
         if type(new) is not type(old):
-            new = type(old)(new.detach(), requires_grad=old.requires_grad)
-        owner._parameters[leaf] = new
+            # `old` is a value of `owner._parameters`, so its class is nn.Parameter or a subclass of it
+            param_class = cast("type[nn.Parameter]", type(old))
+            new = param_class(new.detach(), requires_grad=old.requires_grad)
+        owner._parameters[leaf] = cast(nn.Parameter, new)  # of old's class: unchanged, or rebuilt just above
     else:
         owner._buffers[leaf] = new
 
@@ -115,6 +119,42 @@ def as_torch_device(device: Device) -> torch.device:
     if isinstance(device, int):
         return torch.device("cuda", device)
     return torch.device(device)
+
+
+def as_torch_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A dtype argument as a ``torch.dtype``: ``"float16"`` and ``"torch.float16"`` name ``torch.float16``.
+
+    Example:
+        >>> as_torch_dtype("torch.bfloat16")
+        torch.bfloat16
+    """
+    if isinstance(dtype, str):
+        return getattr(torch, dtype.removeprefix("torch."))
+    return dtype
+
+
+def cpu_memoryview(tensor: torch.Tensor) -> memoryview:
+    """The memory of a CPU tensor as a ``memoryview`` (no copy), in its numpy format.
+
+    Example:
+        >>> cpu_memoryview(torch.ones(2, dtype=torch.uint8)).tolist()
+        [1, 1]
+    """
+    # an ndarray implements the buffer protocol; numpy's stubs declare `__buffer__` only for Python >= 3.12
+    return memoryview(cast("ReadableBuffer", tensor.numpy()))
+
+
+def set_module_attribute(module: nn.Module, name: str, value: object) -> None:
+    """``setattr(module, name, value)`` for a value that is no tensor or module (a hook, a device map).
+
+    nn.Module's ``__setattr__`` is typed for tensors and modules only; at run time it stores any value.
+
+    Example:
+        >>> lin = torch.nn.Linear(1, 1); set_module_attribute(lin, "hf_device_map", {"": "cpu"})
+        >>> lin.hf_device_map
+        {'': 'cpu'}
+    """
+    setattr(module, name, value)
 
 
 def named_module_tensors(module: nn.Module, include_buffers: bool = True, recurse: bool = False,
@@ -161,6 +201,16 @@ def find_device(data: Any) -> torch.device | None:
         if found is not None:
             return found
     return None
+
+
+def key_list(skip_keys: Sequence[str] | str | None) -> list[str] | str | None:
+    """``skip_keys`` as :func:`~nbaccel.nested_data.send_to_device` takes them: a sequence as a list.
+
+    Example:
+        >>> key_list(("mask",)), key_list("mask")
+        (['mask'], 'mask')
+    """
+    return skip_keys if skip_keys is None or isinstance(skip_keys, str) else list(skip_keys)
 
 
 def clear_device_cache(garbage_collection: bool = False) -> None:

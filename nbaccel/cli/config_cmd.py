@@ -12,8 +12,9 @@ import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TextIO, TypeVar, get_args
+from typing import Any, TextIO, TypeVar, cast, get_args
 
+from nbaccel.distributed_type import DistributedType
 from nbaccel.config import LaunchConfig, PlacementStrategy, load_config, save_config
 from nbaccel.environment import MixedPrecision, config_file_path
 from nbaccel.errors import ConfigError
@@ -22,6 +23,7 @@ from nbaccel.hardware import cpu_count, cuda_device_count, tpu_detected
 __all__ = ["default_config", "register"]
 
 T = TypeVar("T")
+S = TypeVar("S", bound=str)
 _MAX_DEFAULT_CPU_PROCESSES = 4  # the same cap as an automatic launch
 _ATTEMPTS = 3
 
@@ -35,13 +37,14 @@ def default_config(mixed_precision: MixedPrecision = "no") -> LaunchConfig:
     """
     gpus = cuda_device_count()
     if gpus:
-        return LaunchConfig(distributed_type="MULTI_GPU" if gpus > 1 else "NO", num_processes=gpus,
+        return LaunchConfig(distributed_type=DistributedType.MULTI_GPU if gpus > 1 else DistributedType.NO,
+                            num_processes=gpus,
                             mixed_precision=mixed_precision)
     if tpu_detected():
-        return LaunchConfig(distributed_type="XLA", mixed_precision=mixed_precision)
+        return LaunchConfig(distributed_type=DistributedType.XLA, mixed_precision=mixed_precision)
     n = max(1, min(cpu_count(), _MAX_DEFAULT_CPU_PROCESSES))
-    return LaunchConfig(distributed_type="MULTI_CPU" if n > 1 else "NO", num_processes=n, use_cpu=True,
-                        mixed_precision=mixed_precision)
+    return LaunchConfig(distributed_type=DistributedType.MULTI_CPU if n > 1 else DistributedType.NO, num_processes=n,
+                        use_cpu=True, mixed_precision=mixed_precision)
 
 
 class _Asker:
@@ -88,11 +91,12 @@ def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
     return parse
 
 
-def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
-    def parse(text: str) -> str:
-        if text.lower() not in choices:
-            raise ValueError(f"{text!r} is not one of {list(choices)}")
-        return text.lower()
+def _choice(choices: tuple[S, ...]) -> Callable[[str], S]:
+    def parse(text: str) -> S:
+        for choice in choices:
+            if text.lower() == choice:
+                return choice
+        raise ValueError(f"{text!r} is not one of {list(choices)}")
     return parse
 
 
@@ -146,11 +150,11 @@ def _ray_address(text: str) -> str | None:
     raise ValueError(f"{text!r} is not 'none', 'auto', 'ray://host:port' or 'host:port'")
 
 
-def _strategy(text: str) -> str:
+def _strategy(text: str) -> PlacementStrategy:
     strategies = get_args(PlacementStrategy)
     if text.upper() not in strategies:
         raise ValueError(f"{text!r} is not one of {list(strategies)}")
-    return text.upper()
+    return cast(PlacementStrategy, text.upper())  # one of its values, checked above
 
 
 def _ray(ask: _Asker, base: LaunchConfig, machines: int) -> dict[str, Any]:
@@ -195,12 +199,13 @@ def ask_config(base: LaunchConfig, inp: TextIO, out: TextIO) -> LaunchConfig:
                       "none" if base.timeout is None else f"{base.timeout:g}")
     values.update(_ray(ask, base, values["num_machines"]))
     world = n * values["num_machines"]
+    dtype: DistributedType | None
     if base.distributed_type in ("FSDP", "DEEPSPEED"):
         dtype = base.distributed_type
     elif world == 1:
-        dtype = "NO"
+        dtype = DistributedType.NO
     else:
-        dtype = "MULTI_CPU" if use_cpu or not gpus else "MULTI_GPU"
+        dtype = DistributedType.MULTI_CPU if use_cpu or not gpus else DistributedType.MULTI_GPU
     return LaunchConfig.from_mapping({
         **base.to_mapping(), **values, "distributed_type": dtype, "num_processes": world, "use_cpu": bool(use_cpu),
         "gpu_ids": gpu_ids, "mixed_precision": mixed, "start_method": None if method == "auto" else method,

@@ -17,6 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 from nbaccel.config import LaunchConfig, RdzvBackend
 from nbaccel.launch.events import LaunchObserver
 from nbaccel.launch.preflight import LaunchPlan
+from nbaccel.rank_lifecycle import RankLifecycle
 
 __all__ = ["LaunchRequest", "Launcher", "Rendezvous"]
 
@@ -63,6 +64,7 @@ class LaunchRequest:
         rendezvous: how machines meet (multi-machine launches only).
         warm_imports: import what DDP needs in the caller before forking (``None``: guess from
             the function; see :mod:`nbaccel.launch.warmup`).
+        lifecycle: what every rank does around the function (start afresh; a warm rank's group join).
     """
 
     function: Callable[..., Any]
@@ -77,6 +79,7 @@ class LaunchRequest:
     observer: LaunchObserver | None = None
     rendezvous: Rendezvous | None = None
     warm_imports: bool | None = None
+    lifecycle: RankLifecycle = field(default_factory=RankLifecycle)
 
     @property
     def num_processes(self) -> int:

@@ -17,6 +17,7 @@ from nbaccel.config import LaunchBackend, LaunchConfig, StartMethod
 from nbaccel.environment import MixedPrecision
 from nbaccel.launch.events import LaunchObserver
 from nbaccel.launch.registry import launch
+from nbaccel.rank_lifecycle import RankLifecycle
 from nbaccel.launch.request import build_request
 from nbaccel.launch.restarts import run_with_restarts
 
@@ -49,6 +50,7 @@ def notebook_launcher(
     use_cpu: bool | None = None,
     config: LaunchConfig | None = None,
     observer: LaunchObserver | None = None,
+    lifecycle: RankLifecycle | None = None,
     backend: LaunchBackend | None = None,
     ray_address: str | None = None,
     fresh: bool = False,
@@ -94,6 +96,8 @@ def notebook_launcher(
         use_cpu: run on CPU processes even where GPUs exist.
         config: a :class:`LaunchConfig` supplying every value not given here.
         observer: receives per-rank state and output events (the status panel).
+        lifecycle: what each rank does before the function (nbaccel's extension, not Accelerate's): a
+            :class:`~nbaccel.rank_lifecycle.RankLifecycle` subclass forgets state of your own too.
         backend: ``"local"`` (this machine; torch elastic across ``num_nodes``) or ``"ray"``: the
             ranks run as Ray actors on a Ray cluster, ``num_processes`` of them across its nodes
             (a GPU each unless ``use_cpu``), with the same output, results, failures and interrupt
@@ -136,7 +140,7 @@ def notebook_launcher(
     """
     request = build_request(
         function, args, kwargs, config=config, hang_timeout=hang_timeout, output_ranks=output_ranks,
-        return_all=return_all, observer=observer, master_addr=master_addr, use_port=use_port,
+        return_all=return_all, observer=observer, lifecycle=lifecycle, master_addr=master_addr, use_port=use_port,
         rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf, rdzv_id=rdzv_id,
         max_restarts=max_restarts, monitor_interval=monitor_interval,
         log_line_prefix_template=log_line_prefix_template, num_processes=num_processes,

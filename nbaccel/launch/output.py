@@ -143,6 +143,7 @@ class OutputRelay:
         self._on_display = on_display
         self._display_ranks = frozenset(display_ranks)
         self._displays: dict[int, deque[tuple[DisplayKind, dict[str, Any]]]] = {}
+        self._early_marks: dict[int, int] = {}  # marks that came before their frame, per rank
         self._on_line = on_line
         self._on_progress = on_progress
         self._labels = dict(labels or {})
@@ -310,7 +311,8 @@ class OutputRelay:
             self._put("stdout" if bar else stream, self._label(rank) + line + "\n")
 
     def flush_rank(self, rank: int) -> None:
-        """Write out what ``rank`` left without a final newline (call once it has exited)."""
+        """Write out what ``rank`` left without a final newline, and what it displayed whose mark never came
+        (call once it has exited)."""
         for stream in ("stdout", "stderr"):
             state = self._states.get((rank, stream))
             if state is None:
@@ -323,17 +325,26 @@ class OutputRelay:
             elif state.pending + rest:
                 self._emit(rank, stream, state.pending + rest)
             del self._states[(rank, stream)]
+        while self._displays.get(rank):  # frames whose mark never came: the rank ended between the two writes
+            self._publish_display(rank)
         self._close_open_line()
         self.flush()
 
     def queue_display(self, rank: int, kind: DisplayKind, body: dict[str, Any]) -> None:
-        """Hold what ``rank`` displayed until its mark in the rank's stdout (see :mod:`nbaccel.launch.frames`)."""
+        """Hold what ``rank`` displayed until its mark in the rank's stdout (see :mod:`nbaccel.launch.frames`).
+
+        A frame whose mark already came (a transport that reordered them) is shown now: late, not lost.
+        """
         self._displays.setdefault(rank, deque()).append((kind, body))
+        if self._early_marks.get(rank, 0) > 0:
+            self._early_marks[rank] -= 1
+            self._publish_display(rank)
 
     def _publish_display(self, rank: int) -> None:
         queued = self._displays.get(rank)
         if not queued:
-            return  # a mark without its frame: the worker died between the two writes
+            self._early_marks[rank] = self._early_marks.get(rank, 0) + 1
+            return
         kind, body = queued.popleft()
         route = _route()
         on_display = route.on_display if route is not None else self._on_display

@@ -107,7 +107,7 @@ def _rebuild(kind: type[BaseException], args: tuple, state: dict,
     # A built-in type's __init__ only stores its arguments (UnicodeError's fields, say); a user's own
     # __init__ may transform them, and its result is already in args and state: not called again.
     init_owner = next(k for k in kind.__mro__ if "__init__" in k.__dict__)
-    (init_owner.__init__ if init_owner.__module__ == "builtins" else BaseException.__init__)(exc, *args)
+    (init_owner.__dict__["__init__"] if init_owner.__module__ == "builtins" else BaseException.__init__)(exc, *args)
     exc.__dict__.update(state)
     return exc
 

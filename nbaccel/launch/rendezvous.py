@@ -11,6 +11,7 @@ import errno
 import socket
 from collections.abc import Collection
 from datetime import timedelta
+from typing import Any
 
 from nbaccel.errors import LaunchError
 from nbaccel.launch.store_guard import StoreGuard
@@ -73,7 +74,7 @@ class LoopbackStore:
         """The ``TCPStore`` server on the guard's real socket (``listen_fd``, a duplicate it owns)."""
         import torch.distributed as dist  # already imported by __init__
 
-        kwargs = {"world_size": None, "is_master": True, "master_listen_fd": listen_fd,
+        kwargs: dict[str, Any] = {"world_size": None, "is_master": True, "master_listen_fd": listen_fd,
                   "wait_for_workers": False, "timeout": timedelta(seconds=self._timeout)}
         try:
             return dist.TCPStore(self.host, self.guard.real_port, use_libuv=True, **kwargs)

@@ -17,6 +17,7 @@ from nbaccel.errors import ConfigError
 from nbaccel.launch.base import LaunchRequest, Rendezvous
 from nbaccel.launch.events import LaunchObserver
 from nbaccel.launch.preflight import plan_launch, wants_xla
+from nbaccel.rank_lifecycle import RankLifecycle
 from nbaccel.launch.registry import backend_for
 
 __all__ = ["LaunchRequest", "Rendezvous", "build_request"]
@@ -90,6 +91,7 @@ def build_request(
     return_all: bool = False,
     observer: LaunchObserver | None = None,
     warm_imports: bool | None = None,
+    lifecycle: RankLifecycle | None = None,
     fresh: bool = False,
     master_addr: str | None = None,
     use_port: int | str | None = None,
@@ -117,6 +119,7 @@ def build_request(
         return_all: see :class:`LaunchRequest`.
         observer: see :class:`LaunchRequest`.
         warm_imports: see :class:`LaunchRequest`.
+        lifecycle: see :class:`LaunchRequest`; ``None``: nbaccel's :class:`~nbaccel.rank_lifecycle.RankLifecycle`.
         fresh: a one-process launch starts a new process instead of using the warm rank.
         master_addr: machine 0's address; wins over the config's ``main_process_ip``.
         use_port: the rendezvous port; wins over the config's ``main_process_port``.
@@ -163,4 +166,5 @@ def build_request(
     return LaunchRequest(
         function=function, args=tuple(args), kwargs=dict(kwargs or {}), config=cfg, plan=plan,
         launcher=launcher, hang_timeout=hang_timeout, output_ranks=_check_ranks(output_ranks, plan.num_processes),
-        return_all=return_all, observer=observer, rendezvous=rendezvous, warm_imports=warm_imports)
+        return_all=return_all, observer=observer, rendezvous=rendezvous, warm_imports=warm_imports,
+        lifecycle=lifecycle if lifecycle is not None else RankLifecycle())

@@ -11,9 +11,9 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from nbaccel.rank_resets import register_rank_reset
+from nbaccel.identity import rank_generation
 
-__all__ = ["RunLog", "begin_run_log", "forget_run_log", "last_run_log"]
+__all__ = ["RunLog", "begin_run_log", "last_run_log"]
 
 
 class RunLog:
@@ -53,33 +53,19 @@ class RunLog:
             return [dict(r) for r in self.records]
 
 
-_last: RunLog | None = None
+_last: tuple[int, RunLog] | None = None  # (the rank generation it was made in, the log)
 
 
 def begin_run_log() -> RunLog:
     """A fresh log for the run that is starting; it becomes :func:`last_run_log`'s."""
     global _last
-    _last = RunLog()
-    return _last
+    _last = (rank_generation(), RunLog())
+    return _last[1]
 
 
 def last_run_log() -> RunLog | None:
-    """The latest run's log (``None`` before any run in this process)."""
-    return _last
+    """The latest run's log (``None`` before any run here, and in a rank that started afresh since).
 
-
-def forget_run_log() -> None:
-    """Forget the latest run's log, as a fresh process has none (``nbaccel.last_run_history()`` is then empty).
-
-    A rank calls it through :func:`nbaccel.rank_resets.reset_rank_state`: the caller's log,
-    inherited through fork, is not the rank's (a launch the rank makes starts its own).
-
-    Example:
-        >>> forget_run_log(); last_run_log() is None
-        True
+    The caller's log, inherited through fork, is not a rank's (a launch the rank makes starts its own).
     """
-    global _last
-    _last = None
-
-
-register_rank_reset("nbaccel.launch.run_log", forget_run_log)
+    return _last[1] if _last is not None and _last[0] == rank_generation() else None

@@ -1,19 +1,23 @@
 """Reading a magic's flags: a flag it does not take is a ``UsageError`` that names the flag meant.
 
 ``%%accel_launch --mixedprecision bf16`` says "did you mean --mixed_precision?"; a flag only
-``nbaccel launch`` takes (``--gpu_ids``) says where that setting goes instead.
+``nbaccel launch`` takes (``--gpu_ids``) says where that setting goes instead. The value types
+(``--timeout``'s seconds, ``--ranks``' list, ``-o``'s names) refuse a bad value with the form it
+should take.
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Literal, get_args
 
 from IPython.core.error import UsageError
 from IPython.utils.process import arg_split
 
-__all__ = ["parse_flags"]
+__all__ = ["STATUS_MODES", "StatusMode", "hang_timeout_seconds", "parse_flags", "parse_out_names",
+           "positive_seconds", "rank_list"]
 
 _CLOSE_ENOUGH = 0.75  # difflib ratio: --mixedprecision / --mixed_precision is 0.97, --cpu / --port 0.57
 
@@ -69,3 +73,40 @@ def _cli_flags() -> list[str]:
     parser = argparse.ArgumentParser(add_help=False)
     add_launch_flags(parser)
     return _flags(parser)
+
+
+StatusMode = Literal["auto", "widget", "text", "none"]
+STATUS_MODES = get_args(StatusMode)
+
+
+def positive_seconds(text: str) -> float:
+    """``--timeout``: a number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds (got {text!r})") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds (got {text!r})")
+    return value
+
+
+def hang_timeout_seconds(text: str) -> float | None:
+    """``--hang_timeout``: seconds above 0, or ``none`` / ``off`` for no limit."""
+    return None if text.lower() in ("none", "off") else positive_seconds(text)
+
+
+def rank_list(text: str) -> list[int]:
+    """``--ranks``: rank numbers such as ``0`` or ``0,1``."""
+    try:
+        return [int(p) for p in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be rank numbers such as 0 or 0,1 (got {text!r})") from None
+
+
+def parse_out_names(values: Sequence[str]) -> list[str]:
+    """``-o``/``--out``: the variable names, split on commas and spaces."""
+    names = [n for v in values for n in v.replace(",", " ").split()]
+    bad = [n for n in names if not n.isidentifier()]
+    if bad:
+        raise UsageError(f"-o/--out takes variable names (got {bad[0]!r}). Fix: -o model,losses")
+    return names

@@ -14,10 +14,11 @@ from __future__ import annotations
 import argparse
 import linecache
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, get_args
+from typing import Any, cast, get_args
 
 from IPython.core.displayhook import DisplayHook
 from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
@@ -32,46 +33,21 @@ from nbaccel.errors import (
 )
 from nbaccel.hardware import in_colab, in_notebook
 from nbaccel.launch.request import LaunchRequest
-from nbaccel.magics.cell import CellProgram, CellResult, run_cell_program
-from nbaccel.magics.flags import parse_flags
+from nbaccel.magics.cell import CellProgram, CellResult, LinecacheEntry, run_cell_program
+from nbaccel.magics.flags import (
+    STATUS_MODES,
+    StatusMode,
+    hang_timeout_seconds,
+    parse_flags,
+    parse_out_names,
+    positive_seconds,
+    rank_list,
+)
 from nbaccel.magics.render import attach_renderer, render_interrupt
 from nbaccel.magics.session import SessionDefaults
 from nbaccel.magics.workers import NotebookPool, plain_interrupt
 
 __all__ = ["AccelMagics"]
-
-StatusMode = Literal["auto", "widget", "text", "none"]
-_STATUS_MODES = get_args(StatusMode)
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds (got {text!r})") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds (got {text!r})")
-    return value
-
-
-def _hang_timeout(text: str) -> float | None:
-    return None if text.lower() in ("none", "off") else _positive_float(text)
-
-
-def _ranks(text: str) -> list[int]:
-    try:
-        return [int(p) for p in text.replace(",", " ").split()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be rank numbers such as 0 or 0,1 (got {text!r})") from None
-
-
-def _out_names(values: Sequence[str]) -> list[str]:
-    names = [n for v in values for n in v.replace(",", " ").split()]
-    bad = [n for n in names if not n.isidentifier()]
-    if bad:
-        raise UsageError(f"-o/--out takes variable names (got {bad[0]!r}). Fix: -o model,losses")
-    return names
-
 
 def _usage(exc: Exception) -> UsageError:
     return UsageError(f"%%accel_launch: {exc}")
@@ -101,10 +77,10 @@ class AccelMagics(Magics):
     @argument("--config_file", default=None, help="config file to read instead of the default one")
     @argument("--start_method", choices=get_args(StartMethod), default=None,
               help="how workers start (default: fork when safe, else spawn)")
-    @argument("--timeout", type=_positive_float, default=None, help="stop the launch after this many seconds")
-    @argument("--hang_timeout", type=_hang_timeout, default=120.0,
+    @argument("--timeout", type=positive_seconds, default=None, help="stop the launch after this many seconds")
+    @argument("--hang_timeout", type=hang_timeout_seconds, default=120.0,
               help="stop ranks silent this long after others finished ('none' to disable; default 120)")
-    @argument("--ranks", type=_ranks, default=None, help="show only these ranks' output and displays, e.g. 0 or 0,1 "
+    @argument("--ranks", type=rank_list, default=None, help="show only these ranks' output and displays, e.g. 0 or 0,1 "
                    "(default: every rank's output, rank 0's displays)")
     @argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
     @argument("--backend", choices=get_args(LaunchBackend), default=None,
@@ -119,7 +95,7 @@ class AccelMagics(Magics):
               help="names to set in the notebook after the run, from rank 0 (see --all-ranks)")
     @argument("--all-ranks", "--all_ranks", dest="all_ranks", action="store_true",
               help="set each -o name to a {rank: value} dict from every rank")
-    @argument("--status", choices=_STATUS_MODES, default="auto",
+    @argument("--status", choices=STATUS_MODES, default="auto",
               help="live status panel: a widget, plain text at the end, or none (default: auto)")
     @argument("--persist", action="store_true",
               help="run on the warm workers of %%accel_workers start, in a namespace per rank that lasts between cells")
@@ -145,7 +121,7 @@ class AccelMagics(Magics):
             accelerator.num_processes
         """
         args = parse_flags(self.accel_launch, line, "%%accel_launch")
-        out_names = _out_names(args.out)
+        out_names = parse_out_names(args.out)
         if isinstance(args.background, str) and not args.background.isidentifier():
             raise UsageError(f"%%accel_launch: --background takes a variable name for the run (got "
                              f"{args.background!r}). Fix: --background run, or --background alone.")
@@ -239,16 +215,23 @@ class AccelMagics(Magics):
         except (ConfigError, EnvironmentStateError, MissingDependencyError) as exc:
             raise _usage(exc) from None
 
+    def _ipython(self) -> InteractiveShell:
+        """The shell: set when IPython registers the magics, the only way their methods get called."""
+        assert self.shell is not None, "AccelMagics used before IPython registered it"
+        return self.shell
+
     def _program(self, line: str, cell: str, out_names: Sequence[str], all_ranks: bool,
                  kind: type[CellProgram] = CellProgram) -> CellProgram:
-        shell = self.shell
+        shell = self._ipython()
         first = f"%%accel_launch {line}".rstrip()
         cell_lines = [first + "\n"] + [text + "\n" for text in cell.splitlines()]
         running = getattr(shell.displayhook, "exec_result", None)  # this cell's In[N], however counted
         number = getattr(running, "execution_count", None) or shell.execution_count
         filename = shell.compile.cache("".join(cell_lines), number, raw_code="".join(cell_lines) + "#nbaccel")
         mapped = getattr(shell.compile, "_filename_map", {})
-        sources = {name: linecache.cache[name] for name in mapped if name in linecache.cache and name != filename}
+        # IPython caches each cell as a full (size, None, lines, name) entry, never a lazy one
+        sources = {name: cast(LinecacheEntry, linecache.cache[name])
+                   for name in mapped if name in linecache.cache and name != filename}
         try:
             return kind(shell.transform_cell(cell), filename=filename, first_line=2, cell_lines=cell_lines,
                                user_ns=shell.user_ns, hidden=shell.user_ns_hidden, out_names=out_names,
@@ -277,8 +260,9 @@ class AccelMagics(Magics):
 
     def _launch(self, request: LaunchRequest, launch: Callable[[LaunchRequest], Any] | None = None) -> Any:
         if launch is None:
-            from nbaccel.launch.registry import launch
+            from nbaccel.launch.registry import launch as registry_launch
 
+            launch = registry_launch
         try:
             return launch(request)
         except KeyboardInterrupt as exc:
@@ -296,15 +280,16 @@ class AccelMagics(Magics):
             raise attach_renderer(exc, self.shell)  # noqa: B904 - keep the worker's exception as it is
 
     def _finish(self, results: Any, out_names: Sequence[str], all_ranks: bool, cell: str) -> Any:
+        user_ns = self._ipython().user_ns
         if all_ranks:
             per_rank: dict[int, CellResult] = {r: v for r, v in (results or {}).items() if isinstance(v, CellResult)}
             for name in out_names:
-                self.shell.user_ns[name] = {r: res.outputs[name] for r, res in sorted(per_rank.items())}
+                user_ns[name] = {r: res.outputs[name] for r, res in sorted(per_rank.items())}
             root = per_rank.get(0)
         else:
             root = results if isinstance(results, CellResult) else None
             if root is not None:
-                self.shell.user_ns.update(root.outputs)
+                user_ns.update(root.outputs)
         if root is None or DisplayHook.semicolon_at_end_of_expression(cell):
             return None
         return root.value
@@ -319,11 +304,11 @@ class AccelMagics(Magics):
     @argument("--config_file", default=None, help="config file to read instead of the default one (start only)")
     @argument("--start_method", choices=get_args(StartMethod), default=None, help="(start only)")
     @argument("--port", type=int, default=None, help="rendezvous port (start only; default: a free one)")
-    @argument("--timeout", type=_positive_float, default=None,
+    @argument("--timeout", type=positive_seconds, default=None,
               help="cancel a cell after this many seconds (start only)")
     @argument("--backend", choices=get_args(LaunchBackend), default=None, help="'local' or 'ray' (start only)")
     @argument("--ray_address", default=None, help="with --backend ray: the cluster (start only)")
-    @argument("--grace", type=_positive_float, default=3.0,
+    @argument("--grace", type=positive_seconds, default=3.0,
               help="seconds a cancelled rank has to stop before the pool is killed (start only)")
     @line_magic
     def accel_workers(self, line: str) -> None:

@@ -25,7 +25,7 @@ import io
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, Literal
+from typing import Any, Literal, TextIO, cast
 
 from nbaccel.launch.claims import Claim, claim, claimed_by_this_thread, release
 from nbaccel.launch.output import OutputRoute, route_output
@@ -157,7 +157,8 @@ class LaunchRun:
     # ------------------------------------------------------------------ the run's thread
     def _main(self, launch: Callable[[], Any], held: Claim) -> None:
         claimed_by_this_thread(held)
-        route = OutputRoute(_Discard(), _Discard(), self.record.on_display)
+        # _Discard is a text stream; io's classes just do not derive from typing.TextIO
+        route = OutputRoute(cast(TextIO, _Discard()), cast(TextIO, _Discard()), self.record.on_display)
         outcome: tuple[str, Any] | None = None
         try:
             while outcome is None or self._in_launch:

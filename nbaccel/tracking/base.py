@@ -114,6 +114,8 @@ class GeneralTracker:
     """
 
     main_process_only = True
+    name: str  # set by each subclass, as is requires_logging_directory (checked in __init__)
+    requires_logging_directory: bool
 
     def __init__(self, _blank: bool = False) -> None:
         if _blank:

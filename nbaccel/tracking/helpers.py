@@ -17,7 +17,7 @@ process and starts them (each tracker's own methods run on the main process only
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from nbaccel.errors import ConfigError
 from nbaccel.launch.worker.channel import current_channel
@@ -39,6 +39,9 @@ class TrackingHelpers:
     project_configuration: Any
     log_with: list[TrackerSpec]
     trackers: list[GeneralTracker]
+
+    if TYPE_CHECKING:  # ProcessHelpers', beside this in the Accelerator
+        def wait_for_everyone(self) -> None: ...
 
     def _setup_tracking(self, log_with: Any, notebook_tracker: bool) -> None:
         self.log_with = resolve_log_with(log_with, self.logging_dir,
@@ -102,8 +105,8 @@ class TrackingHelpers:
         if not trackers:
             return GeneralTracker(_blank=True)
         for tracker in trackers:
-            if tracker.name == name:
-                return tracker.tracker if unwrap else tracker
+            if tracker.name == name:  # every tracker has a `tracker`: GeneralTracker.__init__ checks it
+                return cast(Any, tracker).tracker if unwrap else tracker
         names = [t.name for t in trackers]
         raise ConfigError(f"{name!r} is not one of this Accelerator's trackers {names}. Fix: pass one of those "
                           f"names, or add {name!r} to log_with.", key="name", value=name, valid=names)
@@ -151,4 +154,4 @@ class TrackingHelpers:
         """
         for tracker in self.trackers:
             tracker.finish()
-        self.wait_for_everyone()  # type: ignore[attr-defined]  # ProcessHelpers, beside this in Accelerator
+        self.wait_for_everyone()

@@ -30,7 +30,8 @@ class MLflowTracker(GeneralTracker):
     """Logs to an MLflow run (main process only).
 
     Args:
-        experiment_name: the MLflow experiment (the project name given to ``init_trackers``).
+        experiment_name: the MLflow experiment (the project name given to ``init_trackers``); ``None``:
+            mlflow's active one (``MLFLOW_EXPERIMENT_NAME``, else its ``Default``).
         logging_dir: where the default file store goes (``<logging_dir>/mlruns``).
         run_id: resume this run instead of starting one.
         tags: tags set on the experiment and run.
@@ -81,9 +82,11 @@ class MLflowTracker(GeneralTracker):
         if uri is not None:
             mlflow.set_tracking_uri(uri)
             self.tracking_uri = uri
-        found = mlflow.search_experiments(filter_string=f"name = '{self.experiment_name}'")
-        experiment_id = (found[0].experiment_id if found else
-                         mlflow.create_experiment(name=self.experiment_name, tags=self.tags))
+        experiment_id = None  # no name: mlflow's active experiment (MLFLOW_EXPERIMENT_NAME / _ID, else Default)
+        if self.experiment_name is not None:
+            found = mlflow.search_experiments(filter_string=f"name = '{self.experiment_name}'")
+            experiment_id = (found[0].experiment_id if found else
+                             mlflow.create_experiment(name=self.experiment_name, tags=self.tags))
         self.active_run = mlflow.start_run(run_id=self.run_id, experiment_id=experiment_id, run_name=self.run_name,
                                            nested=self.nested_run, tags=self.tags, description=self.description)
 

@@ -20,7 +20,7 @@ import importlib
 import importlib.util
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from nbaccel.errors import ConfigError, MissingDependencyError
 from nbaccel.tracking.base import GeneralTracker, LoggerType
@@ -132,16 +132,24 @@ def resolve_log_with(log_with: Any, logging_dir: str | None, *, notebook: bool) 
         chosen += [kind for kind in available_trackers() if kind not in chosen]
     if notebook and LoggerType.NOTEBOOK not in chosen:
         chosen.append(LoggerType.NOTEBOOK)
-    for kind in chosen:
-        if isinstance(kind, LoggerType) and _tracker_class(kind).requires_logging_directory and logging_dir is None:
+    for spec in chosen:
+        if isinstance(spec, LoggerType) and _tracker_class(spec).requires_logging_directory and logging_dir is None:
             raise ConfigError(
-                f"log_with={kind.value!r} writes files and needs a logging directory, but none was given. Fix: "
-                f"Accelerator(log_with={kind.value!r}, project_dir='runs') (or ProjectConfiguration(logging_dir=...))",
+                f"log_with={spec.value!r} writes files and needs a logging directory, but none was given. Fix: "
+                f"Accelerator(log_with={spec.value!r}, project_dir='runs') (or ProjectConfiguration(logging_dir=...))",
                 key="project_dir", value=None, valid="a directory path")
     return chosen
 
 
-def _tracker_class(kind: LoggerType) -> type[GeneralTracker]:
+class _BuiltinTrackerClass(Protocol):
+    """A built-in tracker's class: each takes its own arguments (the run name first, then the logging dir)."""
+
+    requires_logging_directory: bool
+
+    def __call__(self, *args: Any, **kwargs: Any) -> GeneralTracker: ...
+
+
+def _tracker_class(kind: LoggerType) -> _BuiltinTrackerClass:
     builtin = _BUILTINS[kind]
     return getattr(importlib.import_module(builtin.module), builtin.class_name)
 
@@ -162,5 +170,5 @@ def build_tracker(spec: TrackerSpec, project_name: str, logging_dir: str | None,
                           value=kwargs, valid="dict")
     cls = _tracker_class(spec)
     if cls.requires_logging_directory:
-        return cls(project_name, logging_dir, **kwargs)  # type: ignore[call-arg]  # the tracker's own init
-    return cls(project_name, logging_dir=logging_dir, **kwargs)  # type: ignore[call-arg]  # the tracker's own init
+        return cls(project_name, logging_dir, **kwargs)
+    return cls(project_name, logging_dir=logging_dir, **kwargs)

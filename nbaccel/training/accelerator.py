@@ -313,12 +313,13 @@ class Accelerator(PrepareHelpers, ProcessHelpers, CheckpointHelpers, TrackingHel
             with model.no_sync():
                 yield
             return
-        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-            model.set_requires_gradient_sync(False)
+        set_sync = getattr(model, "set_requires_gradient_sync", None)  # FSDP2 (FSDPModule)
+        if set_sync is not None:
+            set_sync(False)
             try:
                 yield
             finally:
-                model.set_requires_gradient_sync(True)
+                set_sync(True)
             return
         yield
 

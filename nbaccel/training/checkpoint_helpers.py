@@ -9,7 +9,7 @@ training state is written by :mod:`nbaccel.training.training_state`, the file fo
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -40,6 +40,11 @@ class CheckpointHelpers:
     step: int
     scaler: Any
     fsdp_plugin: FullyShardedDataParallelPlugin | None
+
+    if TYPE_CHECKING:  # the Accelerator's property and ProcessHelpers' method, beside this in the Accelerator
+        @property
+        def device(self) -> torch.device: ...
+        def wait_for_everyone(self) -> None: ...
 
     def _checkpoint_context(self) -> training_state.CheckpointContext:
         """What ``save_state``/``load_state`` need besides the prepared objects, read from this Accelerator."""

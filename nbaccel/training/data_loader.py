@@ -112,7 +112,8 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
     def _apply_epoch(self, epoch: int) -> None:
         sampler = getattr(self.batch_sampler, "sampler", None)
         inner = getattr(sampler, "sampler", sampler)  # SkipBatchSampler -> BatchSamplerShard -> sampler
-        batch_samplers, b = [], self.batch_sampler  # the user's own batch sampler too, under nbaccel's wrappers
+        batch_samplers: list[Any] = []  # the user's own batch sampler too, under nbaccel's wrappers
+        b = self.batch_sampler
         while b is not None and len(batch_samplers) < 4:
             batch_samplers.append(b)
             b = getattr(b, "batch_sampler", None)
@@ -215,7 +216,7 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
         self._finish()
         self.end_of_dataloader = True
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # torch types it as a private iterator class
         self._start_pass()
         try:
             for batch, last in self._batches():
@@ -265,7 +266,7 @@ class DataLoaderDispatcher(DataLoaderShard):
     def _seed_pass(self) -> None:
         """Rank 0 reads every batch through its own sampler: nothing to seed per pass here."""
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # torch types it as a private iterator class
         self._start_pass()  # rank 0 reads: its sampler and dataset must see the epoch
         first: Any = None
         try:

@@ -86,7 +86,8 @@ class BatchSamplerShard(BatchSampler):
         self.process_index = process_index
         self.split_batches = split_batches
         self.even_batches = even_batches
-        self.batch_size: int | None = getattr(batch_sampler, "batch_size", None)
+        size = getattr(batch_sampler, "batch_size", None)  # BatchSampler's __init__ is not run (as in Accelerate)
+        self.batch_size: int | None = size  # type: ignore[assignment]  # None: the wrapped sampler has no batch size
         self.drop_last: bool = getattr(batch_sampler, "drop_last", False)
         if split_batches and self.batch_size is not None and self.batch_size % num_processes != 0:
             raise ConfigError(
@@ -96,7 +97,7 @@ class BatchSamplerShard(BatchSampler):
                 key="batch_size", value=self.batch_size, valid=f"a multiple of {num_processes}")
 
     @property
-    def sampler(self) -> Any:
+    def sampler(self) -> Any:  # type: ignore[override]  # read-only: the wrapped batch sampler's, looked up live
         """The original batch sampler's sampler."""
         return getattr(self.batch_sampler, "sampler", None)
 

@@ -8,7 +8,7 @@ over the hooks PyTorch ships (``torch.distributed.algorithms.ddp_comm_hooks``).
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -54,6 +54,10 @@ def as_comm_hook_type(value: object, key: str) -> DDPCommunicationHookType:
                           f"{key}=DDPCommunicationHookType.FP16.", key=key, value=value, valid=valid) from None
 
 
+# A DDP communication hook: (its state: a process group or PowerSGDState, the bucket) -> the reduced bucket.
+_Hook = Callable[[Any, "torch.distributed.GradBucket"], "torch.futures.Future[torch.Tensor]"]
+
+
 def register_comm_hook(model: torch.nn.parallel.DistributedDataParallel, comm_hook: DDPCommunicationHookType,
                        comm_wrapper: DDPCommunicationHookType = DDPCommunicationHookType.NO,
                        comm_state_option: Mapping[str, Any] | None = None) -> None:
@@ -72,18 +76,20 @@ def register_comm_hook(model: torch.nn.parallel.DistributedDataParallel, comm_ho
 
     comm_hook = as_comm_hook_type(comm_hook, "comm_hook")
     comm_wrapper = as_comm_hook_type(comm_wrapper, "comm_wrapper")
-    wrappers = {DDPCommunicationHookType.FP16: default_hooks.fp16_compress_wrapper,
-                DDPCommunicationHookType.BF16: default_hooks.bf16_compress_wrapper}
+    wrappers: dict[DDPCommunicationHookType, Callable[[_Hook], _Hook]] = {
+        DDPCommunicationHookType.FP16: default_hooks.fp16_compress_wrapper,
+        DDPCommunicationHookType.BF16: default_hooks.bf16_compress_wrapper}
     if comm_wrapper is not DDPCommunicationHookType.NO and comm_wrapper not in wrappers:
         raise ConfigError(f"`comm_wrapper` must be one of ['no', 'fp16', 'bf16'] (got {comm_wrapper.value!r}). "
                           "Fix: use PowerSGD as `comm_hook` and fp16/bf16 as its wrapper.",
                           key="comm_wrapper", value=comm_wrapper.value, valid=("no", "fp16", "bf16"))
     if comm_hook is DDPCommunicationHookType.NO:
         return
-    hooks = {DDPCommunicationHookType.FP16: default_hooks.fp16_compress_hook,
-             DDPCommunicationHookType.BF16: default_hooks.bf16_compress_hook,
-             DDPCommunicationHookType.POWER_SGD: powerSGD_hook.powerSGD_hook,
-             DDPCommunicationHookType.BATCHED_POWER_SGD: powerSGD_hook.batched_powerSGD_hook}
+    hooks: dict[DDPCommunicationHookType, _Hook] = {
+        DDPCommunicationHookType.FP16: default_hooks.fp16_compress_hook,
+        DDPCommunicationHookType.BF16: default_hooks.bf16_compress_hook,
+        DDPCommunicationHookType.POWER_SGD: powerSGD_hook.powerSGD_hook,
+        DDPCommunicationHookType.BATCHED_POWER_SGD: powerSGD_hook.batched_powerSGD_hook}
     hook = hooks[comm_hook]
     if comm_wrapper in wrappers:
         hook = wrappers[comm_wrapper](hook)

@@ -164,7 +164,7 @@ def _gathered(state: dict[str, Any], ranks: tuple[int, ...]) -> dict[str, Any]:
     return gathered if dist.get_rank() in ranks else {}
 
 
-def full_model_state_dict(model: torch.nn.Module, ranks: tuple[int, ...] = (0,)) -> dict[str, torch.Tensor]:
+def full_model_state_dict(model: torch.nn.Module, ranks: tuple[int, ...] = (0,)) -> dict[str, Any]:
     """The gathered model state dict, on CPU on ``ranks`` (others get an empty dict). Call on every rank."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -179,7 +179,7 @@ def _from_rank0() -> Any:
     return StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
 
-def load_full_model_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+def load_full_model_state_dict(model: torch.nn.Module, state_dict: dict[str, Any]) -> None:
     """Load a full state dict that only rank 0 read (the others pass ``{}``) into a sharded model. Call on every rank.
 
     Rank 0 broadcasts tensor by tensor and each rank keeps its shard, so the host holds one copy
@@ -207,7 +207,7 @@ def load_full_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.opti
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     # Whether there is any state, and the hyperparameters, are rank 0's to tell (a few bytes).
-    told = [{"stateless": not state_dict.get("state"),
+    told: list[Any] = [{"stateless": not state_dict.get("state"),
              "groups": [{k: v for k, v in g.items() if k != "params"} for g in state_dict.get("param_groups", [])]}
             if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(told, src=0)
@@ -234,7 +234,7 @@ def sharded_load(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
-    state = {"model": model_sd, "optimizer": optim_sd}
+    state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
     dcp.load(state, checkpoint_id=str(folder))
     set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])

@@ -18,7 +18,7 @@ Where the weights come from (decided once, the same on every rank, by :func:`pla
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -72,8 +72,9 @@ class Materialization:
                                                                               broadcast_from_rank0=True))
         self.state_dict.clear()  # rank 0's host copy goes as soon as the shards hold it
         _broadcast_buffers(model, self.buffers, self.device)
-        if callable(getattr(model, "tie_weights", None)):  # as Accelerate does for transformers models
-            model.tie_weights()
+        tie_weights = getattr(model, "tie_weights", None)
+        if callable(tie_weights):  # as Accelerate does for transformers models
+            tie_weights()
 
 
 def plan_materialization(model: torch.nn.Module, device: torch.device, cpu_offload: bool,
@@ -137,7 +138,7 @@ def _check_resettable(model: torch.nn.Module) -> None:
 def _reset(model: torch.nn.Module) -> None:
     with torch.no_grad():
         for _, module in _owners(model):
-            module.reset_parameters()
+            cast(Any, module).reset_parameters()  # each has one: plan_materialization checked (_check_resettable)
 
 
 def _broadcast_buffers(model: torch.nn.Module, buffers: dict[str, torch.Tensor], device: torch.device) -> None:

@@ -53,7 +53,8 @@ def make_mixed_precision_policy(value: Any) -> Any:
             raise ConfigError(f"`mixed_precision_policy` has unknown keys {unknown}; valid keys: {fields}. "
                               "Fix: drop them (`buffer_dtype` is FSDP1's)", key="mixed_precision_policy",
                               value=unknown, valid=fields)
-        return MixedPrecisionPolicy(**{k: _policy_dtype(k, v) if isinstance(v, str) else v for k, v in value.items()})
+        kwargs: dict[str, Any] = {k: _policy_dtype(k, v) if isinstance(v, str) else v for k, v in value.items()}
+        return MixedPrecisionPolicy(**kwargs)
     raise ConfigError(f"`mixed_precision_policy` must be a torch.distributed.fsdp.MixedPrecisionPolicy, one of "
                       f"{list(POLICY_DTYPES)} or a dict of its fields (got {type(value).__name__}: {value!r}); "
                       "for example mixed_precision_policy='bf16'", key="mixed_precision_policy", value=value,

@@ -7,7 +7,7 @@ As in Accelerate; mixed into :class:`~nbaccel.Accelerator`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,9 +24,13 @@ class GradientClipping:
 
     prepared: PreparedObjects
     deepspeed_engine: Any
-    device: torch.device
-    num_processes: int
     gradient_state: GradientState
+
+    if TYPE_CHECKING:  # read-only properties of the Accelerator; declared here for the type checker only
+        @property
+        def device(self) -> torch.device: ...
+        @property
+        def num_processes(self) -> int: ...
 
     def unscale_gradients(self, optimizer: Any = None) -> None:
         """Divide gradients by the fp16 loss scale (done for you by the ``clip_grad_*`` methods)."""

@@ -6,7 +6,7 @@ this module decides how a given loader is sharded, shuffled and resumed.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
@@ -127,7 +127,7 @@ def prepare_data_loader(dataloader: DataLoader, device: torch.device | None = No
         return _prepare_iterable(dataloader, num_processes, process_index, config, common | kwargs)
     if dataloader.batch_sampler is None and isinstance(dataloader.sampler, BatchSampler):
         return _prepare_sampler_of_batches(dataloader, num_processes, process_index, config, common | kwargs)
-    sampler = dataloader.batch_sampler.sampler if hasattr(dataloader.batch_sampler, "sampler") else dataloader.sampler
+    sampler = getattr(dataloader.batch_sampler, "sampler", dataloader.sampler)
     if isinstance(sampler, RandomSampler) and config.use_seedable_sampler:
         sampler = _seedable(sampler, config)
         batch_sampler: Any = BatchSampler(sampler, batch_size=bs, drop_last=dataloader.drop_last) if bs else None
@@ -197,6 +197,10 @@ def _prepare_dispatcher(dataloader: DataLoader, num_processes: int, process_inde
                                 total_batch_size=total, **kwargs)
 
 
+@overload
+def skip_first_batches(dataloader: DataLoaderShard, num_batches: int = 0) -> DataLoaderShard: ...
+@overload
+def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoader: ...
 def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoader:
     """A loader like ``dataloader`` that starts after its first ``num_batches`` batches.
 
@@ -209,23 +213,27 @@ def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoad
         [[4, 5]]
     """
     if not isinstance(dataloader, DataLoaderShard):
-        if (getattr(dataloader, "batch_sampler", None) is not None
-                and not isinstance(dataloader.dataset, IterableDataset)):
+        batch_sampler = getattr(dataloader, "batch_sampler", None)
+        if batch_sampler is not None and not isinstance(dataloader.dataset, IterableDataset):
             kw = _loader_kwargs(dataloader)
-            return DataLoader(dataloader.dataset, batch_sampler=SkipBatchSampler(dataloader.batch_sampler, num_batches),
-                              **kw)
-        return DataLoaderShard(dataloader.dataset, batch_size=dataloader.batch_size, skip_batches=num_batches,
-                               **_loader_kwargs(dataloader))
-    common = {"device": dataloader.device, "gradient_state": dataloader.gradient_state,
+            return DataLoader(dataloader.dataset, batch_sampler=SkipBatchSampler(batch_sampler, num_batches), **kw)
+        # no batch sampler: a stream, or a sampler of whole batches (batch_size=None) that the copy keeps
+        sampler = None if isinstance(dataloader.dataset, IterableDataset) else dataloader.sampler
+        return DataLoaderShard(dataloader.dataset, batch_size=dataloader.batch_size, sampler=sampler,
+                               drop_last=dataloader.drop_last, skip_batches=num_batches, **_loader_kwargs(dataloader))
+    common: dict[str, Any] = {"device": dataloader.device, "gradient_state": dataloader.gradient_state,
               "non_blocking": dataloader.non_blocking, "total_batch_size": dataloader.total_batch_size,
               "sync_generator": dataloader.sync_generator, "source_drop_last": dataloader.source_drop_last,
               "draws_global_rng": dataloader.draws_global_rng, "reseeded_sampler": dataloader.reseeded_sampler}
     kwargs = _loader_kwargs(dataloader)
-    if isinstance(dataloader, DataLoaderDispatcher) or isinstance(dataloader.dataset, IterableDataset):
+    batch_sampler = dataloader.batch_sampler
+    # No batch sampler to skip in: a dispatcher, a stream, or a sampler of whole batches (batch_size=None).
+    if (isinstance(dataloader, DataLoaderDispatcher) or isinstance(dataloader.dataset, IterableDataset)
+            or batch_sampler is None):
         skipped: DataLoaderShard = _clone_with_skip(dataloader, num_batches)
     else:
-        skipped = DataLoaderShard(dataloader.dataset, batch_sampler=SkipBatchSampler(dataloader.batch_sampler,
-                                                                                     num_batches), **common, **kwargs)
+        skipped = DataLoaderShard(dataloader.dataset, batch_sampler=SkipBatchSampler(batch_sampler, num_batches),
+                                  **common, **kwargs)
     skipped._epoch_owner = dataloader._epoch_owner
     return skipped
 

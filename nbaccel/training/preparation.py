@@ -8,11 +8,12 @@ was prepared already comes back unchanged (no DDP inside DDP, nothing listed twi
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader
 
+from nbaccel.environment import MixedPrecision
 from nbaccel.errors import ConfigError
 from nbaccel.process_state import ProcessState
 from nbaccel.training.gradient_state import GradientState
@@ -51,11 +52,18 @@ class PrepareHelpers:
     fsdp_plugin: FullyShardedDataParallelPlugin | None
     scaler: Any
     step_scheduler_with_optimizer: bool
-    device: torch.device
-    mixed_precision: str
-    num_processes: int
-    process_index: int
-    split_batches: bool
+
+    if TYPE_CHECKING:  # read-only properties of the Accelerator; declared here for the type checker only
+        @property
+        def device(self) -> torch.device: ...
+        @property
+        def mixed_precision(self) -> MixedPrecision: ...
+        @property
+        def num_processes(self) -> int: ...
+        @property
+        def process_index(self) -> int: ...
+        @property
+        def split_batches(self) -> bool: ...
 
     def prepare(self, *args: Any, device_placement: list[bool | None] | None = None) -> Any:
         """Prepare models, optimizers, dataloaders and schedulers; returns them in the order given.
@@ -80,7 +88,7 @@ class PrepareHelpers:
             if kind is not None and is_prepared(obj):
                 self.prepared.add(kind, obj)
         if self.deepspeed_plugin is not None:
-            result = self._prepare_deepspeed(args)
+            result = self._prepare_deepspeed(self.deepspeed_plugin, args)
             return result[0] if len(result) == 1 else tuple(result)
         result = list(args)
         optimizers = [o for o in args if isinstance(o, torch.optim.Optimizer) and not is_prepared(o)]
@@ -90,10 +98,10 @@ class PrepareHelpers:
                     result[i] = self._prepare_one(obj, device_placement[i], optimizers)
         return result[0] if len(result) == 1 else tuple(result)
 
-    def _prepare_deepspeed(self, args: tuple[Any, ...]) -> list[Any]:
+    def _prepare_deepspeed(self, plugin: DeepSpeedPlugin, args: tuple[Any, ...]) -> list[Any]:
         from nbaccel.training.deepspeed_engine import prepare_deepspeed
 
-        made = prepare_deepspeed(args, self.prepared, base_config=self.deepspeed_plugin.deepspeed_config,
+        made = prepare_deepspeed(args, self.prepared, base_config=plugin.deepspeed_config,
                                  process=self.state, gradient_state=self.gradient_state,
                                  mixed_precision=self.mixed_precision, split_batches=self.split_batches,
                                  prepare_data_loader=self.prepare_data_loader)
@@ -126,9 +134,10 @@ class PrepareHelpers:
         if is_prepared(model):
             return self.prepared.add("model", model)
         if self.deepspeed_plugin is not None:
-            return self._prepare_deepspeed((model,))[0]
+            return self._prepare_deepspeed(self.deepspeed_plugin, (model,))[0]
         place = self.device_placement if device_placement is None else device_placement
-        sharded = self.fsdp_plugin is not None and not evaluation_mode
+        fsdp_plugin = None if evaluation_mode else self.fsdp_plugin
+        sharded = fsdp_plugin is not None
         # FSDP2 places each shard itself (shard_model); placing first would put the whole model on every GPU.
         if place and not sharded:
             before = list(model.parameters()) if self.device.type == "xla" else []
@@ -143,11 +152,11 @@ class PrepareHelpers:
         if self.mixed_precision != "no":
             wrap_forward(model, self.mixed_precision, self.device, self.autocast_handler)
         trainable = any(p.requires_grad for p in model.parameters())
-        if sharded:
+        if fsdp_plugin is not None:
             from nbaccel.training.fsdp import shard_model
 
             optimizers = list(_optimizers or []) + [o.optimizer for o in self.prepared.optimizers]
-            model = shard_model(model, self.fsdp_plugin, self.device, self.num_processes, optimizers,
+            model = shard_model(model, fsdp_plugin, self.device, self.num_processes, optimizers,
                                 upcast=self.mixed_precision != "no")
         elif self.num_processes > 1 and trainable and not evaluation_mode and self.device.type == "xla":
             _broadcast_xla_weights(model)
@@ -160,8 +169,11 @@ class PrepareHelpers:
         return self.prepared.add("model", model)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None
-                          ) -> AcceleratedOptimizer:
-        """Wrap ``optimizer`` so it steps only when gradients are synchronized (through the scaler for fp16)."""
+                          ) -> torch.optim.Optimizer:
+        """Wrap ``optimizer`` so it steps only when gradients are synchronized (through the scaler for fp16).
+
+        Returns an :class:`AcceleratedOptimizer`, or ``optimizer`` itself when it was prepared already.
+        """
         if is_prepared(optimizer):
             return self.prepared.add("optimizer", optimizer)
         place = self.device_placement if device_placement is None else device_placement

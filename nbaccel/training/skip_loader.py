@@ -71,7 +71,7 @@ class SkipDataLoader(DataLoader):
 
     base_dataloader = BaseDataloader()
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # torch types it as a private iterator class
         for index, batch in enumerate(super().__iter__()):
             if index >= self.skip_batches:
                 yield batch

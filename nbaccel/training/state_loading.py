@@ -19,8 +19,9 @@ import contextlib
 import json
 import warnings
 from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -94,13 +95,13 @@ def _plan_models(prepared: PreparedObjects, pinned: PinnedCheckpoint, strict: bo
         shards = source / f"pytorch_model_fsdp_{i}"
         if is_deepspeed_engine(model):
             _need(source / CHECKPOINT_TAG)
-            engines.append(lambda m=model: m.load_checkpoint(str(source), tag=CHECKPOINT_TAG,
-                                                             load_optimizer_states=True,
-                                                             load_lr_scheduler_states=True))
+            engine = cast(Any, model)  # a deepspeed.DeepSpeedEngine (deepspeed has no type information)
+            engines.append(partial(engine.load_checkpoint, str(source), tag=CHECKPOINT_TAG,
+                                   load_optimizer_states=True, load_lr_scheduler_states=True))
         elif shards.is_dir():
             optimizer = prepared.optimizer_for(i)
             inner = optimizer.optimizer if optimizer is not None else None
-            engines.append(lambda m=model, o=inner, s=shards: sharded_load(m, o, s))
+            engines.append(partial(sharded_load, model, inner, shards))
         else:
             plain.append(model)
     for hook in list(prepared.load_state_pre_hooks.values()):  # may take models out of `plain` to load them itself
@@ -110,15 +111,15 @@ def _plan_models(prepared: PreparedObjects, pinned: PinnedCheckpoint, strict: bo
         safe = source / numbered_name("model", i, "safetensors")
         path = safe if safe.exists() else _need(source / numbered_name("pytorch_model", i, "bin"))
         if is_fsdp_model(model) and not reader:
-            steps.append(lambda m=model: load_full_model_state_dict(m, {}))  # rank 0 reads and broadcasts
+            steps.append(partial(load_full_model_state_dict, model, {}))  # rank 0 reads and broadcasts
             continue
         weights = _read_weights(path, load_kwargs)
         target = model if is_fsdp_model(model) else unwrap_model(model, keep_torch_compile=False)
         check_fits(target, weights, strict=strict, path=path)  # an FSDP model's DTensors have the full shapes
         if is_fsdp_model(model):
-            steps.append(lambda m=model, w=weights: load_full_model_state_dict(m, w))
+            steps.append(partial(load_full_model_state_dict, model, weights))
         else:
-            steps.append(lambda m=target, w=weights: load_into(m, w, strict=strict))
+            steps.append(partial(load_into, target, weights, strict=strict))
     return engines + steps
 
 
@@ -151,26 +152,24 @@ def _plan_rest(prepared: PreparedObjects, context: CheckpointContext, source: Pa
         fsdp = i < len(prepared.models) and is_fsdp_model(prepared.models[i])
         state = load(path) if reader or not fsdp else {}  # FSDP: rank 0 reads and broadcasts
         if fsdp:
-            steps.append(lambda m=prepared.models[i], o=optimizer, s=state:
-                         load_full_optimizer_state_dict(m, o.optimizer, s))
+            steps.append(partial(load_full_optimizer_state_dict, prepared.models[i], optimizer.optimizer, state))
         else:
             _check_optimizer(optimizer, state, path)
-            steps.append(lambda o=optimizer, s=state: o.load_state_dict(s))
+            steps.append(partial(optimizer.load_state_dict, state))
     for i, scheduler in enumerate(prepared.schedulers):
         if not engine_owned(scheduler):
-            steps.append(lambda o=scheduler, s=load(source / numbered_name("scheduler", i, "bin")):
-                         o.load_state_dict(s))
+            steps.append(partial(scheduler.load_state_dict, load(source / numbered_name("scheduler", i, "bin"))))
     for i, loader in enumerate(prepared.dataloaders):
         sampler = source / numbered_name("sampler", i, "bin")
         if callable(getattr(loader, "load_state_dict", None)) and sampler.exists():
-            steps.append(lambda o=loader, s=load(sampler): o.load_state_dict(s))
+            steps.append(partial(loader.load_state_dict, load(sampler)))
     if context.scaler is not None and (source / "scaler.pt").exists():
-        steps.append(lambda o=context.scaler, s=load(source / "scaler.pt"): o.load_state_dict(s))
+        steps.append(partial(context.scaler.load_state_dict, load(source / "scaler.pt")))
     for i, obj in enumerate(prepared.custom_objects):
-        steps.append(lambda o=obj, s=load(source / f"custom_checkpoint_{i}.pkl"): o.load_state_dict(s))
+        steps.append(partial(obj.load_state_dict, load(source / f"custom_checkpoint_{i}.pkl")))
     rng = source / f"random_states_{context.process.process_index}.pkl"
     if rng.exists():
-        steps.append(lambda s=load(rng): restore_rng_state(s))
+        steps.append(partial(restore_rng_state, load(rng)))
     return steps
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -149,7 +149,8 @@ def _prune(context: CheckpointContext) -> None:
     never leaves fewer complete checkpoints than there were.
     """
     project = context.project
-    if not project.automatic_checkpoint_naming or project.total_limit is None or not context.is_writer:
+    if (not project.automatic_checkpoint_naming or project.total_limit is None or project.project_dir is None
+            or not context.is_writer):
         return
     root = Path(project.project_dir) / "checkpoints"
     found = _automatic_checkpoints(root)
@@ -183,7 +184,7 @@ def _write_models(prepared: PreparedObjects, context: CheckpointContext, tmp: Pa
     weights = []
     for i, model in enumerate(prepared.models):
         if is_deepspeed_engine(model):  # model, optimizer and scheduler, every rank its own shards
-            model.save_checkpoint(str(tmp), tag=CHECKPOINT_TAG)
+            cast(Any, model).save_checkpoint(str(tmp), tag=CHECKPOINT_TAG)  # DeepSpeed's engine: no type information
         elif context.sharded_fsdp and is_fsdp_model(model):
             optimizer = prepared.optimizer_for(i)
             sharded_save(model, optimizer.optimizer if optimizer is not None else None, tmp / f"pytorch_model_fsdp_{i}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,9 +24,13 @@ class UnevenInputs:
     """``join_uneven_inputs`` and ``trigger_sync_in_backward`` for an object with ``num_processes``,
     ``even_batches`` and ``_dataloaders`` (the Accelerator)."""
 
-    num_processes: int
-    even_batches: bool
     _dataloaders: Any
+
+    if TYPE_CHECKING:  # read-only properties of the Accelerator; declared here for the type checker only
+        @property
+        def num_processes(self) -> int: ...
+        @property
+        def even_batches(self) -> bool: ...
 
     @contextlib.contextmanager
     def join_uneven_inputs(self, joinables: Sequence[Any], even_batches: bool | None = None) -> Iterator[None]:

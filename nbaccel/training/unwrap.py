@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from nbaccel.training.deepspeed_engine import is_deepspeed_engine
@@ -46,7 +48,7 @@ def unwrap_model(model: torch.nn.Module, keep_fp32_wrapper: bool = True,
     while True:
         if (isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel))
                 or is_deepspeed_engine(model)):
-            model = model.module
+            model = cast(torch.nn.Module, model.module)  # DDP, DataParallel and DeepSpeed's engine wrap a Module
         elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):
             compiled = model if compiled is None else compiled
             model = model._orig_mod
@@ -72,7 +74,8 @@ def _compiled_again(compiled: torch.nn.Module, model: torch.nn.Module) -> torch.
 
 
 def _unwrap_tree(module: torch.nn.Module) -> torch.nn.Module:
-    inner = _unwrap_tree(module.module) if isinstance(getattr(module, "module", None), torch.nn.Module) else module
+    wrapped = getattr(module, "module", None)
+    inner = _unwrap_tree(wrapped) if isinstance(wrapped, torch.nn.Module) else module
     for name, child in list(inner.named_children()):
         setattr(inner, name, _unwrap_tree(child))
     return inner
@@ -92,7 +95,8 @@ def extract_model_from_parallel(model: torch.nn.Module, keep_fp32_wrapper: bool 
     """
     model = unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper, keep_torch_compile=keep_torch_compile)
     if recursive:
-        inner = model._orig_mod if isinstance(getattr(model, "_orig_mod", None), torch.nn.Module) else model
+        compiled_inner = getattr(model, "_orig_mod", None)
+        inner = compiled_inner if isinstance(compiled_inner, torch.nn.Module) else model
         for name, child in list(inner.named_children()):
             setattr(inner, name, _unwrap_tree(child))
     return model

@@ -22,14 +22,20 @@ _PROGRESS_HEAD = "<th style='padding:0 8px;white-space:nowrap;text-align:left'>p
 
 
 class RankRecord(Protocol):
-    """What is read of a rank's record (:class:`nbaccel.widgets.status_panel.RankRecord` has it)."""
+    """What is read of a rank's record (:class:`nbaccel.widgets.status_panel.RankRecord` has it); read-only here."""
 
-    rank: int
-    state: str
-    progress: str
-    last_line: str
-    lines: Iterable[str]
-    line_count: int
+    @property
+    def rank(self) -> int: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def progress(self) -> str: ...
+    @property
+    def last_line(self) -> str: ...
+    @property
+    def lines(self) -> Iterable[str]: ...
+    @property
+    def line_count(self) -> int: ...
 
     def elapsed(self, now: float, launched: float | None) -> float: ...
 

@@ -22,4 +22,5 @@ from gpu_checks.runner import Check
 
 __all__ = ["CHECKS"]
 
-CHECKS: list[Check] = [*first_use_checks.CHECKS, *training_checks.CHECKS, *model_checks.CHECKS, *lifecycle_checks.CHECKS]
+CHECKS: list[Check] = [*first_use_checks.CHECKS, *training_checks.CHECKS, *model_checks.CHECKS,
+                       *lifecycle_checks.CHECKS]

@@ -195,4 +195,5 @@ def _pinned_load(gpus: int) -> str:
     expect(found["pinned bytes"] != 0, f"no pinned host memory was allocated ({found['pinned bytes']})")
     pinned = "n/a" if found["pinned bytes"] is None else f"{found['pinned bytes'] / 2**20:.0f} MiB"
     return ("load_checkpoint_and_dispatch onto cuda:0 (2 shards, 72 MiB tensor over two staging buffers, "
-            f"bf16 buffer, tied head) bit-identical to load_state_dict, as stored and cast to fp16; peak pinned {pinned}")
+            "bf16 buffer, tied head) bit-identical to load_state_dict, as stored and cast to fp16; "
+            f"peak pinned {pinned}")

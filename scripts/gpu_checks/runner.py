@@ -75,7 +75,7 @@ def run_checks(checks: list[Check], gpus: int, *, dry_run: bool = False,
                 status, detail = "PASS", item.run(gpus)
             except Skip as skip:
                 status, detail = "SKIP", str(skip)
-            except BaseException as exc:  # noqa: BLE001 - a failed check is reported, the next one runs
+            except BaseException as exc:  # a failed check is reported, the next one runs
                 if isinstance(exc, (SystemExit, KeyboardInterrupt)) and item.name != "interrupt":
                     raise
                 status, detail = "FAIL", f"{type(exc).__name__}: {exc}"

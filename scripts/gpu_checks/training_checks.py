@@ -77,7 +77,8 @@ def _accumulation(gpus: int) -> str:
 def _precision(gpus: int) -> str:
     gaps = launch(workers.precisions, n=gpus)[0]
     expect(all(gap < 5e-2 for gap in gaps.values()), gaps)
-    return "fp16 (GradScaler) and bf16 weights within 5e-2 of fp32: " + ", ".join(f"{k} {v:.1e}" for k, v in gaps.items())
+    return ("fp16 (GradScaler) and bf16 weights within 5e-2 of fp32: "
+            + ", ".join(f"{k} {v:.1e}" for k, v in gaps.items()))
 
 
 @check("fp16-clipping")

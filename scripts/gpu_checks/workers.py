@@ -192,7 +192,8 @@ def fsdp_shard_first() -> dict[str, Any]:
         empty = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64))
     empty = shard_model(empty, plugin, device, 1, [])
     def local(state: dict[str, Any]) -> dict[str, torch.Tensor]:  # one rank: torch may leave DTensors ungathered
-        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone() for k, v in state.items()}
+        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
+                for k, v in state.items()}
 
     full = local(full_model_state_dict(model))
     with torch.no_grad():
@@ -215,7 +216,8 @@ def hold_memory_then(folder: str, fail_rank: int | None) -> None:
     from nbaccel import ProcessState
 
     state = ProcessState()
-    block = torch.empty(512 * 2**20 if state.device.type == "cuda" else 1024, dtype=torch.uint8, device=state.device)  # 512 MiB each
+    size = 512 * 2**20 if state.device.type == "cuda" else 1024  # 512 MiB each
+    block = torch.empty(size, dtype=torch.uint8, device=state.device)
     block.fill_(1)
     open(os.path.join(folder, f"ready{state.process_index}"), "w").close()
     if state.process_index == fail_rank:

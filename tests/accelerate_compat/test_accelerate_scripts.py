@@ -56,7 +56,8 @@ def test_accelerates_test_distributed_data_loop_passes_with_nbaccels_accelerator
     """
     script = with_nbaccel_names(SCRIPTS / "test_distributed_data_loop.py", tmp_path)
     text = script.read_text()
-    for stateful in ("    test_stateful_dataloader(accelerator)\n", "    test_stateful_dataloader_save_state(accelerator)\n"):
+    for stateful in ("    test_stateful_dataloader(accelerator)\n",
+                     "    test_stateful_dataloader_save_state(accelerator)\n"):
         assert stateful in text
         text = text.replace(stateful, "")
     script.write_text(text)

@@ -1,4 +1,5 @@
-"""Debug mode as in Accelerate: ``PartialState().debug = True`` or ``ACCELERATE_DEBUG_MODE=1`` checks shapes in collectives."""
+"""Debug mode as in Accelerate: ``PartialState().debug = True`` or ``ACCELERATE_DEBUG_MODE=1`` checks shapes in
+collectives."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""``notebook_launcher`` means what Accelerate's does: workers see ``ACCELERATE_MIXED_PRECISION``; ``max_restarts`` restarts."""
+"""``notebook_launcher`` means what Accelerate's does: workers see ``ACCELERATE_MIXED_PRECISION``; ``max_restarts``
+restarts."""
 
 from __future__ import annotations
 

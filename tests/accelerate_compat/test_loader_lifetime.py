@@ -1,4 +1,5 @@
-"""A prepared loader's epoch count after ``skip_first_batches``, and its lifetime after ``free_memory``, as in Accelerate."""
+"""A prepared loader's epoch count after ``skip_first_batches``, and its lifetime after ``free_memory``, as in
+Accelerate."""
 
 from __future__ import annotations
 

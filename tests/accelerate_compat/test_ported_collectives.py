@@ -86,7 +86,7 @@ def test_join_uneven_inputs_trains_uneven_ranks_on_cpu_too():
     ours = launch(uneven, 2, "nbaccel", False)
     assert [ours[r]["batches"] for r in (0, 1)] == [3, 2]
     torch.testing.assert_close(ours[0]["weights"], ours[1]["weights"])  # the ranks stayed in sync
-    with pytest.raises(RuntimeError, match="closed|Connection"):  # Accelerate: no Join on MULTI_CPU
+    with pytest.raises(RuntimeError, match=r"closed|Connection"):  # Accelerate: no Join on MULTI_CPU
         launch(uneven, 2, "accelerate", False)
     # even_batches=False for the block only: the same training, and the loaders' setting comes back
     overridden = launch(uneven, 2, "nbaccel", True)

@@ -22,7 +22,7 @@ def utils(lib: str):
     return importlib.import_module(f"{lib}.utils")
 
 
-class modeling:  # noqa: N801 - Accelerate keeps some of these in accelerate.utils.modeling only
+class modeling:  # Accelerate keeps some of these in accelerate.utils.modeling only
     def __init__(self, lib: str) -> None:
         self.lib = lib
 
@@ -220,7 +220,8 @@ def structures(lib: str) -> dict:
     return {"described": {"x": (tuple(described["x"].shape), described["x"].dtype),
                           "y": (tuple(described["y"][0].shape), described["y"][0].dtype)},
             "is_info": (u.is_tensor_information(described["x"]), u.is_tensor_information(data["x"])),
-            "made": {"x": (tuple(made["x"].shape), made["x"].dtype), "y": (tuple(made["y"][0].shape), made["y"][0].dtype)}}
+            "made": {"x": (tuple(made["x"].shape), made["x"].dtype),
+                     "y": (tuple(made["y"][0].shape), made["y"][0].dtype)}}
 
 
 def test_data_structures_describe_and_rebuild_as_in_accelerate():

@@ -47,7 +47,8 @@ def nested(lib: str) -> dict:
     fp32 = u.convert_to_fp32(data)
     return {"listify": u.listify(data),
             "fp32_dtypes": {k: str(v.dtype) for k, v in [("a", fp32["a"]), ("b0", fp32["b"][0]), ("px", fp32["p"].x)]},
-            "fp32_is_namedtuple": type(fp32["p"]).__name__, "is_nt": (u.is_namedtuple(data["p"]), u.is_namedtuple((1,)))}
+            "fp32_is_namedtuple": type(fp32["p"]).__name__,
+            "is_nt": (u.is_namedtuple(data["p"]), u.is_namedtuple((1,)))}
 
 
 def test_listify_convert_to_fp32_and_is_namedtuple_match():

@@ -1,4 +1,5 @@
-"""Samplers mean what they mean in Accelerate: a ``SeedableRandomSampler`` built by hand, and epochs reaching a batch sampler."""
+"""Samplers mean what they mean in Accelerate: a ``SeedableRandomSampler`` built by hand, and epochs reaching a batch
+sampler."""
 
 from __future__ import annotations
 

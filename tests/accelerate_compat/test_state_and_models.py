@@ -1,4 +1,5 @@
-"""State resets, unwrapping compiled models, hooks on blocks, layerwise casting and the small model helpers: as in Accelerate.
+"""State resets, unwrapping compiled models, hooks on blocks, layerwise casting and the small model helpers: as in
+Accelerate.
 
 One process; each case runs the same code through Accelerate and nbaccel.
 """
@@ -132,7 +133,8 @@ def test_layerwise_casting_skips_the_same_layers():
 def small_helpers(library: str) -> dict:
     u = module(library, "utils")
     transformers_v4 = types.SimpleNamespace(tp_size=4)
-    transformers_v5 = types.SimpleNamespace(tp_size=None, config=types.SimpleNamespace(distributed_config={"tp_size": 2}))
+    transformers_v5 = types.SimpleNamespace(tp_size=None,
+                                            config=types.SimpleNamespace(distributed_config={"tp_size": 2}))
     return {"tp": [u.get_model_tp_size(m) for m in (transformers_v4, transformers_v5, nn.Linear(1, 1))],
             "dtensor": u.model_has_dtensor(nn.Linear(1, 1)),
             "pretty": [u.get_pretty_name(x) for x in (nn.Linear, nn.Linear(1, 1), u.get_pretty_name)],

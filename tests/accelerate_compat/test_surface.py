@@ -24,18 +24,21 @@ pytest.importorskip("accelerate")
 MODULES = {"accelerate": True, "accelerate.utils": True, "accelerate.hooks": False, "accelerate.data_loader": False,
            "accelerate.state": False, "accelerate.big_modeling": False}
 
-_HARDWARE = "needs hardware nbaccel has no engine for (Ascend NPU, Cambricon MLU, SDAA, MUSA, Intel XPU, Gaudi HPU, Neuron, ROCm SMI)"
+_HARDWARE = ("needs hardware nbaccel has no engine for (Ascend NPU, Cambricon MLU, SDAA, MUSA, Intel XPU, Gaudi HPU, "
+             "Neuron, ROCm SMI)")
 _MEGATRON = "Megatron-LM integration (not installed; nbaccel has no Megatron engine)"
 _QUANT = "quantization / FP8 integrations (bitsandbytes, torchao, Transformer Engine) that nbaccel does not wrap"
 _PARALLEL = "tensor / context / N-D parallelism (ParallelismConfig, torch_tp_plugin): not supported by nbaccel"
-_DEEPSPEED = "DeepSpeed internals (ZeRO-3 gathering, sequence parallelism, launcher env): DeepSpeed is used only through the Accelerator"
-_FSDP = "FSDP1-era and FSDP2 internals: nbaccel shards with FSDP2 inside Accelerator.prepare; the helpers are not exposed"
+_DEEPSPEED = ("DeepSpeed internals (ZeRO-3 gathering, sequence parallelism, launcher env): DeepSpeed is used only "
+              "through the Accelerator")
+_FSDP = ("FSDP1-era and FSDP2 internals: nbaccel shards with FSDP2 inside Accelerator.prepare; the helpers are not "
+         "exposed")
 _LAUNCH = "Accelerate's CLI / SageMaker / TPU-pod launch internals: nbaccel launches with its own launcher and config"
 _STATEFUL = ("torchdata's StatefulDataLoader integration (the adapter wraps either loader): nbaccel's loaders subclass "
              "torch's DataLoader directly")
 _TRACKERS = "trackers nbaccel does not integrate (it has TensorBoard, MLflow, W&B and trackio)"
-_COMPILE = ("the Accelerator's torch.compile and profiler integration (dynamo_backend, regional compilation, profile()): "
-            "nbaccel's Accelerator has none; compile the model before prepare")
+_COMPILE = ("the Accelerator's torch.compile and profiler integration (dynamo_backend, regional compilation, "
+            "profile()): nbaccel's Accelerator has none; compile the model before prepare")
 
 NOT_HERE: dict[str, str] = {
     **dict.fromkeys("is_hpu_available is_habana_gaudi1 is_mlu_available is_musa_available is_neuron_available "
@@ -50,8 +53,8 @@ NOT_HERE: dict[str, str] = {
                     "is_8bit_bnb_available is_bnb_available is_bitsandbytes_multi_backend_available "
                     "is_torchao_available torchao_required is_transformer_engine_available "
                     "is_transformer_engine_mxfp8_available check_cuda_fp8_capability is_fp8_available".split(), _QUANT),
-    **dict.fromkeys("ParallelismConfig TorchContextParallelConfig TorchTensorParallelConfig TorchTensorParallelPlugin".split(),
-                  _PARALLEL),
+    **dict.fromkeys("ParallelismConfig TorchContextParallelConfig TorchTensorParallelConfig "
+                    "TorchTensorParallelPlugin".split(), _PARALLEL),
     **dict.fromkeys("DeepSpeedSequenceParallelConfig GatheredParameters compile_regions_deepspeed deepspeed_required "
                     "prepare_deepspeed_cmd_env".split(), _DEEPSPEED),
     **dict.fromkeys("fsdp2_apply_ac fsdp2_canonicalize_names fsdp2_load_full_state_dict fsdp2_prepare_model "
@@ -71,16 +74,17 @@ NOT_HERE: dict[str, str] = {
 """Accelerate names nbaccel does not have, with the reason; the README lists the same."""
 
 SIGNATURE_DIFFERS: dict[str, str] = {
-    "Accelerator": "no deepspeed_plugins / dynamo / megatron_lm / parallelism_config / torch_tp_plugin (see the names above)",
+    "Accelerator": ("no deepspeed_plugins / dynamo / megatron_lm / parallelism_config / torch_tp_plugin "
+                    "(see the names above)"),
     "AcceleratorState": "one state per process; training settings (mixed_precision, plugins) live on the Accelerator",
-    "DeepSpeedPlugin": "no NVMe offload paths, MoE classes, zero3_init_flag, zero3_save_16bit_model (set them in the config)",
+    "DeepSpeedPlugin": ("no NVMe offload paths, MoE classes, zero3_init_flag, zero3_save_16bit_model "
+                        "(set them in the config)"),
     "InitProcessGroupKwargs": "no init_method: workers always join through env://",
     "set_module_tensor_to_device": "no fp16_statistics (bitsandbytes), tied_params_map, clear_cache, non_blocking",
     "slice_tensors": "no num_processes / process_index (XLA-only in Accelerate)",
-    "AlignDevicesHook": "no tied_params_map: loading makes tied names share one tensor (no per-device copies to track)",
-    "attach_align_device_hook": "no tied_params_map: loading makes tied names share one tensor (no per-device copies to track)",
-    "attach_execution_device_hook": "no tied_params_map: loading makes tied names share one tensor (no per-device copies to track)",
-    "attach_align_device_hook_on_blocks": "no tied_params_map: loading makes tied names share one tensor (no per-device copies to track)",
+    **dict.fromkeys("AlignDevicesHook attach_align_device_hook attach_execution_device_hook "
+                    "attach_align_device_hook_on_blocks".split(),
+                    "no tied_params_map: loading makes tied names share one tensor (no per-device copies to track)"),
     "SeedableRandomSampler": "names RandomSampler's parameters (Accelerate passes them through *args, **kwargs)",
 }
 """Callables whose parameters differ from Accelerate's, with the reason."""
@@ -131,20 +135,20 @@ def test_the_issue_names_are_all_here():
     )
 
     # issue 28's names
-    from nbaccel.big_modeling import SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING  # noqa: F401
+    from nbaccel.big_modeling import SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING  # noqa: F401 - imported to show the name is there
     from nbaccel.data_loader import (
         DataLoaderShard,
         DataLoaderStateMixin,
-        SkipDataLoader,  # noqa: F401
+        SkipDataLoader,  # noqa: F401 - imported to show the name is there
     )
-    from nbaccel.hooks import (  # noqa: F401
+    from nbaccel.hooks import (  # noqa: F401 - imported to show the name is there
         attach_align_device_hook,
-        attach_align_device_hook_on_blocks,  # noqa: F401
+        attach_align_device_hook_on_blocks,
         attach_layerwise_casting_hooks,
         remove_hook_from_submodules,
     )
-    from nbaccel.state import ThreadLocalSharedDict, do_nothing  # noqa: F401
-    from nbaccel.utils import (  # noqa: F401  # noqa: F401
+    from nbaccel.state import ThreadLocalSharedDict, do_nothing  # noqa: F401 - imported to show the name is there
+    from nbaccel.utils import (  # noqa: F401 - imported to show the name is there
         CannotPadNestedTensorWarning,
         CustomDtype,
         DDPCommunicationHookType,
@@ -188,7 +192,8 @@ def _parameters(value: object) -> dict[str, inspect.Parameter] | None:
 
 
 def signature_gaps() -> dict[str, list[str]]:
-    """name -> Accelerate parameters nbaccel's version does not take, or parameters nbaccel requires and Accelerate lacks."""
+    """name -> Accelerate parameters nbaccel's version does not take, or parameters nbaccel requires and Accelerate
+    lacks."""
     gaps: dict[str, list[str]] = {}
     for path, gathers in MODULES.items():
         ours = importlib.import_module(path.replace("accelerate", "nbaccel", 1))

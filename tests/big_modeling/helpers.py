@@ -59,7 +59,7 @@ def make_model(seed: int = 0, **kwargs: int | bool) -> TinyLM:
     torch.manual_seed(seed)
     model = TinyLM(**kwargs)
     with torch.no_grad():
-        for name, t in model.state_dict(keep_vars=True).items():
+        for t in model.state_dict(keep_vars=True).values():
             if t.is_floating_point():
                 t.add_(torch.randn_like(t) * 0.1)
     return model.eval()

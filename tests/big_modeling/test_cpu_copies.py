@@ -11,7 +11,6 @@ import threading
 from pathlib import Path
 
 import pytest
-import safetensors.torch
 import torch
 
 from nbaccel.big_modeling import cpu_copies, load_checkpoint_in_model

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from nbaccel.big_modeling.sizes import planning_budget
 

@@ -28,7 +28,7 @@ from nbaccel.big_modeling import (
     set_module_tensor_to_device,
 )
 from nbaccel.big_modeling.tensors import find_device
-from nbaccel.errors import CheckpointError, CheckpointMismatchError, DeviceMapError
+from nbaccel.errors import CheckpointError, CheckpointMismatchError, ConfigError, DeviceMapError
 from nbaccel.nested_data import send_to_device
 from tests.big_modeling.helpers import (
     TinyLM,
@@ -145,6 +145,25 @@ def test_align_devices_hook_offloads_between_calls():
     assert lin.weight.is_meta
     assert torch.equal(lin(x), ref) and lin.weight.is_meta
     assert "offload=True" in repr(lin._hf_hook)
+
+
+class _Scale(nn.Module):  # a buffer and no parameter: nothing an offload hook without buffers loads
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("s", torch.full((3,), 2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.s
+
+
+def test_an_offload_hook_without_a_device_says_so():
+    # it used to fail inside torch.device(None) with a TypeError that named no argument
+    lin = add_hook_to_module(nn.Linear(3, 3), AlignDevicesHook(offload=True))
+    with pytest.raises(ConfigError, match="no execution_device"):
+        lin(torch.ones(1, 3))
+    assert lin.weight.is_meta
+    scale = add_hook_to_module(_Scale(), AlignDevicesHook(offload=True))  # nothing to load: runs where it is
+    assert torch.equal(scale(torch.ones(3)), torch.full((3,), 2.0))
 
 
 def test_align_devices_hook_to_meta():

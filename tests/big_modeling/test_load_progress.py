@@ -96,7 +96,7 @@ def test_reports_from_reader_threads_move_the_bar_in_the_callers_thread(no_delay
 class _Screen:
     """Stands in for stderr: keeps each count the bar draws, with what ``during()`` said then."""
 
-    def __init__(self, during) -> None:  # noqa: ANN001 - a no-argument callable
+    def __init__(self, during) -> None:  # a no-argument callable
         self.during, self.draws = during, []
 
     def write(self, text: str) -> int:

@@ -306,7 +306,7 @@ def test_an_interrupt_part_way_through_a_load_leaves_the_model_as_it_was(full, t
     values = {k: v.detach().clone() for k, v in before.items()}
     real, calls = loading.set_module_tensor_to_device, []
 
-    def interrupted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - Ctrl-C after 5 tensors
+    def interrupted(*args, **kwargs):  # Ctrl-C after 5 tensors
         calls.append(args[1])
         if len(calls) == 6:
             raise KeyboardInterrupt

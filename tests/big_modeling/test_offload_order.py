@@ -29,7 +29,7 @@ def _gpt2() -> nn.Module:
     return transformers.GPT2LMHeadModel(config)
 
 
-def _pair(make) -> tuple[nn.Module, nn.Module]:  # noqa: ANN001 - a model builder
+def _pair(make) -> tuple[nn.Module, nn.Module]:  # a model builder
     torch.manual_seed(0)
     whole = make().eval()
     offloaded = make().eval()
@@ -39,7 +39,7 @@ def _pair(make) -> tuple[nn.Module, nn.Module]:  # noqa: ANN001 - a model builde
     return whole, offloaded
 
 
-def _ring(model: nn.Module):  # noqa: ANN202 - the model's SlotRing
+def _ring(model: nn.Module):  # the model's SlotRing
     hooks = [m._hf_hook for m in model.modules() if getattr(getattr(m, "_hf_hook", None), "streamed", None)]
     return hooks[0].streamed.offload.ring
 

@@ -31,7 +31,7 @@ class RecordingRuntime:
     def __init__(self, refuse: str | None = None) -> None:
         self.refuse, self.registered, self.unregistered = refuse, {}, []
 
-    def cudaHostRegister(self, address: int, size: int, flags: int) -> int:  # noqa: N802 - CUDA's name
+    def cudaHostRegister(self, address: int, size: int, flags: int) -> int:  # CUDA's name
         if self.refuse == "code":
             return 2  # cudaErrorMemoryAllocation
         if self.refuse == "raise":
@@ -39,13 +39,13 @@ class RecordingRuntime:
         self.registered[address] = size
         return 0
 
-    def cudaHostUnregister(self, address: int) -> int:  # noqa: N802
+    def cudaHostUnregister(self, address: int) -> int:
         if address in self.registered:  # (memory an earlier test locked may go now too)
             assert address not in self.unregistered, "unregistered twice"
             self.unregistered.append(address)
         return 0
 
-    def cudaGetErrorString(self, code: int) -> str:  # noqa: N802
+    def cudaGetErrorString(self, code: int) -> str:
         return "out of memory"
 
     def locked(self) -> int:
@@ -96,7 +96,7 @@ def test_slabs_are_copied_on_several_threads_registered_once_each_and_logged(run
     seen, together = set(), threading.Barrier(2, timeout=60)
     real = torch.Tensor.copy_
 
-    def watched(self, *args, **kwargs):  # noqa: ANN001, ANN202 - waits for a second copier once
+    def watched(self, *args, **kwargs):  # waits for a second copier once
         name = threading.current_thread().name
         if name.startswith("nbaccel-pin") and name not in seen:
             seen.add(name)

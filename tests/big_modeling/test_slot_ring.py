@@ -140,7 +140,7 @@ def test_pack_makes_slabs_of_exactly_what_they_hold_within_the_cap() -> None:
         spans.setdefault(where.slab, []).append((where.offset, where.offset + size))
     for ranges in spans.values():  # no two tensors overlap
         ranges.sort()
-        assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(ranges))
     assert sum(slabs) < sum(sizes) + ALIGN * len(sizes)
 
 
@@ -200,7 +200,7 @@ def test_the_ring_learns_the_order_the_groups_run_in() -> None:
     _forward(ring, engine, changed)
     _forward(ring, engine, changed)
     calls = _forward(ring, engine, changed)
-    demand = [c for c, nxt in zip(calls, calls[1:]) if c[0] == "copy" and nxt == ("use", c[1])]
+    demand = [c for c, nxt in itertools.pairwise(calls) if c[0] == "copy" and nxt == ("use", c[1])]
     assert sorted(g for kind, *_, g in calls if kind == "copy") == list(range(6)) and not demand
 
 

@@ -178,7 +178,7 @@ def test_fewer_slots_when_the_device_is_short_of_memory(monkeypatch) -> None:
     real = streamed_offload.SlotEngine.__init__
     room = {"slots": 2}
 
-    def short(self, device, groups, slots, readers=4):  # noqa: ANN001, ANN202
+    def short(self, device, groups, slots, readers=4):
         if slots > room["slots"]:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
         real(self, device, groups, slots, readers)
@@ -244,7 +244,7 @@ def test_ctrl_c_during_a_staged_copy_never_lets_it_land_in_another_groups_slot()
         signal.signal(signal.SIGINT, previous)
 
 
-def _pending_after_each_hook(model: nn.Module, loader) -> list[set[str]]:  # noqa: ANN001
+def _pending_after_each_hook(model: nn.Module, loader) -> list[set[str]]:
     """The loader's background reads in flight right after each offloaded module ran."""
     seen: list[set[str]] = []
     for module in model.modules():

@@ -22,8 +22,9 @@ def env_with(**extra: str) -> dict[str, str]:
     return env
 
 
-def nbaccel(*args: str, input: str | None = "", env: dict[str, str] | None = None, timeout: float = 120,
-            cwd: str | os.PathLike[str] | None = None, module: bool = False) -> subprocess.CompletedProcess[str]:
+def nbaccel(*args: str, input: str | None = "",  # noqa: A002 - subprocess.run's name for the same argument
+            env: dict[str, str] | None = None, timeout: float = 120, cwd: str | os.PathLike[str] | None = None,
+            module: bool = False) -> subprocess.CompletedProcess[str]:
     """Run ``nbaccel *args`` (or ``python -m nbaccel.cli.main`` when ``module``) and capture its output."""
     command = [sys.executable, "-m", "nbaccel.cli.main"] if module else COMMAND
     return subprocess.run([*command, *args], input=input, capture_output=True, text=True, timeout=timeout,

@@ -136,7 +136,8 @@ def test_each_question_explains_a_wrong_answer_and_asks_again(monkeypatch):
     config = config_cmd.ask_config(LaunchConfig(), io.StringIO("\n".join(answers) + "\n"), out)
     said = out.getvalue()
     for complaint in ("5 is out of range; valid: 0..1", "'etcd' is not one of ['static', 'c10d']",
-                      "'first' is not 'all' or a list like '0,1' (or GPU UUIDs)", "-3 is not a positive number of seconds",
+                      "'first' is not 'all' or a list like '0,1' (or GPU UUIDs)",
+                      "-3 is not a positive number of seconds",
                       "'soon' is not a number of seconds"):
         assert complaint in said, complaint
     assert (config.num_machines, config.machine_rank, config.rdzv_backend) == (2, 1, "c10d")

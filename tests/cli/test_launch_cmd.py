@@ -226,8 +226,10 @@ def test_two_launchers_form_one_job_from_slurm_variables(tmp_path):
 
 @pytest.mark.parametrize(("args", "message"), [
     (["launch"], "the following arguments are required: script"),
-    (["launch", "--num_processes", "two", "s.py"], "argument --num_processes/--num-processes: invalid int value: 'two'"),
-    (["launch", "--mixed_precision", "fp9", "s.py"], "argument --mixed_precision/--mixed-precision: invalid choice: 'fp9'"),
+    (["launch", "--num_processes", "two", "s.py"],
+     "argument --num_processes/--num-processes: invalid int value: 'two'"),
+    (["launch", "--mixed_precision", "fp9", "s.py"],
+     "argument --mixed_precision/--mixed-precision: invalid choice: 'fp9'"),
     (["launch", "--num_processes", "0", "{script}"], "--num_processes 0: 'num_processes' must be a positive int"),
     (["launch", "--num_machines", "2", "{script}"], "'main_process_ip' is required when num_machines=2"),
     (["launch", "--num_machines", "2", "--machine_rank", "3", "--main_process_ip", "h", "{script}"],

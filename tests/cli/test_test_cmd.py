@@ -13,7 +13,8 @@ def test_the_check_works_with_the_written_config():
     result = nbaccel("test", "--num_processes", "2", "--mixed_precision", "bf16")
     assert result.returncode == 0, result.stderr
     for rank in (0, 1):
-        assert f"[rank{rank}]: rank {rank}/2 on cpu (gloo): process group, all_reduce and a DDP step work" in result.stdout
+        said = f"[rank{rank}]: rank {rank}/2 on cpu (gloo): process group, all_reduce and a DDP step work"
+        assert said in result.stdout
     last = result.stdout.strip().splitlines()[-1]
     assert last.startswith("nbaccel test: works. 2 process(es) on 1 machine(s), cpu over gloo, MULTI_CPU, "
                            "mixed_precision=bf16")

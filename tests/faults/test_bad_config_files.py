@@ -72,7 +72,7 @@ def test_nbaccel_launch_refuses_the_bad_file_in_one_line_and_runs_nothing(bad_fi
     assert not (tmp_path / "train.py.ran").exists()
 
 
-def test_accel_launch_refuses_the_bad_file_as_a_usage_error(ip, bad_file, capfd):  # noqa: F811
+def test_accel_launch_refuses_the_bad_file_as_a_usage_error(ip, bad_file, capfd):  # noqa: F811 - `ip` is the imported fixture
     path, message = bad_file
     result = run(ip, f"%%accel_launch --config_file {path}\nprint('ran')\n")
     assert isinstance(result.error_in_exec, UsageError) and message in str(result.error_in_exec)

@@ -8,13 +8,13 @@ read from it, and the model (or training state) is exactly as before.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
 import threading
 
 import pytest
-import torch
 from safetensors.torch import save_file
 
 from nbaccel.big_modeling import load_checkpoint_in_model
@@ -83,7 +83,7 @@ def test_a_fifo_in_a_training_state_is_refused_and_changes_nothing(tmp_path):
         os.mkfifo(tmp_path / "ckpt" / name)
         other = Trainer(seed=1)
         before = other.snapshot()
-        error = _returns_without_blocking(lambda: other.accelerator.load_state(tmp_path / "ckpt"))
+        error = _returns_without_blocking(functools.partial(other.accelerator.load_state, tmp_path / "ckpt"))
         assert isinstance(error, CheckpointError) and error.path == str(tmp_path / "ckpt" / name), error
         assert "FIFO" in str(error)
         assert_same(other.snapshot(), before)

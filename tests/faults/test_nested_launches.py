@@ -75,7 +75,8 @@ def test_a_launch_inside_a_pool_rank_is_its_own_job_and_the_pool_lives():
     notebook_launcher(_what_the_rank_sees, num_processes=1)
     with WorkerPool(num_processes=2, use_cpu=True) as pool:
         alone = pool.run(_launches_inside, 1, return_all=True)
-        assert {rank: inner for rank, (_, inner) in alone.items()} == {r: {0: (None, None, None, False)} for r in (0, 1)}
+        assert ({rank: inner for rank, (_, inner) in alone.items()}
+                == {r: {0: (None, None, None, False)} for r in (0, 1)})
         pair = pool.run(_launches_inside, 2, return_all=True)
         for outer_port, inner in pair.values():
             assert [world for world, _, _ in inner.values()] == [2, 2]

@@ -143,7 +143,7 @@ def test_a_sigkilled_owner_leaves_no_worker_no_worker_child_and_no_folder(tmp_pa
                              env={**os.environ, "TMPDIR": str(temp),
                                   "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     pids: dict[str, list[int]] = {}
-    for line in owner.stdout:  # type: ignore[union-attr]
+    for line in owner.stdout:  # type: ignore[union-attr]  # stdout=PIPE: never None
         name, *numbers = line.split()
         pids[name] = [int(n) for n in numbers]
         if name == "SLEEPERS":

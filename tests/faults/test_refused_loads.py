@@ -109,7 +109,7 @@ def _fsdp_refused_load(folder: str) -> dict:
     from tests.training.helpers import BlockStack, model_and_optimizer
 
     accelerator = nbaccel.Accelerator(fsdp_plugin=nbaccel.FullyShardedDataParallelPlugin())
-    model, optimizer = accelerator.prepare(*model_and_optimizer(kind=BlockStack, momentum=0.9))
+    model, _optimizer = accelerator.prepare(*model_and_optimizer(kind=BlockStack, momentum=0.9))
     accelerator.save_state(folder)
     if accelerator.is_main_process:
         weights = load_file(f"{folder}/model.safetensors")

@@ -111,7 +111,7 @@ def test_a_process_that_reached_the_store_before_it_was_locked_stops_the_launch(
     early = subprocess.Popen([sys.executable, "-c", knock, str(guard.real_port)], stdout=subprocess.PIPE, text=True)
     assert early.stdout.readline().strip() == "in"  # connected before start(): the port is not locked yet
     try:
-        with pytest.raises(LaunchError, match="connected to the rendezvous store .* before it was locked"):
+        with pytest.raises(LaunchError, match=r"connected to the rendezvous store .* before it was locked"):
             guard.start(lambda fd: dist.TCPStore("127.0.0.1", guard.real_port, world_size=None, is_master=True,
                                                  master_listen_fd=fd, use_libuv=True, wait_for_workers=False,
                                                  timeout=timedelta(seconds=30)), [os.getpid()])

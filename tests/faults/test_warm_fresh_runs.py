@@ -16,7 +16,6 @@ import sys
 import time
 import types
 import weakref
-from pathlib import Path
 
 import pytest
 import torch
@@ -87,15 +86,13 @@ def test_a_thread_a_run_started_is_ended_and_its_lines_never_reach_the_next_laun
     assert "second" in out and "leftover" not in out
 
 
-def _sigterm_ignored_and_daemon() -> int:
-    import subprocess
-
+def _ignore_sigterm() -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     return os.getpid()
 
 
 def test_a_sigterm_handler_left_by_a_run_does_not_slow_closing_the_rank():
-    pid = _launch(_sigterm_ignored_and_daemon)
+    pid = _launch(_ignore_sigterm)
     began = time.monotonic()
     assert warm.close_warm_rank()
     assert time.monotonic() - began < 4.0  # it waited the 5 s grace for a rank that ignored SIGTERM
@@ -105,8 +102,8 @@ def test_a_sigterm_handler_left_by_a_run_does_not_slow_closing_the_rank():
 def _keep() -> types.SimpleNamespace:
     """A module global of the rank's that outlives runs (on a module already imported: the run imports nothing)."""
     if not hasattr(signal, "nbaccel_test_keep"):
-        signal.nbaccel_test_keep = types.SimpleNamespace()  # type: ignore[attr-defined]
-    return signal.nbaccel_test_keep  # type: ignore[attr-defined]
+        signal.nbaccel_test_keep = types.SimpleNamespace()  # type: ignore[attr-defined]  # the test's own global
+    return signal.nbaccel_test_keep  # type: ignore[attr-defined]  # set just above
 
 
 def _change(setting: str) -> None:
@@ -205,7 +202,8 @@ def _leave_what_cannot_be_put_back(what: str) -> int:
         os.setuid(65534)  # nobody: the rank cannot become root again
     else:  # a lowered hard limit, without the capability to raise it again
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 512), 512))
+        lowered = min(hard, 512)  # a hard limit already under 512 stays (raising it needs the capability)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, lowered), lowered))
         header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
         data = (ctypes.c_uint32 * 6)()
         libc = ctypes.CDLL(None, use_errno=True)

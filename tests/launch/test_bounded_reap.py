@@ -32,7 +32,8 @@ class _NeverReaped(WorkerHandle):
 def _sleeper_handle() -> tuple[subprocess.Popen[bytes], _NeverReaped, list[int]]:
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     (ctl_r, ctl_w), (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe(), os.pipe()
-    return sleeper, _NeverReaped(rank=0, pid=sleeper.pid, ctl_fd=ctl_r, out_fd=out_r, err_fd=err_r), [ctl_w, out_w, err_w]
+    worker = _NeverReaped(rank=0, pid=sleeper.pid, ctl_fd=ctl_r, out_fd=out_r, err_fd=err_r)
+    return sleeper, worker, [ctl_w, out_w, err_w]
 
 
 def test_an_interrupted_run_whose_rank_is_never_reaped_names_it_instead_of_hanging() -> None:
@@ -77,3 +78,27 @@ def test_a_worker_that_does_die_is_reaped_without_waiting_out_the_bound() -> Non
     began = time.monotonic()
     wait_reaped([WorkerHandle(rank=0, pid=sleeper.pid, ctl_fd=-1, out_fd=-1, err_fd=-1, popen=sleeper)], 5.0)
     assert time.monotonic() - began < 2
+
+
+_DESCENDANT_SURVIVES_SIGKILL = """
+import os, signal, subprocess, sys, time
+from nbaccel.launch.worker import descendants
+sleeper = subprocess.Popen(["sleep", "60"])
+really_kill = os.kill
+descendants._REAP_TIMEOUT_S = 0.3
+os.kill = lambda pid, sig: None  # SIGKILL withheld: to end_descendants the child looks stuck in the kernel
+began = time.monotonic()
+ended = descendants.end_descendants()
+print(ended, round(time.monotonic() - began, 1) < 5)
+really_kill(sleeper.pid, signal.SIGKILL)
+sleeper.wait()
+"""
+
+
+def test_a_rank_ending_its_descendants_does_not_hang_on_one_sigkill_does_not_end() -> None:
+    """A warm rank ends a task's children after each task; one stuck in the kernel must not keep it forever."""
+    done = subprocess.run([sys.executable, "-c", _DESCENDANT_SURVIVES_SIGKILL], capture_output=True, text=True,
+                          timeout=60)
+    assert done.stdout.split() == ["0", "True"], done.stderr
+    assert "did not exit within 0.3s of SIGKILL (stuck in the kernel" in done.stderr
+    assert "/stack`); not waiting for it" in done.stderr

@@ -158,7 +158,7 @@ def test_one_family_catches_every_worker_failure_and_the_users_type_still_works(
     assert type(exc).__name__ == "FileNotFoundError" and exc.filename == "/data/train.csv" and exc.errno == 2
     assert exc.root_cause is exc.failures[0] and exc.root_cause.rank == 0  # the root cause first
     assert exc.failures == exc.launch_failures
-    assert [f.rank for f in exc.failures][0] == 0 and {f.rank for f in exc.failures} <= {0, 1, 2}
+    assert exc.failures[0].rank == 0 and {f.rank for f in exc.failures} <= {0, 1, 2}
 
 
 def _interrupted_worker():
@@ -171,3 +171,19 @@ def test_a_workers_own_interrupt_is_a_failure_of_that_rank_not_the_callers_inter
     assert not isinstance(info.value, KeyboardInterrupt)
     assert info.value.failures[0].exc_type == "KeyboardInterrupt"
     assert "raised KeyboardInterrupt itself (the caller was not interrupted)" in str(info.value)
+
+
+class NoNotesError(Exception):
+    """An exception as Python 3.10 has them: no ``add_note`` (3.11+)."""
+
+    def __getattribute__(self, name):
+        if name == "add_note":
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+
+def test_a_worker_describes_a_bad_fork_error_on_python_3_10_too():
+    from nbaccel.launch.worker.process import _BAD_FORK, describe_error
+
+    report = describe_error(NoNotesError(f"{_BAD_FORK}. To use CUDA with multiprocessing, ..."))
+    assert report["exc_type"].endswith("NoNotesError") and _BAD_FORK in report["message"]

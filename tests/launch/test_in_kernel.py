@@ -58,7 +58,7 @@ def test_function_from_a_cell_runs_and_prints_labelled_lines(kernel):
             print("rank", os.environ["RANK"], "says hi")
             return x * SCALE
     """)
-    out, err, errors = run(kc, "print('result', notebook_launcher(train, (2,), num_processes=2))")
+    out, _err, errors = run(kc, "print('result', notebook_launcher(train, (2,), num_processes=2))")
     assert not errors, errors
     assert "[rank0]: rank 0 says hi" in out and "[rank1]: rank 1 says hi" in out
     assert "result 6" in out

@@ -1,4 +1,5 @@
-"""Workers forked from a real Jupyter kernel never use its channels: nothing from a worker on IOPub or the kernel's stderr."""
+"""Workers forked from a real Jupyter kernel never use its channels: nothing from a worker on IOPub or the kernel's
+stderr."""
 
 from __future__ import annotations
 

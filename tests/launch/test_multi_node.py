@@ -48,7 +48,7 @@ def test_two_launchers_form_one_job_over_c10d(tmp_path):
     nodes = [subprocess.Popen([sys.executable, str(script), str(i), endpoint], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
     outs = [node.communicate(timeout=120) for node in nodes]
-    for node, (out, err) in zip(nodes, outs):
+    for node, (_out, err) in zip(nodes, outs):
         assert node.returncode == 0, err
     results = sorted(r for out, _ in outs for r in ast.literal_eval(out.split("RESULT ", 1)[1].strip()))
     assert results == [(r, (r, 10.0)) for r in range(4)]

@@ -102,7 +102,8 @@ def test_fp8_without_torchao_names_the_install(gpus, monkeypatch):
 
     gpus(1)
     monkeypatch.setattr(fp8, "gpu_capabilities", lambda ids: [(9, 0)])
-    monkeypatch.setattr(fp8.importlib.util, "find_spec", lambda name: object() if name == "transformer_engine" else None)
+    monkeypatch.setattr(fp8.importlib.util, "find_spec",
+                        lambda name: object() if name == "transformer_engine" else None)
     with pytest.raises(MissingDependencyError) as info:
         plan_launch(LaunchConfig(mixed_precision="fp8"))
     assert (info.value.package, info.value.install) == ("torchao", "pip install torchao")

@@ -95,4 +95,43 @@ def test_ranks_are_numbered_by_node_then_by_the_gpu_each_holds():
 
 def test_cpu_ranks_share_their_nodes_cores_as_threads():
     layouts = layout_ranks([_site(0, "a", cpus=8), _site(1, "a", cpus=8), _site(2, "b", cpus=2)])
-    assert [(l.visible_gpus, l.threads) for l in layouts] == [(None, 4), (None, 4), (None, 2)]
+    assert [(layout.visible_gpus, layout.threads) for layout in layouts] == [(None, 4), (None, 4), (None, 2)]
+
+
+def test_a_ray_ranks_capture_never_hands_out_a_display_mark_before_its_frame():
+    # The rank writes a display's frame to the control pipe, then its mark to stdout; the launcher
+    # publishes at the mark what the frame holds. The actor's reader could read a printed line and
+    # the mark in one read() after the frame went in, so a drain took the mark without its frame
+    # and the cell lost the display (a fresh-clone CI run saw it; here it struck 3-5 times in 50 000).
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import os, threading
+        from nbaccel.launch.frames import DISPLAY_MARK, FrameReader, write_frame
+        from nbaccel.launch.ray.actor import _Capture
+
+        capture, frames, counts = _Capture(1), FrameReader(), {"frames": 0, "marks": 0, "early": 0}
+
+        def take_all():  # the launcher's drains, as often as they come
+            while True:
+                ctl, out, _, finished = capture.take(0.01)
+                counts["frames"] += len(list(frames.feed(ctl)))
+                counts["marks"] += out.count(DISPLAY_MARK)
+                if counts["marks"] > counts["frames"]:
+                    counts["early"] += 1
+                    counts["frames"] = counts["marks"]
+                if finished:
+                    return
+
+        taker = threading.Thread(target=take_all)
+        taker.start()
+        for i in range(50_000):  # the rank: a line, a display (frame, then mark), a line
+            os.write(1, b"before\\n")
+            write_frame(capture.ctl_w, "display", {"i": i})
+            os.write(1, DISPLAY_MARK)
+            os.write(1, b"after\\n")
+        capture.close()
+        taker.join()
+        print("early marks", counts["early"], "of", counts["marks"])
+        """)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["early", "marks", "0", "of", "50000"]
+

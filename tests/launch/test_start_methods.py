@@ -134,7 +134,7 @@ def test_cuda_tensors_in_a_spawn_payload_land_on_the_workers_own_gpu(monkeypatch
     monkeypatch.setattr("nbaccel.hardware.cuda_device_count", lambda: 2)
     monkeypatch.setattr(torch.UntypedStorage, "cuda", lambda self, index=None: placed.append(index) or self,
                         raising=False)
-    function, args, kwargs = trampoline.PayloadUnpickler(io.BytesIO(data)).load()
+    function, args, _kwargs = trampoline.PayloadUnpickler(io.BytesIO(data)).load()
     assert placed == [1] and args[0].tolist() == [0.0, 1.0, 2.0] and function is len
 
 

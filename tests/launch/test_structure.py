@@ -6,13 +6,12 @@ import ast
 import re
 from pathlib import Path
 
-import pytest
 
 import nbaccel
 
 PACKAGE = Path(nbaccel.__file__).parent
 CHECKED = ("nbaccel.launch", "nbaccel.cli", "nbaccel.magics", "nbaccel.identity", "nbaccel.state", "nbaccel.ops",
-           "nbaccel.environment", "nbaccel.config", "nbaccel.process_state", "nbaccel.rank_resets")
+           "nbaccel.environment", "nbaccel.config", "nbaccel.process_state", "nbaccel.process_group")
 
 
 def _modules() -> dict[str, Path]:
@@ -42,13 +41,14 @@ def _checked(name: str) -> bool:
 
 def test_no_import_cycle_in_the_launching_side():
     modules = _modules()
-    graph = {m: {t for t, _ in _imports(p, modules) if _checked(t) and t != m} for m, p in modules.items() if _checked(m)}
+    graph = {m: {t for t, _ in _imports(p, modules) if _checked(t) and t != m}
+             for m, p in modules.items() if _checked(m)}
 
     def visit(node: str, path: list[str], done: set[str]) -> None:
         for target in sorted(graph.get(node, ())):
-            assert target not in path, "import cycle: " + " -> ".join(path[path.index(target):] + [target])
+            assert target not in path, "import cycle: " + " -> ".join([*path[path.index(target):], target])
             if target not in done:
-                visit(target, path + [target], done)
+                visit(target, [*path, target], done)
         done.add(node)
 
     done: set[str] = set()
@@ -104,9 +104,9 @@ def _within(name: str, packages: tuple[str, ...]) -> bool:
 def test_the_core_reaches_no_backend_by_statement_or_string():
     """The core finds backends through the registry's table only.
 
-    Caught on the code before: request.py -> nbaccel.launch.ray.plan (now in ray/launcher.py), preflight.py -> nbaccel.launch.xla.topology
-    (imports inside functions), pool/worker_pool.py -> "nbaccel.launch.pool.local_ranks:LocalPoolRanks" and
-    "nbaccel.launch.ray.pool:RayPoolRanks" (strings).
+    Caught on the code before: request.py -> nbaccel.launch.ray.plan (now in ray/launcher.py), preflight.py ->
+    nbaccel.launch.xla.topology (imports inside functions), pool/worker_pool.py ->
+    "nbaccel.launch.pool.local_ranks:LocalPoolRanks" and "nbaccel.launch.ray.pool:RayPoolRanks" (strings).
     """
     launch = PACKAGE / "launch"
     core = [p for p in launch.glob("*.py") if p.name != THE_ONE_REGISTRY] + [launch / c for c in CORE_ALSO]
@@ -123,39 +123,42 @@ def test_the_backend_check_sees_strings_and_imports_inside_functions():
         "nbaccel.launch.ray.pool", "nbaccel.launch.xla.topology"]
 
 
+# The public-name table (name -> defining module): the warm-up imports the names a user's function uses, whichever
+# they are, before forking; what it names is the user's choice, not a dependency of launch/.
+_DATA_TABLES = {"nbaccel.exports"}
+
+
 def _bottom_modules_launch_uses() -> list[Path]:
     """launch/'s files, and the modules outside launch/ that they import (what a rank runs through)."""
     launch_files = sorted((PACKAGE / "launch").rglob("*.py"))
     modules = _modules()
     outside = {name for p in launch_files for name in _reached(ast.parse(p.read_text()))
-               if name in modules and not _within(name, ("nbaccel.launch",))}
+               if name in modules and not _within(name, ("nbaccel.launch",)) and name not in _DATA_TABLES}
     return launch_files + [modules[name] for name in sorted(outside)]
 
 
-@pytest.mark.xfail(strict=True, reason="left for follow-up: nbaccel/rank_resets.py still names nbaccel.process_state "
-                   "(GROUP_JOIN_PROVIDER) for a warm rank's group join; an explicit RankLifecycle needs the front "
-                   "doors (notebook_launcher, WorkerPool) to carry it")
 def test_nothing_under_launch_reaches_process_state_by_statement_or_string():
     """launch/ and what it imports never name the process state, so the import graph shows every dependency.
 
     Caught on the code before: nbaccel/rank_resets.py's GROUP_JOIN_PROVIDER = "nbaccel.process_state", imported by
-    name by join_rank_group(), which pool/serve.py and ray/actor.py call.
+    name by join_rank_group(), which pool/serve.py and ray/actor.py called (now RankLifecycle.join_group, whose
+    rules live in nbaccel/process_group.py, below both).
     """
     offenders = sorted(f"{p.relative_to(PACKAGE)} -> {name}" for p in _bottom_modules_launch_uses()
                        for name in _reached(ast.parse(p.read_text())) if _within(name, ("nbaccel.process_state",)))
     assert offenders == []
 
 
-# Module-level calls that fill a table when a module is imported. register_rank_reset stays (left for
-# follow-up): a module registers what a fresh rank must forget, and one never imported has nothing to forget.
-_IMPORT_TIME_TABLES = re.compile(r"register_(?!rank_reset$)\w+|before_each_launch")
+# Module-level calls that fill a table when a module is imported.
+_IMPORT_TIME_TABLES = re.compile(r"register_\w+|before_each_launch")
 
 
 def test_no_table_is_filled_at_import_time_but_the_backend_registry():
     """Which hooks run is said where they are used (a backend's fields), not by importing a module.
 
-    Caught on the code before: pool/warm.py's before_each_launch(release_warm_devices) and process_state.py's
-    register_group_join(join_pool_group).
+    Caught on the code before: pool/warm.py's before_each_launch(release_warm_devices), process_state.py's
+    register_group_join(join_pool_group), and register_rank_reset(...) in process_state.py, identity.py and
+    launch/run_log.py (a rank now starts afresh through the RankLifecycle its request carries).
     """
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):

@@ -135,6 +135,27 @@ def test_relay_publishes_a_display_at_its_mark_after_a_partial_line(capsys):
     assert shown == [(0, "display", {"data": {"text/plain": "42"}}, False)]
 
 
+def test_relay_shows_a_display_whose_frame_came_after_its_mark(capsys):
+    shown: list[tuple[int, str, dict, bool]] = []
+    relay = OutputRelay(on_display=lambda *call: shown.append(call), display_ranks=(0,))
+    relay.feed(0, "stdout", b"before\n" + DISPLAY_MARK + b"after\n")
+    assert shown == []
+    relay.queue_display(0, "display", {"data": {"text/plain": "late"}})
+    assert shown == [(0, "display", {"data": {"text/plain": "late"}}, False)]  # late, not lost
+    relay.queue_display(0, "display", {"data": {"text/plain": "next"}})
+    assert len(shown) == 1  # a frame in order waits for its own mark again
+
+
+def test_relay_shows_a_frame_whose_mark_never_came_when_the_rank_ends(capsys):
+    shown: list[tuple[int, str, dict, bool]] = []
+    relay = OutputRelay(on_display=lambda *call: shown.append(call), display_ranks=(0,))
+    relay.feed(0, "stdout", b"last words")
+    relay.queue_display(0, "display", {"data": {"text/plain": "final"}})  # the rank died before its mark
+    relay.flush_rank(0)
+    assert shown == [(0, "display", {"data": {"text/plain": "final"}}, False)]
+    assert capsys.readouterr().out == "[rank0]: last words\n"
+
+
 def test_label_bundle_puts_the_rank_on_images():
     labelled = label_bundle({"image/png": "iVBOR", "text/plain": "<Figure>"}, 3)
     assert labelled["text/html"].endswith('<img src="data:image/png;base64,iVBOR"/>')

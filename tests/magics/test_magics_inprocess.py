@@ -197,7 +197,7 @@ def test_program_runs_in_shipped_namespace_with_shared_globals():
     import cloudpickle
 
     ns: dict = {}
-    exec("def scale(v):\n    return v * factor\n", ns)  # a notebook function reading a global
+    exec("def scale(v):\n    return v * factor\n", ns)  # noqa: S102 - a constant source: a notebook function reading a global
     ns["__name__"] = "__main__"
     ns["scale"].__module__ = "__main__"
     program = CellProgram("factor = 4\nscale(5)", filename="<t>", first_line=2,
@@ -237,7 +237,8 @@ def test_accel_config_bad_file_is_a_usage_error(ip, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("num_processes: many\n")
     result = run(ip, f"%accel_config --config_file {bad}")
-    assert isinstance(result.error_in_exec, UsageError) and "'num_processes' must be an int" in str(result.error_in_exec)
+    assert isinstance(result.error_in_exec, UsageError)
+    assert "'num_processes' must be an int" in str(result.error_in_exec)
     assert load_config().num_processes is None  # the default file was not touched
 
 

@@ -61,7 +61,7 @@ def _owner(tmp_path: Path, method: str, then: str) -> tuple[subprocess.Popen, li
     script.write_text(textwrap.dedent(OWNER.format(method=method, then=then)))
     owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
                              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
-    for line in owner.stdout:  # type: ignore[union-attr]
+    for line in owner.stdout:  # type: ignore[union-attr]  # stdout=PIPE: never None
         if line.startswith("PIDS"):
             return owner, [int(p) for p in line.split()[1:]]
     owner.wait()

@@ -89,7 +89,16 @@ def test_ranks_that_ignore_the_interrupt_are_killed_and_the_pool_says_it_is_dead
         doomed.close()
 
 
-def _rank_1_raises_while_rank_0_waits_in_a_collective(marker_dir):
+class _NoNotesError(ValueError):
+    """An exception as Python 3.10 has them: no ``add_note`` (3.11+)."""
+
+    def __getattribute__(self, name):
+        if name == "add_note":
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+
+def _rank_1_raises_while_rank_0_waits_in_a_collective(marker_dir, error=ValueError):
     import time
 
     import torch
@@ -98,7 +107,7 @@ def _rank_1_raises_while_rank_0_waits_in_a_collective(marker_dir):
         while not os.path.exists(os.path.join(marker_dir, "in-collective")):
             time.sleep(0.01)
         time.sleep(0.3)
-        raise ValueError("bad shape on rank 1")
+        raise error("bad shape on rank 1")
     open(os.path.join(marker_dir, "in-collective"), "w").close()
     dist.all_reduce(torch.ones(1))
 
@@ -110,6 +119,16 @@ def test_a_failure_that_leaves_a_rank_stuck_in_a_collective_ends_the_pool(tmp_pa
             stuck.run(_rank_1_raises_while_rank_0_waits_in_a_collective, str(tmp_path))
         assert info.value.failures[0].rank == 1
         assert any("WorkerPool is dead" in note and "restart" in note for note in info.value.__notes__)
+        assert not stuck.alive
+    finally:
+        stuck.close()
+
+
+def test_the_pool_ends_with_the_users_error_where_exceptions_take_no_notes(tmp_path):
+    stuck = WorkerPool(num_processes=2, use_cpu=True, grace=0.5)
+    try:
+        with pytest.raises(_NoNotesError):  # Python 3.10: not an AttributeError from add_note
+            stuck.run(_rank_1_raises_while_rank_0_waits_in_a_collective, str(tmp_path), _NoNotesError)
         assert not stuck.alive
     finally:
         stuck.close()

@@ -148,7 +148,7 @@ def test_a_changed_user_module_gets_a_new_rank(tmp_path, monkeypatch):
     try:
         first = _launch(user_helpers_warm.where)
         assert _launch(user_helpers_warm.where) == first
-        edited = warm._warm.started_at + 1  # type: ignore[union-attr]
+        edited = warm._warm.started_at + 1  # type: ignore[union-attr]  # a rank is warm: launched above
         os.utime(tmp_path / "user_helpers_warm.py", (edited, edited))  # saved after the rank started
         assert _launch(user_helpers_warm.where) != first
     finally:
@@ -191,5 +191,5 @@ def test_a_spawned_warm_rank_is_kept_too():
     """Where fork is unsafe (CUDA in use in the notebook), the kept rank is spawned once, then reused."""
     first = _launch(_pid, start_method="spawn")
     assert _launch(_pid, start_method="spawn") == first
-    assert warm.warm_rank_info().start_method == "spawn"  # type: ignore[union-attr]
+    assert warm.warm_rank_info().start_method == "spawn"  # type: ignore[union-attr]  # one is warm
     assert _launch(_pid) != first  # other settings (fork): another rank

@@ -116,17 +116,19 @@ def test_an_interrupt_stops_the_job_and_leaves_nothing_on_the_cluster():
         def on_output(self, rank, stream, line): pass
         def on_end(self, ok): pass
 
+    interrupted_at: list[float] = []
+
     def interrupt_when_running() -> None:
-        started.wait(60)
+        started.wait(240)  # placing actors on a loaded machine took up to a minute
         time.sleep(0.5)
+        interrupted_at.append(time.monotonic())
         signal.pthread_kill(main, signal.SIGINT)
 
     threading.Thread(target=interrupt_when_running, daemon=True).start()
-    began = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         notebook_launcher(sleeper, num_processes=2, backend="ray", use_cpu=True, observer=Observer())
     assert started.is_set()
-    assert time.monotonic() - began < 60
+    assert time.monotonic() - interrupted_at[0] < 60  # the sleeper had 120 s left: it was stopped, not waited for
     assert wait_until_clean() == ([], [])
 
 

@@ -30,7 +30,7 @@ def sleep_and_say(marker_dir: str, seconds: float = 60) -> int:
     """Write ``pid-<rank>`` with this worker's pid (and of a child it starts), then sleep."""
     import subprocess
 
-    child = subprocess.Popen(["sleep", str(seconds)])  # noqa: S603, S607 - a grandchild that must not outlive it
+    child = subprocess.Popen(["sleep", str(seconds)])  # a grandchild that must not outlive it
     rank = os.environ.get("RANK", "0")
     with open(os.path.join(marker_dir, f"pid-{rank}"), "w") as f:
         f.write(f"{os.getpid()} {child.pid}")

@@ -1,4 +1,5 @@
-"""Background runs in a real Jupyter kernel (nbclient): other cells run meanwhile, Ctrl-C spares the run, restart ends it."""
+"""Background runs in a real Jupyter kernel (nbclient): other cells run meanwhile, Ctrl-C spares the run, restart
+ends it."""
 
 from __future__ import annotations
 
@@ -106,7 +107,8 @@ def _rank_pids(nb: NotebookKernel, name: str) -> list[int]:
 def test_nothing_of_a_background_run_outlives_the_kernel(tmp_path, how):
     with NotebookKernel(tmp_path / "nbaccel_config.yaml") as nb:
         cell = nb.run("%load_ext nbaccel\nimport os, time\n"
-                      "def nap():\n    import os, time\n    print('pid', os.getpid(), flush=True)\n    time.sleep(120)\n"
+                      "def nap():\n    import os, time\n    print('pid', os.getpid(), flush=True)\n"
+                      "    time.sleep(120)\n"
                       "%accel_runs\n")
         assert error(cell) is None, cell.outputs
         nb.run("%%accel_launch --background held -n 2 --cpu --status none\nnap()")

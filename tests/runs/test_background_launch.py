@@ -1,4 +1,5 @@
-"""notebook_launcher(..., background=True): returns at once, gives the blocking result, stops cleanly, holds its devices."""
+"""notebook_launcher(..., background=True): returns at once, gives the blocking result, stops cleanly, holds its
+devices."""
 
 from __future__ import annotations
 

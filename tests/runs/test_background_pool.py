@@ -1,4 +1,5 @@
-"""WorkerPool.run(..., background=True): the same results, a cancel that keeps the pool, and a pool held while it runs."""
+"""WorkerPool.run(..., background=True): the same results, a cancel that keeps the pool, and a pool held while it
+runs."""
 
 from __future__ import annotations
 

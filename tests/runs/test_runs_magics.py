@@ -29,7 +29,8 @@ def test_a_background_cell_returns_its_handle_at_once_and_sets_its_names_when_it
     del ip.user_ns["total"]
     started = time.monotonic()
     result = run(ip, SLOW_CELL.format(name="training"))
-    assert time.monotonic() - started < 5  # the cell does not wait for the ranks (the call itself: test_background_launch)
+    # The cell does not wait for the ranks (the call itself: test_background_launch).
+    assert time.monotonic() - started < 5
     handle = ip.user_ns["training"]
     assert result.result is handle and repr(handle).startswith(f"<LaunchRun {handle.id}: ")
     assert handle.result(timeout=120) == blocking.result == 90
@@ -91,7 +92,8 @@ def test_a_persisted_cell_on_workers_held_by_a_background_cell_is_refused_naming
         assert wait_for(lambda: "holding" in handle.output[1], 60)
         refused = run(ip, "%%accel_launch --persist\n1")
         assert isinstance(refused.error_in_exec, RunBusyError)
-        assert refused.error_in_exec.run_id == handle.id and f"%accel_runs cancel {handle.id}" in str(refused.error_in_exec)
+        assert refused.error_in_exec.run_id == handle.id
+        assert f"%accel_runs cancel {handle.id}" in str(refused.error_in_exec)
         assert handle.cancel()
         with pytest.raises(KeyboardInterrupt, match="still up"):
             handle.result()

@@ -37,7 +37,7 @@ def test_logged_values_reach_the_launching_process_from_the_main_rank_only():
 
 
 def test_init_trackers_sends_the_project_and_keeps_a_copy_in_the_worker():
-    log_with, sent_steps = notebook_launcher(_log_steps, (3, 0.0, True), num_processes=1, use_cpu=True)
+    _log_with, sent_steps = notebook_launcher(_log_steps, (3, 0.0, True), num_processes=1, use_cpu=True)
     assert sent_steps == [0, 10, 20]  # get_tracker("notebook", unwrap=True): what -o can bring back
     assert [r["step"] for r in nbaccel.last_run_history()] == [0, 10, 20]
 
@@ -66,7 +66,7 @@ def test_panel_draws_a_live_chart_while_the_launch_runs_and_keeps_it_as_an_image
             pngs.append((len(records), panel.chart.png))
         return drawn
 
-    panel.chart.update = watch  # type: ignore[method-assign]
+    panel.chart.update = watch  # type: ignore[method-assign]  # watched on purpose
     notebook_launcher(_log_steps, (30, 0.1), num_processes=2, use_cpu=True, observer=panel)
     assert len(pngs) >= 2 and pngs[0][0] < 30  # redrawn during the run, with the records so far
     assert pngs[0][1] != pngs[-1][1] and pngs[0][0] < pngs[-1][0]  # the chart grew

@@ -68,19 +68,19 @@ def test_bad_arguments_to_init_trackers_log_and_get_tracker(tmp_path):
     accelerator = nbaccel.Accelerator(log_with="tensorboard", project_dir=str(tmp_path))
     assert not hasattr(accelerator.get_tracker("tensorboard"), "name")  # a blank tracker before init_trackers
     with pytest.raises(nbaccel.ConfigError) as info:
-        accelerator.init_trackers(7)  # type: ignore[arg-type]
+        accelerator.init_trackers(7)  # type: ignore[arg-type]  # the wrong type is the test
     assert info.value.key == "project_name"
     with pytest.raises(nbaccel.ConfigError) as info:
-        accelerator.init_trackers("run", init_kwargs="flush_secs=5")  # type: ignore[arg-type]
+        accelerator.init_trackers("run", init_kwargs="flush_secs=5")  # type: ignore[arg-type]  # the wrong type is the test
     assert info.value.key == "init_kwargs"
     with pytest.raises(nbaccel.ConfigError) as info:
-        accelerator.init_trackers("run", init_kwargs={"tensorboard": 5})  # type: ignore[dict-item]
+        accelerator.init_trackers("run", init_kwargs={"tensorboard": 5})  # type: ignore[dict-item]  # the wrong type is the test
     assert info.value.key == "init_kwargs" and "init_kwargs={'tensorboard': {...}}" in str(info.value)
     accelerator.init_trackers("run")
     with pytest.raises(nbaccel.ConfigError) as info:
         accelerator.get_tracker("wandb")
     assert info.value.valid == ["tensorboard"]
     with pytest.raises(nbaccel.ConfigError) as info:
-        accelerator.log([("loss", 1.0)])  # type: ignore[arg-type]
+        accelerator.log([("loss", 1.0)])  # type: ignore[arg-type]  # the wrong type is the test
     assert info.value.key == "values"
     accelerator.end_training()

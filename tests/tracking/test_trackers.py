@@ -56,6 +56,20 @@ def test_one_process_writes_what_the_trackers_reader_reads_back(name, tmp_path):
     assert [round(value, 4) for _, value in got] == [1.0, 0.5, 0.3333]
 
 
+def test_an_mlflow_tracker_without_an_experiment_name_logs_to_mlflows_default_experiment(tmp_path, monkeypatch):
+    """It used to ask mlflow to create an experiment named None (MlflowException at start)."""
+    _need("mlflow")
+    from nbaccel.tracking.mlflow_tracker import MLflowTracker
+
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_ID", raising=False)
+    tracker = MLflowTracker(logging_dir=str(tmp_path))
+    tracker.start()
+    tracker.log({"loss": 1.0}, step=0)
+    tracker.finish()
+    assert [run["metrics"]["loss"] for run in readers.mlflow_runs(tmp_path / "mlruns", "Default")] == [[(0, 1.0)]]
+
+
 def test_tensorboard_text_and_grouped_scalars(tmp_path):
     _need("tensorboard")
     import torch
@@ -117,7 +131,8 @@ def _two_process_run(folder: str, project: str, names: list[str]) -> dict:
         accelerator.log({"loss": 1.0 / (step + 1)}, step=step, log_kwargs={"rank_files": {"tag": "t"}})
     unwrapped = {name: accelerator.get_tracker(name, unwrap=True) is not None for name in names}
     accelerator.end_training()
-    return {"rank": accelerator.process_index, "unwrapped": unwrapped, "trackers": [t.name for t in accelerator.trackers]}
+    return {"rank": accelerator.process_index, "unwrapped": unwrapped,
+            "trackers": [t.name for t in accelerator.trackers]}
 
 
 @pytest.mark.slow

@@ -14,8 +14,9 @@ import nbaccel
 
 # torch 2.6 (the floor) runs FSDP2 on GPUs only: on CPU its all-gather calls Stream.record_event, which
 # torch.cpu.Stream lacks there. Tests that train an FSDP2 model on CPU skip under such a torch.
-cpu_fsdp2 = pytest.mark.skipif(not hasattr(torch.cpu.Stream, "record_event"),
-                               reason=f"FSDP2 cannot run on CPU under torch {torch.__version__} (no Stream.record_event)")
+cpu_fsdp2 = pytest.mark.skipif(
+    not hasattr(torch.cpu.Stream, "record_event"),
+    reason=f"FSDP2 cannot run on CPU under torch {torch.__version__} (no Stream.record_event)")
 
 
 class TinyMLP(nn.Module):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -15,9 +16,10 @@ from tests.training.helpers import flat_weights, launch, model_and_optimizer
 
 
 def test_distributed_type_members_are_the_strings_used_before():
-    assert [m.value for m in nbaccel.DistributedType][:6] == ["NO", "MULTI_CPU", "MULTI_GPU", "XLA", "FSDP", "DEEPSPEED"]
+    assert ([m.value for m in nbaccel.DistributedType][:6]
+            == ["NO", "MULTI_CPU", "MULTI_GPU", "XLA", "FSDP", "DEEPSPEED"])
     assert nbaccel.DistributedType.MULTI_NPU == "MULTI_NPU"  # other hardware is named (code lists it in tuples)
-    assert nbaccel.DistributedType.MULTI_CPU == "MULTI_CPU" and "XLA" == nbaccel.DistributedType.XLA
+    assert nbaccel.DistributedType.MULTI_CPU == "MULTI_CPU" and nbaccel.DistributedType.XLA == "XLA"
     assert f"{nbaccel.DistributedType.NO}" == "NO" and json.dumps(nbaccel.DistributedType.FSDP) == '"FSDP"'
     accelerator = nbaccel.Accelerator()
     assert accelerator.distributed_type is nbaccel.DistributedType.NO
@@ -84,7 +86,7 @@ def test_synchronize_rng_states_gives_every_process_the_main_process_state():
     with pytest.raises(nbaccel.ConfigError) as info:
         nbaccel.synchronize_rng_states(["numpy"])
     assert info.value.valid == ("torch", "cuda", "xla", "generator")
-    with pytest.raises(nbaccel.ConfigError, match="generator=..."):
+    with pytest.raises(nbaccel.ConfigError, match=re.escape("generator=...")):
         nbaccel.synchronize_rng_states(["generator"])
 
 
@@ -119,7 +121,7 @@ def test_find_executable_batch_size_retries_smaller_after_out_of_memory_only():
 
 def test_save_and_load_state_pre_hooks_see_accelerates_arguments_and_can_be_removed(tmp_path):
     accelerator = nbaccel.Accelerator()
-    model, optimizer = accelerator.prepare(*model_and_optimizer())
+    model, _optimizer = accelerator.prepare(*model_and_optimizer())
     seen: dict = {}
 
     def save_hook(models, weights, output_dir):

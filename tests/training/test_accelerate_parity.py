@@ -44,7 +44,7 @@ def script(library: str, mixed_precision: str = "no") -> dict:
         losses.append(loss.item())
     preds = []
     with torch.no_grad():
-        for x, y in evaluate:
+        for x, _y in evaluate:
             preds.append(accelerator.gather_for_metrics(model(x)))
     return {"losses": losses, "lr": scheduler.get_last_lr(), "preds": torch.cat(preds),
             "n": accelerator.num_processes, "len": len(train)}

@@ -66,11 +66,11 @@ def test_a_group_that_carries_cpu_tensors_gets_them_unmoved(monkeypatch):
 @pytest.fixture
 def cuda_worker(monkeypatch):
     """Rank 0 of 2 on a machine with 2 (faked) GPUs; ``init_process_group`` records its arguments."""
-    from nbaccel import process_state
+    from nbaccel import process_group, process_state
 
     calls: list[dict] = []
     monkeypatch.setattr(process_state, "_shared", {})
-    monkeypatch.setattr(process_state, "cuda_device_count", lambda: 2)
+    monkeypatch.setattr(process_group, "cuda_device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: calls.append(kwargs))
@@ -144,13 +144,13 @@ def _carries(backend: str) -> frozenset[str]:
 
 @pytest.mark.parametrize("join", ["pool", "ray"])
 def test_a_pools_group_takes_a_later_fsdp_cpu_offload_accelerator(cuda_worker, monkeypatch, join):
-    from nbaccel.launch.pool import serve as pool_worker
+    from nbaccel.rank_lifecycle import RankLifecycle
     from nbaccel.launch.ray import actor as ray_actor
     from nbaccel.training.fsdp import _check_group_carries_cpu
 
     calls, _ = cuda_worker
     # the pool's rank joins its group when it starts, before any task says what it will train
-    device = pool_worker.join_rank_group() if join == "pool" else ray_actor.RankActor.join_group(None)
+    device = RankLifecycle().join_group() if join == "pool" else ray_actor.RankActor().join_group()
     assert device == "cuda:0" and len(calls) == 1
     monkeypatch.setattr(ops, "group_device_types", lambda: _carries(calls[0]["backend"]))
     monkeypatch.setattr(dist, "is_initialized", lambda: True)

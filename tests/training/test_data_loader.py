@@ -105,6 +105,19 @@ def test_skip_first_batches_and_epochs():
     assert len([b for b in stream_shard]) == 2
 
 
+def test_skip_first_batches_keeps_a_sampler_of_batches_and_drop_last():
+    """A loader whose sampler yields whole batches (``batch_size=None``) has no batch sampler: skipping kept
+    neither it (prepared: iterated ``None``) nor, for a plain loader, the sampler; nor a stream's ``drop_last``."""
+    def by_batches():
+        return DataLoader(torch.arange(8), sampler=BatchSampler(SequentialSampler(range(8)), 2, False), batch_size=None)
+
+    prepared = skip_first_batches(prepare_data_loader(by_batches()), 2)
+    assert [b.tolist() for b in prepared] == [[4, 5], [6, 7]] and len(prepared) == 2
+    assert [b.tolist() for b in skip_first_batches(by_batches(), 3)] == [[6, 7]]
+    stream = skip_first_batches(DataLoader(CountingStream(5), batch_size=2, drop_last=True), 1)
+    assert [b.reshape(-1).tolist() for b in stream] == [[2, 3]]
+
+
 def test_seedable_sampler_orders_depend_on_seed_and_epoch():
     config = nbaccel.DataLoaderConfiguration(use_seedable_sampler=True, data_seed=7)
     a = prepare_data_loader(DataLoader(range(16), batch_size=4, shuffle=True), config=config)
@@ -116,7 +129,7 @@ def test_seedable_sampler_orders_depend_on_seed_and_epoch():
     assert [x.tolist() for x in b] == epoch1
     unseeded = prepare_data_loader(DataLoader(range(16), batch_size=4, shuffle=True),
                                    config=nbaccel.DataLoaderConfiguration(use_seedable_sampler=True))
-    assert sorted(sum([x.tolist() for x in unseeded], [])) == list(range(16))
+    assert sorted(v for x in unseeded for v in x.tolist()) == list(range(16))
 
 
 def _read(kind: str) -> list:
@@ -170,7 +183,7 @@ def _shuffled() -> list:
 def test_shuffling_agrees_across_ranks_even_with_different_seeds():
     results = launch(_shuffled, 2)
     assert results[0] == results[1]
-    assert sorted(sum(results[0], [])) == list(range(16))
+    assert sorted(v for batch in results[0] for v in batch) == list(range(16))
 
 
 def _shuffled_batch_sampler() -> list:
@@ -181,7 +194,7 @@ def _shuffled_batch_sampler() -> list:
     data = torch.arange(22)
     sampler = BatchSampler(RandomSampler(data), batch_size=4, drop_last=False)  # the dataset reads whole batches
     loader = accelerator.prepare(DataLoader(data, sampler=sampler, batch_size=None))
-    return sum((accelerator.gather_for_metrics(b).tolist() for b in loader), [])
+    return [v for b in loader for v in accelerator.gather_for_metrics(b).tolist()]
 
 
 def test_a_shuffling_sampler_of_batches_agrees_across_ranks():

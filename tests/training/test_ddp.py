@@ -26,7 +26,7 @@ def _train(per_process_batch: int, accumulation: int = 1, epochs: int = 2) -> di
     loader = DataLoader(regression_data(64), batch_size=per_process_batch, shuffle=True)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     losses = []
-    for epoch in range(epochs):
+    for _ in range(epochs):
         losses += train_steps(accelerator, model, optimizer, loader)
     return {"weights": flat_weights(accelerator.unwrap_model(model)), "losses": losses,
             "type": accelerator.distributed_type, "n": accelerator.num_processes,

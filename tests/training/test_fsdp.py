@@ -27,15 +27,17 @@ def _train(plugin: nbaccel.FullyShardedDataParallelPlugin | None, per_process_ba
     loader = DataLoader(regression_data(64), batch_size=per_process_batch)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     losses = train_steps(accelerator, model, optimizer, loader)
-    out = {"losses": [sum(accelerator.gather(torch.tensor([l])).tolist()) / accelerator.num_processes
-                      for l in losses], "type": accelerator.distributed_type,
+    out = {"losses": [sum(accelerator.gather(torch.tensor([loss])).tolist()) / accelerator.num_processes
+                      for loss in losses], "type": accelerator.distributed_type,
            "sharded": type(model).__name__}
     if folder is not None:
         accelerator.save_model(model, folder + "/model")
         accelerator.save_state(folder + "/state")
-        before = [accelerator.gather(torch.tensor([l])) for l in train_steps(accelerator, model, optimizer, loader)]
+        before = [accelerator.gather(torch.tensor([loss]))
+                  for loss in train_steps(accelerator, model, optimizer, loader)]
         accelerator.load_state(folder + "/state")
-        after = [accelerator.gather(torch.tensor([l])) for l in train_steps(accelerator, model, optimizer, loader)]
+        after = [accelerator.gather(torch.tensor([loss]))
+                 for loss in train_steps(accelerator, model, optimizer, loader)]
         out["reload_repeats"] = all(torch.equal(a, b) for a, b in zip(before, after))
     full = accelerator.get_state_dict(model)
     out["full_keys"] = sorted(full)

@@ -1,11 +1,11 @@
-"""FSDP2 full-state checkpoints on CPU processes: rank 0 alone reads them, and every node's writer gets the full state."""
+"""FSDP2 full-state checkpoints on CPU processes: rank 0 alone reads them, and every node's writer gets the full
+state."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
@@ -33,8 +33,8 @@ def _prepared(project: nbaccel.ProjectConfiguration | None = None) -> tuple:
 
 
 def _epoch(accelerator: nbaccel.Accelerator, model, optimizer, loader) -> list[float]:
-    return [accelerator.gather(torch.tensor([l])).sum().item() for l in train_steps(accelerator, model, optimizer,
-                                                                                     loader)]
+    return [accelerator.gather(torch.tensor([loss])).sum().item()
+            for loss in train_steps(accelerator, model, optimizer, loader)]
 
 
 def _watch_reads() -> list[str]:
@@ -79,7 +79,7 @@ def test_only_rank_0_reads_an_fsdp_checkpoint_and_the_resumed_run_repeats_exactl
 
 
 def _resume_damaged(folder: str) -> str:
-    accelerator, model, optimizer, loader = _prepared()
+    accelerator, _model, _optimizer, _loader = _prepared()
     accelerator.save_state(folder)
     if accelerator.is_main_process:
         path = Path(folder) / "model.safetensors"

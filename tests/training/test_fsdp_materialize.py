@@ -40,8 +40,8 @@ def _train_built(kind: type[torch.nn.Module], meta_ranks: tuple[int, ...], plugi
     left_on_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     weights = {k: v.clone() for k, v in accelerator.get_state_dict(model).items()}
     buffers = {n: b.clone() for n, b in model.named_buffers()}
-    losses = [sum(accelerator.gather(torch.tensor([l])).tolist()) / 2
-              for l in train_steps(accelerator, model, optimizer, loader)]
+    losses = [sum(accelerator.gather(torch.tensor([loss])).tolist()) / 2
+              for loss in train_steps(accelerator, model, optimizer, loader)]
     return {"meta": left_on_meta, "weights": weights, "buffers": buffers, "losses": losses}
 
 

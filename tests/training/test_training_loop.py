@@ -57,7 +57,7 @@ def test_the_last_batch_of_the_loader_always_syncs():
     model, optimizer = model_and_optimizer()
     model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(regression_data(24), batch_size=4))
     syncs = []
-    for x, y in loader:
+    for _x, _y in loader:
         with accelerator.accumulate(model):
             syncs.append(accelerator.sync_gradients)
     assert syncs == [False, False, False, True, False, True]
@@ -147,7 +147,7 @@ def test_invalid_mixed_precision_is_a_config_error():
 
 def test_clipping_by_norm_and_value():
     accelerator = nbaccel.Accelerator()
-    model, optimizer = accelerator.prepare(*model_and_optimizer())
+    model, _optimizer = accelerator.prepare(*model_and_optimizer())
     x, y = regression_data(8).tensors
     accelerator.backward(nn.functional.mse_loss(model(x), y) * 100)
     norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)

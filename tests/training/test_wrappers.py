@@ -17,4 +17,4 @@ def test_scheduler_forwards_attributes_and_survives_pickling():
     assert pickle.loads(pickle.dumps(wrapped)).step_size == 2
     half_built = AcceleratedScheduler.__new__(AcceleratedScheduler)  # no `scheduler` yet: no endless recursion
     with pytest.raises(AttributeError, match="scheduler"):
-        half_built.step_size
+        half_built.step_size  # noqa: B018 - reading the attribute is what must raise

@@ -77,10 +77,11 @@ def lab(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[str, P
     env = dict(os.environ, NBACCEL_CONFIG_FILE=str(config_file), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
                JUPYTER_CONFIG_DIR=str(jupyter_config), JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "settings"),
                JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "workspaces"))
-    server = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={port}",
-         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={notebooks}"],
-        env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "lab.log", "w"), start_new_session=True)
+    with open(tmp_path / "lab.log", "w") as log:  # the server writes through its own copy of the descriptor
+        server = subprocess.Popen(
+            [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={port}",
+             f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={notebooks}"],
+            env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -220,7 +221,8 @@ LIVE_TRAINING = ("%%accel_launch -n 2\n"
                  "from tqdm.std import tqdm\n"
                  "from nbaccel import Accelerator\n"
                  "accelerator = Accelerator()\n"
-                 "for step in tqdm(range(100), desc=f\"rank {os.environ['RANK']}\", file=sys.stderr, mininterval=0.2):\n"
+                 "for step in tqdm(range(100), desc=f\"rank {os.environ['RANK']}\", file=sys.stderr,"
+                 " mininterval=0.2):\n"
                  "    accelerator.log({'loss': 1 / (step + 1), 'accuracy': step / 100}, step=step)\n"
                  "    time.sleep(0.2)\n")
 

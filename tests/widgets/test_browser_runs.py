@@ -30,7 +30,7 @@ def _last_tick(text: str) -> int:
 
 
 @pytest.mark.parametrize("lab", [{"cells": CELLS}], indirect=True)
-def test_a_background_run_is_shown_again_after_a_reload_and_finishes_there(lab):
+def test_a_background_run_is_shown_again_after_a_reload_and_finishes_there(lab):  # noqa: F811 - the imported fixture
     from playwright.sync_api import expect, sync_playwright
 
     url, _, _ = lab
@@ -68,8 +68,8 @@ def test_a_background_run_is_shown_again_after_a_reload_and_finishes_there(lab):
             expect(view).to_contain_text("[rank1]: tick 59", timeout=60_000)  # live: it goes on there
             expect(shown.locator(".nbaccel-status")).to_contain_text("finished", timeout=30_000)
             _run_cell(page, 4)
-            expect(page.locator(".jp-Notebook .jp-Cell").nth(4).locator(".jp-OutputArea-executeResult")).to_contain_text(
-                "'trained'")
+            result = page.locator(".jp-Notebook .jp-Cell").nth(4).locator(".jp-OutputArea-executeResult")
+            expect(result).to_contain_text("'trained'")
         except BaseException:
             page.screenshot(path=str(ARTIFACTS / "browser_failure.png"), full_page=True)
             raise

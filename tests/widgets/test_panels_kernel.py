@@ -68,7 +68,8 @@ def test_live_chart_is_kept_in_the_saved_notebook_and_the_history_comes_back(ker
     panels = [d for d in displays(cell) if WIDGET_VIEW in d]
     assert panels[-1]["image/png"]  # the chart as an image, for nbconvert, GitHub and a reopened notebook
     assert "logged (5 records" in panels[-1]["text/plain"]
-    cell = kernel.run("import nbaccel\nprint([r['step'] for r in nbaccel.last_run_history()], [r['step'] for r in sent])")
+    cell = kernel.run("import nbaccel\n"
+                      "print([r['step'] for r in nbaccel.last_run_history()], [r['step'] for r in sent])")
     assert stream_text(cell).strip() == "[0, 1, 2, 3, 4] [0, 1, 2, 3, 4]"  # the launch's history, and -o's copy
 
 

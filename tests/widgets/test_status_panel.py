@@ -34,7 +34,8 @@ def test_panel_follows_a_real_failed_launch():
     assert states[1] == "failed" and states[0] in ("finished", "stopped")
     assert panel.records[0].last_line == "step 2" and panel.records[0].line_count == 3
     assert "failed" in panel._heading.value
-    assert "<td style='padding:0 8px;white-space:nowrap;color:#dc2626;font-weight:bold'>failed</td>" in panel._table.value
+    failed = "<td style='padding:0 8px;white-space:nowrap;color:#dc2626;font-weight:bold'>failed</td>"
+    assert failed in panel._table.value
     assert "step 0\nstep 1\nstep 2" in panel._outputs.children[0].value  # full output once it ended
     text = panel._repr_mimebundle_()["text/plain"]
     assert text.startswith("test launch, fork: failed after") and "[rank1] failed" in text

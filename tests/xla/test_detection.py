@@ -10,14 +10,14 @@ import pytest
 
 pytest.importorskip("torch_xla")
 
-from nbaccel.errors import (  # noqa: E402
+from nbaccel.errors import (
     ConfigError,
     EnvironmentStateError,
     LaunchError,
     MissingDependencyError,
 )
-from nbaccel.hardware import tpu_detected, xla_runtime_initialized  # noqa: E402
-from nbaccel.launch.xla.topology import (  # noqa: E402
+from nbaccel.hardware import tpu_detected, xla_runtime_initialized
+from nbaccel.launch.xla.topology import (
     check_xla_launch,
     probe_replica_count,
     xla_replica_count,
@@ -85,7 +85,8 @@ def test_runtime_initialized_is_read_without_initializing_and_then_refuses_launc
 
     assert xla_runtime_initialized() is False
     code = ("import torch, torch_xla\nfrom nbaccel.hardware import xla_runtime_initialized as f\n"
-            "from nbaccel.errors import EnvironmentStateError\nfrom nbaccel.launch.xla.topology import check_xla_launch\n"
+            "from nbaccel.errors import EnvironmentStateError\n"
+            "from nbaccel.launch.xla.topology import check_xla_launch\n"
             "before = f(); torch.ones(1, device='xla').cpu(); print(before, f())\n"
             "try:\n    check_xla_launch(None, None)\nexcept EnvironmentStateError as e:\n    print('refused:', e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

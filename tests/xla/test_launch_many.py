@@ -29,11 +29,11 @@ import pytest
 
 pytest.importorskip("torch_xla")
 
-import torch  # noqa: E402
+import torch
 
-from nbaccel import notebook_launcher  # noqa: E402
-from nbaccel.config import LaunchConfig  # noqa: E402
-from nbaccel.errors import ProcessExitedError  # noqa: E402
+from nbaccel import notebook_launcher
+from nbaccel.config import LaunchConfig
+from nbaccel.errors import ProcessExitedError
 
 pytestmark = pytest.mark.xla
 

@@ -16,17 +16,17 @@ import pytest
 
 pytest.importorskip("torch_xla")
 
-import torch  # noqa: E402
+import torch
 
-from nbaccel import notebook_launcher  # noqa: E402
-from nbaccel.config import LaunchConfig  # noqa: E402
-from nbaccel.errors import (  # noqa: E402
+from nbaccel import notebook_launcher
+from nbaccel.config import LaunchConfig
+from nbaccel.errors import (
     ConfigError,
     LaunchTimeoutError,
     PayloadPicklingError,
     ProcessExitedError,
 )
-from nbaccel.launch.failures import RemoteTraceback  # noqa: E402
+from nbaccel.launch.failures import RemoteTraceback
 
 pytestmark = pytest.mark.xla
 
@@ -43,7 +43,8 @@ def group_members(pgid: int) -> list[int]:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+                with open(f"/proc/{entry}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
             except OSError:
                 continue
             if fields[0] != "Z" and int(fields[2]) == pgid:

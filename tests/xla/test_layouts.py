@@ -17,11 +17,11 @@ import pytest
 
 pytest.importorskip("torch_xla")
 
-import torch  # noqa: E402
+import torch
 
-from nbaccel import notebook_launcher  # noqa: E402
-from nbaccel.config import LaunchConfig  # noqa: E402
-from nbaccel.errors import LaunchTimeoutError  # noqa: E402
+from nbaccel import notebook_launcher
+from nbaccel.config import LaunchConfig
+from nbaccel.errors import LaunchTimeoutError
 
 pytestmark = pytest.mark.xla
 
@@ -67,7 +67,7 @@ def test_every_replica_starts_from_rank_0s_weights(replicas):
     results = launch(initial_weights)
     assert sorted(results) == list(range(replicas))
     rank0_before = results[0][0]
-    for rank, (before, after, broadcasts) in results.items():
+    for rank, (_before, after, broadcasts) in results.items():
         for name, value in after.items():
             assert torch.equal(value, rank0_before[name]), f"rank {rank}'s {name} is not rank 0's after prepare"
         assert broadcasts == (1 if replicas > 1 else 0)

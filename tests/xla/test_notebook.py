@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("torch_xla")
 
-import nbformat  # noqa: E402
-from nbclient import NotebookClient  # noqa: E402
+import nbformat
+from nbclient import NotebookClient
 
 pytestmark = pytest.mark.xla
 

@@ -28,9 +28,9 @@ from nbaccel.environment import (
 from nbaccel.identity import WorkerIdentity, set_identity
 from nbaccel.launch.backend import Backend
 from nbaccel.launch.failures import ProcessExit, RankError, WorkerFailure, raise_failures, rank_failure
+from nbaccel.rank_lifecycle import RankLifecycle
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.worker.process import describe_error
-from nbaccel.rank_resets import reset_rank_state
 
 __all__ = ["BACKEND", "LAUNCHER", "ElasticLauncher"]
 
@@ -63,10 +63,11 @@ def _write_error_file(exc: BaseException) -> None:
         json.dump(data, handle)
 
 
-def _entry(function: Callable[..., Any], env: Mapping[str, str], kwargs: Mapping[str, Any], *args: Any) -> Any:
-    """The worker body under the agent: identity -> run -> report (in the error file)."""
+def _entry(lifecycle: RankLifecycle, function: Callable[..., Any], env: Mapping[str, str], kwargs: Mapping[str, Any],
+           *args: Any) -> Any:
+    """The worker body under the agent: start afresh -> identity -> run -> report (in the error file)."""
     apply_environment(env)
-    reset_rank_state()
+    lifecycle.start_afresh()
     dist = read_distributed_env()
     set_identity(WorkerIdentity.from_distributed_env(dist) if dist is not None else None)
     try:
@@ -125,7 +126,8 @@ class ElasticLauncher:
             log_line_prefix_template=rdzv.log_line_prefix_template or "[rank${rank}]: ")
         env = worker_environment(plan.settings, threads=plan.threads, visible_gpus=plan.visible_gpus)
         function = request.function
-        entry = functools.update_wrapper(functools.partial(_entry, function, env, dict(request.kwargs)), function)
+        body = functools.partial(_entry, request.lifecycle, function, env, dict(request.kwargs))
+        entry = functools.update_wrapper(body, function)
         with _signal_handlers_restored(), tempfile.TemporaryDirectory(prefix="nbaccel-elastic-") as logs:
             elastic.logs_specs = DefaultLogsSpecs(log_dir=logs, tee=Std.ALL)
             try:

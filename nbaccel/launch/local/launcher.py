@@ -45,9 +45,11 @@ class LocalLauncher:
             with SupervisedRun(request, Lifetime(plan.start_method)) as run:
                 wanted = None if request.return_all else {0}  # the others' values are never pickled
                 if files is not None:
-                    handles = start_spawned(function, args, kwargs, envs, files, payload=payload, result_ranks=wanted)
+                    handles = start_spawned(function, args, kwargs, envs, files, payload=payload, result_ranks=wanted,
+                                            lifecycle=request.lifecycle)
                 else:
                     handles = start_forked(function, args, kwargs, envs, result_ranks=wanted,
+                                           lifecycle=request.lifecycle,
                                            inherited_fds=[reaper.fd] + (store.listen_fds if store else []))
                 for handle in handles:  # if this process is killed, the reaper stops what they started
                     reaper.watch(handle.pid)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import os
-import pickle
 import shutil
 import signal
 import subprocess
@@ -20,10 +19,13 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import cloudpickle
+
 from nbaccel.environment import DistributedEnv, child_base_environment, worker_environment
 from nbaccel.launch.base import LaunchRequest
 from nbaccel.launch.handles import WorkerHandle, discard_workers
 from nbaccel.launch.payload import dumps_payload
+from nbaccel.rank_lifecycle import RankLifecycle
 from nbaccel.launch.rendezvous import LoopbackStore
 from nbaccel.launch.worker.process import WorkerSpec, run_worker
 
@@ -50,10 +52,12 @@ def _pipes(n: int) -> list[tuple[tuple[int, int], tuple[int, int], tuple[int, in
 
 def start_forked(function: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
                  envs: Sequence[Mapping[str, str]], inherited_fds: Sequence[int] = (),
-                 result_ranks: Collection[int] | None = None) -> list[WorkerHandle]:
+                 result_ranks: Collection[int] | None = None,
+                 lifecycle: RankLifecycle | None = None) -> list[WorkerHandle]:
     """Fork one worker per entry of ``envs`` (rank = index) and return their handles.
 
-    Only the ranks in ``result_ranks`` (all when ``None``) send their return value back.
+    Only the ranks in ``result_ranks`` (all when ``None``) send their return value back; each starts
+    afresh through ``lifecycle`` (``None``: nbaccel's).
     """
     pipes = _pipes(len(envs))
     all_fds = [fd for trio in pipes for pair in trio for fd in pair]
@@ -83,7 +87,8 @@ def start_forked(function: Callable[..., Any], args: Sequence[Any], kwargs: Mapp
                 # Jupyter's interrupt reaches the launcher, which stops the workers in order
                 spec = WorkerSpec(rank=rank, env=env, ctl_fd=ctl_w, parent_pid=parent, out_fd=out_w, err_fd=err_w,
                                   close_fds=[fd for fd in all_fds if fd not in own] + list(inherited_fds),
-                                  send_result=result_ranks is None or rank in result_ranks)
+                                  send_result=result_ranks is None or rank in result_ranks,
+                                  lifecycle=lifecycle or RankLifecycle())
                 run_worker(spec, function, args, kwargs)
             try:
                 os.setpgid(pid, pid)  # also here, so the group exists before the child has run
@@ -129,10 +134,12 @@ def _python_path() -> str:
 
 def start_spawned(function: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
                   envs: Sequence[Mapping[str, str]], files: SpawnFiles,
-                  payload: bytes | None = None, result_ranks: Collection[int] | None = None) -> list[WorkerHandle]:
+                  payload: bytes | None = None, result_ranks: Collection[int] | None = None,
+                  lifecycle: RankLifecycle | None = None) -> list[WorkerHandle]:
     """Start one fresh interpreter per entry of ``envs`` running the cloudpickled function.
 
-    Only the ranks in ``result_ranks`` (all when ``None``) send their return value back.
+    Only the ranks in ``result_ranks`` (all when ``None``) send their return value back; each starts
+    afresh through ``lifecycle`` (``None``: nbaccel's; cloudpickled with its spec, so the notebook may define it).
 
     Raises:
         PayloadPicklingError: the function or an argument cannot be pickled (nothing started).
@@ -148,9 +155,10 @@ def start_spawned(function: Callable[..., Any], args: Sequence[Any], kwargs: Map
         # Every spec is written before any worker starts: the last worker to read the payload removes
         # the folder (a launcher killed mid-run leaves nothing in /tmp), which it may only do once no
         # spec is left to read.
-        spec_paths = [files.write(f"spec-{rank}.pkl", pickle.dumps(
+        spec_paths = [files.write(f"spec-{rank}.pkl", cloudpickle.dumps(
             WorkerSpec(rank=rank, env=env, ctl_fd=pipes[rank][0][1], parent_pid=os.getpid(),
-                       send_result=result_ranks is None or rank in result_ranks)))
+                       send_result=result_ranks is None or rank in result_ranks,
+                       lifecycle=lifecycle or RankLifecycle())))
             for rank, env in enumerate(envs)]
         for rank, env in enumerate(envs):
             (ctl_r, ctl_w), (out_r, out_w), (err_r, err_w) = pipes[rank]

@@ -139,7 +139,7 @@ class PoolChannels:
     def drain(self, member: PoolMember) -> list[PoolEvent]:
         """Read what an exited member left in its pipes and socket; its last partial line is written out."""
         events: list[PoolEvent] = []
-        own = {fd: key.data[1] for fd, key in self._selector.get_map().items() if key.data[0] is member}
+        own = {key.fd: key.data[1] for key in self._selector.get_map().values() if key.data[0] is member}
         for fd, kind in own.items():
             if kind == "exit":
                 continue
@@ -154,8 +154,8 @@ class PoolChannels:
 
     def close(self) -> None:
         """Stop watching; close every pipe and pidfd (sockets are closed by their owner)."""
-        for fd, key in list(self._selector.get_map().items()):
-            self._drop(fd, close=key.data[1] != "task")
+        for key in list(self._selector.get_map().values()):
+            self._drop(key.fd, close=key.data[1] != "task")
         self._selector.close()
         for member in self.members:
             if member.sock is not None:

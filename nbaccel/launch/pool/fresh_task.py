@@ -32,8 +32,8 @@ from nbaccel.launch.pool.process_reset import (
 )
 from nbaccel.launch.pool.serve import worker_namespace
 from nbaccel.launch.pool.user_modules import new_user_module_files
+from nbaccel.rank_lifecycle import RankLifecycle
 from nbaccel.launch.worker.display import route_figures, show_open_figures
-from nbaccel.rank_resets import reset_rank_state
 
 __all__ = ["CallerSnapshot", "FreshResult", "run_fresh", "snapshot_caller"]
 
@@ -97,17 +97,19 @@ class FreshResult(NamedTuple):
 
     Attributes:
         value: the function's return value.
-        replace: why the rank must be replaced before the launch returns (``""``: it is reusable).
+        replace: why the rank must be replaced before the launch returns (``None``: it is reusable).
         module_files: the user's module files this run imported in the rank, first reported now.
     """
 
     value: Any
-    replace: str = ""
+    replace: str | None = None
     module_files: tuple[str, ...] = ()
 
 
-def run_fresh(snapshot: CallerSnapshot, task: bytes) -> FreshResult:
+def run_fresh(snapshot: CallerSnapshot, task: bytes, lifecycle: bytes) -> FreshResult:
     """In the warm rank: take ``snapshot``'s state, run the pickled ``(function, args, kwargs)``, clear what it left.
+
+    The rank starts afresh through the cloudpickled ``lifecycle`` (the launch's) before the function.
 
     The task is loaded here, after :func:`freeze_long_lived`, so its function's and arguments'
     objects are never frozen.
@@ -115,7 +117,7 @@ def run_fresh(snapshot: CallerSnapshot, task: bytes) -> FreshResult:
     baseline = process_baseline()
     freeze_long_lived()
     function, args, kwargs = cloudpickle.loads(task)
-    _restore(snapshot)
+    _restore(snapshot, cloudpickle.loads(lifecycle))
     start = begin_run()
     ok = False
     try:
@@ -129,12 +131,12 @@ def run_fresh(snapshot: CallerSnapshot, task: bytes) -> FreshResult:
     return FreshResult(value, replace, new_user_module_files(start.module_count))
 
 
-def _restore(snapshot: CallerSnapshot) -> None:
+def _restore(snapshot: CallerSnapshot, lifecycle: RankLifecycle) -> None:
     replace_environment(snapshot.environ)
     route_figures(os.environ)  # the rank's figure backend, as its process setup chose it
     os.chdir(snapshot.cwd)
     sys.path[:] = snapshot.sys_path
-    reset_rank_state()
+    lifecycle.start_afresh()
     worker_namespace().clear()
     worker_namespace()["__name__"] = "__main__"
     random.seed()  # what os.fork does for Python's generator in every child

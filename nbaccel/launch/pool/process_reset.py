@@ -6,7 +6,7 @@ threads (they get :data:`THREAD_GRACE` seconds to end), signal handlers, mask an
 resource limits, user and groups, the recursion limit, torch's thread counts, atexit callbacks,
 warnings filters and logging (the README's "A repeated one-process launch" says to what each
 goes back). What cannot be put back (a thread still running, a lowered hard limit, a changed
-user, torch's inter-op thread count) gets the rank replaced: :func:`end_run` returns why (``""``:
+user, torch's inter-op thread count) gets the rank replaced: :func:`end_run` returns why (``None``:
 it need not), and the caller closes it before the launch returns. The objects that exist before
 the first run are frozen (``gc.freeze``) once, so each run's collection walks only what runs made.
 """
@@ -25,9 +25,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
-
-import _signal  # the raw handler table: signal.getsignal converts each to an enum (0.7 us a signal)
+from typing import Any, ParamSpec, TypeVar, cast
 
 from nbaccel.launch.worker.descendants import end_descendants
 
@@ -41,6 +39,7 @@ FREEZE_AFTER_SECONDS = 0.001
 what survives frozen at the start of the next run, before that run's function and arguments exist."""
 
 _SIGNALS = [int(s) for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)]
+_signal = sys.modules["_signal"]  # signal's own import, no stubs: raw handlers (signal.getsignal's enums: 0.7 us)
 _TIMERS = [signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF]
 _RLIMITS = {name: getattr(resource, name) for name in dir(resource) if name.startswith("RLIMIT_")}
 
@@ -131,8 +130,8 @@ def begin_run() -> RunStart:
                     filters=list(warnings.filters), showwarning=warnings.showwarning)
 
 
-def end_run(baseline: ProcessBaseline, start: RunStart) -> str:
-    """Put the process back as it was (see the module docstring); why the rank must be replaced, or ``""``."""
+def end_run(baseline: ProcessBaseline, start: RunStart) -> str | None:
+    """Put the process back as it was (see the module docstring); why the rank must be replaced, or ``None``."""
     sys.setrecursionlimit(baseline.recursion_limit)  # first: what follows recurses, whatever limit the run left
     reasons = [reason for step in (_end_descendants, _end_threads) if (reason := step(start))]
     for step in (_check_ids, _restore_signals, _restore_limits, _restore_torch_threads, _drop_atexit):
@@ -144,15 +143,15 @@ def end_run(baseline: ProcessBaseline, start: RunStart) -> str:
             reasons.append(reason)
     _restore_warnings(start)
     _restore_logging(baseline)
-    return "; ".join(reasons)
+    return "; ".join(reasons) or None
 
 
-def _end_descendants(start: RunStart) -> str:
+def _end_descendants(start: RunStart) -> str | None:
     end_descendants()  # Popen children, forked children, daemons orphaned to this subreaper
-    return ""
+    return None
 
 
-def _end_threads(start: RunStart) -> str:
+def _end_threads(start: RunStart) -> str | None:
     deadline = time.monotonic() + THREAD_GRACE
     left = []
     for thread in threading.enumerate():
@@ -164,7 +163,7 @@ def _end_threads(start: RunStart) -> str:
         thread.join(max(0.0, deadline - time.monotonic()))
         if thread.is_alive():
             left.append(thread.name)
-    return f"threads the run started were still running after it returned: {', '.join(left)}" if left else ""
+    return f"threads the run started were still running after it returned: {', '.join(left)}" if left else None
 
 
 # Threads a library starts for itself on first use and keeps for the process's life, with the
@@ -184,13 +183,13 @@ def _ids() -> tuple[tuple[int, ...], tuple[int, ...], list[int]]:
     return os.getresuid(), os.getresgid(), sorted(os.getgroups())
 
 
-def _check_ids(baseline: ProcessBaseline) -> str:
+def _check_ids(baseline: ProcessBaseline) -> str | None:
     if _ids() != baseline.ids:  # a process that gave up its user cannot take it back
         return f"the run changed the rank's user or groups (now uid {os.getuid()}, gid {os.getgid()})"
-    return ""
+    return None
 
 
-def _restore_signals(baseline: ProcessBaseline) -> str:
+def _restore_signals(baseline: ProcessBaseline) -> str | None:
     for number, handler in zip(_SIGNALS, baseline.handlers):
         if _signal.getsignal(number) is not handler:
             signal.signal(number, handler if handler is not None else signal.SIG_DFL)
@@ -199,10 +198,10 @@ def _restore_signals(baseline: ProcessBaseline) -> str:
     for timer in _TIMERS:
         if signal.getitimer(timer) != (0.0, 0.0):
             signal.setitimer(timer, 0.0)
-    return ""
+    return None
 
 
-def _restore_limits(baseline: ProcessBaseline) -> str:
+def _restore_limits(baseline: ProcessBaseline) -> str | None:
     os.umask(baseline.umask)
     stuck = []
     for name, limit in _RLIMITS.items():
@@ -211,31 +210,33 @@ def _restore_limits(baseline: ProcessBaseline) -> str:
                 resource.setrlimit(limit, baseline.rlimits[name])
             except (ValueError, OSError):  # a hard limit lowered without the privilege to raise it again
                 stuck.append(name)
-    return f"the run lowered resource limits that cannot be raised again: {', '.join(stuck)}" if stuck else ""
+    return f"the run lowered resource limits that cannot be raised again: {', '.join(stuck)}" if stuck else None
 
 
-def _restore_torch_threads(baseline: ProcessBaseline) -> str:
+def _restore_torch_threads(baseline: ProcessBaseline) -> str | None:
     torch = sys.modules.get("torch")
     if torch is None or baseline.torch_threads is None:
-        return ""
+        return None
     intra, inter = baseline.torch_threads
     if torch.get_num_threads() != intra:
         torch.set_num_threads(intra)
     if torch.get_num_interop_threads() != inter:
         return f"the run set torch's inter-op threads to {torch.get_num_interop_threads()} (once per process)"
-    return ""
+    return None
 
 
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 _registered: list[Any] = []  # what runs registered with atexit, since the last run ended
 _register = atexit.register
 
 
-def _recording_register(function: Any, *args: Any, **kwargs: Any) -> Any:
+def _recording_register(function: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs) -> Callable[_P, _T]:
     _registered.append(function)
     return _register(function, *args, **kwargs)
 
 
-def _drop_atexit(baseline: ProcessBaseline) -> str:
+def _drop_atexit(baseline: ProcessBaseline) -> str | None:
     for function in _registered:
         atexit.unregister(function)  # leaves a hole: the count atexit keeps never goes down
     baseline.atexit_count += len(_registered)
@@ -245,13 +246,13 @@ def _drop_atexit(baseline: ProcessBaseline) -> str:
         # os._exit, so none of them would ever run; they would only hold objects
         atexit._clear()
         baseline.atexit_count = 0
-    return ""
+    return None
 
 
 def _restore_warnings(start: RunStart) -> None:
     if warnings.filters != start.filters:
-        warnings.filters[:] = start.filters
-        warnings._filters_mutated()  # the per-module "already shown" registries follow the filters again
+        cast(list[Any], warnings.filters)[:] = start.filters  # a list at run time (typeshed: a Sequence)
+        cast(Any, warnings)._filters_mutated()  # (private) the per-module "already shown" registries follow them
     warnings.showwarning = start.showwarning
 
 
@@ -265,9 +266,8 @@ def _restore_logging(baseline: ProcessBaseline) -> None:
     changed = manager.disable != baseline.logging_disable
     manager.disable = baseline.logging_disable
     states = baseline.loggers
-    placeholder = logging.PlaceHolder
     for name, logger in [("", logging.root), *manager.loggerDict.items()]:
-        if logger.__class__ is placeholder:
+        if not isinstance(logger, logging.Logger):  # a PlaceHolder: a dotted name's parent made by no one
             continue
         state = states.get(name)
         if state is None:
@@ -277,4 +277,4 @@ def _restore_logging(baseline: ProcessBaseline) -> None:
             logger.handlers[:] = handlers
             changed = True
     if changed:
-        manager._clear_cache()  # loggers cache their effective level
+        cast(Any, manager)._clear_cache()  # loggers cache their effective level (private, not in typeshed)

@@ -32,8 +32,8 @@ import cloudpickle
 from nbaccel.identity import current_identity
 from nbaccel.launch.frames import FrameReader, write_frame
 from nbaccel.launch.payload import cpu_copies
+from nbaccel.rank_lifecycle import RankLifecycle
 from nbaccel.launch.worker.process import run_body
-from nbaccel.rank_resets import join_rank_group
 
 __all__ = ["serve", "worker_namespace"]
 
@@ -110,7 +110,7 @@ def _load_task(payload: bytes) -> tuple[Callable[..., Any], tuple, dict]:
     return _cancellable_call(function), args, kwargs
 
 
-def serve(socket_path: str) -> None:
+def serve(socket_path: str, lifecycle: RankLifecycle) -> None:
     """Be this worker's rank of the pool listening at ``socket_path`` until the pool closes.
 
     Raises:
@@ -122,9 +122,9 @@ def serve(socket_path: str) -> None:
     fd = sock.fileno()
     identity = current_identity()
     write_frame(fd, "hello", identity.rank if identity is not None else 0)
-    device = join_rank_group()  # the process state's join (with CPU collectives: the group outlives any task)
+    device = lifecycle.join_group()  # with CPU collectives: the group outlives any task
     write_frame(fd, "ready", {"pid": os.getpid(), "device": device})
-    reader, pending = FrameReader(), []
+    reader, pending = FrameReader(), list[tuple[str, Any]]()
     rank = identity.rank if identity is not None else 0
     while True:
         message = _next_message(sock, reader, pending)

@@ -103,13 +103,15 @@ def _start_processes(request: LaunchRequest, path: Path, listener: socket.socket
                      store: LoopbackStore | None, files: SpawnFiles | None, reaper: GroupReaper) -> list[WorkerHandle]:
     envs = local_environments(request, store)
     if files is not None:
-        handles = on_owner_thread(start_spawned, serve, (str(path),), {}, envs, files)
+        handles = on_owner_thread(start_spawned, serve, (str(path), request.lifecycle), {}, envs, files, None, None,
+                                  request.lifecycle)
     else:
         if request.warm_imports is not False:
             start_warmup()  # warm workers build models: pay torch._dynamo's import once, here, not in each
         finish_warmup()
         inherited = [listener.fileno(), reaper.fd] + (store.listen_fds if store is not None else [])
-        handles = on_owner_thread(start_forked, serve, (str(path),), {}, envs, inherited)
+        handles = on_owner_thread(start_forked, serve, (str(path), request.lifecycle), {}, envs, inherited, None,
+                                  request.lifecycle)
     for handle in handles:  # if this process is killed, the reaper stops what they started
         reaper.watch(handle.pid)
     return handles

@@ -25,6 +25,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+import cloudpickle
+
 from nbaccel.errors import PayloadPicklingError
 from nbaccel.launch.backend import Backend
 from nbaccel.launch.claims import WARM_RANK, cancel_holders
@@ -126,7 +128,9 @@ class WarmLauncher:
         try:
             task = dumps_payload(request.function, request.args, request.kwargs)  # loaded after the rank's freeze
             # run_fresh and the snapshot are importable and plain: pickle's dumps is a third quicker than cloudpickle's
-            payload = pickle.dumps((run_fresh, (snapshot_caller(rank_env), task), {}), protocol=pickle.HIGHEST_PROTOCOL)
+            lifecycle = cloudpickle.dumps(request.lifecycle)  # by value: the notebook may define it
+            payload = pickle.dumps((run_fresh, (snapshot_caller(rank_env), task, lifecycle), {}),
+                                   protocol=pickle.HIGHEST_PROTOCOL)
         except PayloadPicklingError:
             return LOCAL_LAUNCHER.launch(request)  # a fork reaches the caller's objects without pickling
         with _lock:

@@ -32,6 +32,7 @@ from nbaccel.launch.backend import PoolRanks
 from nbaccel.launch.claims import cancel_holders, pool_resource, refuse_held
 from nbaccel.launch.events import LaunchObserver
 from nbaccel.launch.preflight import say
+from nbaccel.rank_lifecycle import RankLifecycle
 from nbaccel.launch.registry import backend_for, run_before_launch
 from nbaccel.launch.request import LaunchRequest, build_request
 from nbaccel.launch.supervised_run import Lifetime, SupervisedRun
@@ -110,6 +111,7 @@ class WorkerPool:
             on a Ray cluster, kept (with their process group) until the pool closes; see
             :mod:`nbaccel.launch.ray.pool`. ``None``: the config's.
         ray_address: with ``backend="ray"``, the cluster (as in ``notebook_launcher``).
+        lifecycle: how each rank starts afresh and joins the pool's group (as in ``notebook_launcher``).
 
     Raises:
         ConfigError: an option is invalid, or asks for several machines or XLA devices.
@@ -130,7 +132,7 @@ class WorkerPool:
                  timeout: float | None = None, hang_timeout: float | None = 120.0, grace: float = 3.0,
                  start_timeout: float = 300.0,
                  config: LaunchConfig | None = None, backend: LaunchBackend | None = None,
-                 ray_address: str | None = None) -> None:
+                 ray_address: str | None = None, lifecycle: RankLifecycle | None = None) -> None:
         for key, value, example in (("grace", grace, 3.0), ("start_timeout", start_timeout, 300.0)):
             if not (isinstance(value, (int, float)) and value > 0):
                 raise ConfigError(f"{key} must be a positive number of seconds (got {value!r}). Fix: {key}={example}",
@@ -139,7 +141,7 @@ class WorkerPool:
             _pool_placeholder, config=config, output_ranks=output_ranks, use_port=use_port, launcher="pool",
             num_processes=num_processes, mixed_precision=mixed_precision, use_cpu=use_cpu,
             start_method=start_method, timeout=timeout, hang_timeout=hang_timeout, backend=backend,
-            ray_address=ray_address)
+            ray_address=ray_address, lifecycle=lifecycle)
         _refuse_unsupported(self._request)
         self.grace = grace
         self.start_timeout = start_timeout
@@ -331,7 +333,7 @@ class WorkerPool:
                     "callback or a finalizer): close() stopped every worker. Fix: close the pool after its runs "
                     "return; pool.restart() starts fresh workers.", state="closed", reason="close()") from exc
             if not isinstance(exc, LaunchTimeoutError):
-                if ranks.lost:
+                if ranks.lost and hasattr(exc, "add_note"):  # Python 3.11+
                     exc.add_note(f"[nbaccel] the WorkerPool is dead ({ranks.lost}); every worker was stopped. "
                                  "Fix: pool.restart() (or %accel_workers restart).")
                 raise

@@ -33,14 +33,15 @@ from nbaccel.environment import apply_environment, read_distributed_env
 from nbaccel.host_memory import resident_bytes
 from nbaccel.identity import WorkerIdentity
 from nbaccel.launch.payload import cpu_copies
+from nbaccel.rank_lifecycle import RankLifecycle
 from nbaccel.launch.worker.console_tqdm import use_console_tqdm
 from nbaccel.launch.worker.display import (
+    flush_quietly,
     forward_displays,
     route_figures,
     show_open_figures,
 )
 from nbaccel.launch.worker.process import run_body
-from nbaccel.rank_resets import join_rank_group, reset_rank_state
 
 __all__ = ["RankActor"]
 
@@ -51,8 +52,10 @@ _READ_SIZE = 1 << 20
 class _Capture:
     """fd 1 and 2 and a control pipe, read by one thread into buffers while a run lasts.
 
-    One thread reads all three, the control pipe first whenever it has data: a display frame is
-    written there just before its mark goes to stdout, so the frame is never fetched after it.
+    A display frame is written to the control pipe just before its mark goes to stdout. The
+    reader drains the control pipe before it files what it read from stdout, in one step under
+    the lock, so a :meth:`take` never hands out a mark whose frame is still in the pipe: the
+    mark can be read in the same ``read()`` as the line printed before it, after the frame went in.
     """
 
     def __init__(self, run_id: int) -> None:
@@ -61,6 +64,8 @@ class _Capture:
         self.ready = threading.Condition()
         self.finished = False
         ctl_r, self.ctl_w = os.pipe()
+        os.set_blocking(ctl_r, False)
+        self._ctl_r: int | None = ctl_r
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         sys.stdout.flush()
@@ -72,38 +77,59 @@ class _Capture:
         os.close(err_w)
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True, write_through=True)
         sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, write_through=True)
-        self._reader = threading.Thread(target=self._read, args=((ctl_r, out_r, err_r),), daemon=True,
-                                        name="nbaccel-rank-output")
+        self._selector = selectors.DefaultSelector()
+        for fd, name in zip((ctl_r, out_r, err_r), _STREAMS):
+            self._selector.register(fd, selectors.EVENT_READ, name)
+        self._reader = threading.Thread(target=self._read, daemon=True, name="nbaccel-rank-output")
         self._reader.start()
 
-    def _read(self, fds: tuple[int, int, int]) -> None:
-        selector = selectors.DefaultSelector()
-        for fd, name in zip(fds, _STREAMS):
-            selector.register(fd, selectors.EVENT_READ, name)
+    def _read(self) -> None:
         try:
-            while selector.get_map():
-                ready = sorted((key.data, key.fd) for key, _ in selector.select())
-                ready.sort(key=lambda item: _STREAMS.index(item[0]))  # control first
-                for name, fd in ready:
-                    data = os.read(fd, _READ_SIZE)
-                    if not data:
-                        selector.unregister(fd)
-                        os.close(fd)
-                        continue
-                    with self.ready:
-                        self.buffers[name] += data
-                        self.ready.notify_all()
+            while self._selector.get_map():
+                for key, _ in self._selector.select():
+                    if key.fd in self._selector.get_map():  # not closed by a drain earlier in this batch
+                        self._read_one(key.data, key.fd)
         finally:
-            selector.close()
+            self._selector.close()
+
+    def _read_one(self, name: str, fd: int) -> None:
+        if name == "ctl":
+            control = self._control_bytes()
+            data = b""
+        else:
+            data = os.read(fd, _READ_SIZE)
+            if not data:
+                self._close(fd)
+                return
+            control = self._control_bytes() if name == "stdout" else b""  # a mark's frame is in by now
+        with self.ready:
+            self.buffers["ctl"] += control
+            self.buffers[name] += data
+            self.ready.notify_all()
+
+    def _control_bytes(self) -> bytes:
+        """Everything in the control pipe now (it never blocks); closes the pipe at its end."""
+        parts: list[bytes] = []
+        while self._ctl_r is not None:
+            try:
+                part = os.read(self._ctl_r, _READ_SIZE)
+            except BlockingIOError:
+                break
+            if not part:
+                self._close(self._ctl_r)
+                self._ctl_r = None
+                break
+            parts.append(part)
+        return b"".join(parts)
+
+    def _close(self, fd: int) -> None:
+        self._selector.unregister(fd)
+        os.close(fd)
 
     def close(self) -> None:
         """Give fd 1 and 2 back, wait for the reader to reach the end of every pipe, and mark the run done."""
         out_saved, err_saved, stdout, stderr = self._saved
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
+        flush_quietly(sys.stdout, sys.stderr)
         os.dup2(out_saved, 1)
         os.dup2(err_saved, 2)
         os.close(out_saved)
@@ -136,6 +162,7 @@ class RankActor:
         self._pending_interrupt = False
         self._store: Any = None
         self._prepared = False
+        self._lifecycle = RankLifecycle()
 
     # ------------------------------------------------------------------ placement
     def where(self, bundle: int) -> dict[str, Any]:
@@ -165,20 +192,21 @@ class RankActor:
                                         wait_for_workers=False, timeout=timedelta(seconds=timeout))
         return int(self._store.port)
 
-    def prepare(self, env: Mapping[str, str]) -> None:
-        """Become a worker: the environment a local worker gets, and nbaccel's per-process state reset."""
+    def prepare(self, env: Mapping[str, str], lifecycle: RankLifecycle) -> None:
+        """Become a worker: the environment a local worker gets, and a fresh start through ``lifecycle``."""
         apply_environment(env)
         route_figures(os.environ)
         torch = sys.modules.get("torch")
         if torch is not None and "OMP_NUM_THREADS" in env:
             torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-        reset_rank_state()  # the notebook's state and identity included (nbaccel.identity registers clear_identity)
+        self._lifecycle = lifecycle
+        lifecycle.start_afresh()  # the notebook's state and identity are not this rank's
         use_console_tqdm()
         self._prepared = True
 
     def join_group(self) -> str:
         """Join the process group now (a pool's ranks, once for its life); returns this rank's device."""
-        return join_rank_group()  # the process state's join (with CPU collectives: the group outlives any one task)
+        return self._lifecycle.join_group()  # with CPU collectives: the group outlives any one task
 
     # ------------------------------------------------------------------ running
     def run(self, run_id: int, payload: bytes, rank: int, send_result: bool, cpu_results: bool = False) -> int:
@@ -254,12 +282,3 @@ class RankActor:
     def resident_bytes(self) -> int | None:
         """This actor's resident memory (``None`` where the system does not say)."""
         return resident_bytes()
-
-    def teardown(self) -> None:
-        """Leave the process group (before the actor is killed)."""
-        dist = sys.modules.get("torch.distributed")
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            import gc
-
-            gc.collect()
-            dist.destroy_process_group()

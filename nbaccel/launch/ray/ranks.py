@@ -97,7 +97,8 @@ class RayRanks:
                         "host the rendezvous store")[0]
             nodes = len({m.site.node_id for m in members})
             envs = _environments(request, members, first.site.ip, port, nodes)
-            _get(ray, [m.actor.prepare.remote(env) for m, env in zip(members, envs)], start_timeout, "prepare")
+            preparing = [m.actor.prepare.remote(env, request.lifecycle) for m, env in zip(members, envs)]
+            _get(ray, preparing, start_timeout, "prepare")
             ranks = cls(placement, members, nodes)
             if join_group:
                 _get(ray, [m.actor.join_group.remote() for m in members], start_timeout, "join the process group")

@@ -17,6 +17,7 @@ import ctypes
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 from nbaccel.launch.reaper import remove_watched_folders
@@ -25,6 +26,7 @@ __all__ = ["become_subreaper", "end_descendants", "end_descendants_on_sigterm"]
 
 _PR_SET_CHILD_SUBREAPER = 36
 _MAX_ROUNDS = 1000  # each round ends one generation; a fork bomb must not keep the worker forever
+_REAP_TIMEOUT_S = 5.0  # after SIGKILL: only a process stuck in the kernel takes longer
 
 
 def become_subreaper() -> bool:
@@ -91,9 +93,16 @@ def end_descendants() -> int:
                 os.kill(child, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        deadline = time.monotonic() + _REAP_TIMEOUT_S
         for child in children:
             try:
-                os.waitpid(child, 0)
+                while not os.waitpid(child, os.WNOHANG)[0]:
+                    if time.monotonic() > deadline:  # stuck in the kernel: the rank must not hang on it
+                        print(f"nbaccel: pid {child} did not exit within {_REAP_TIMEOUT_S:g}s of SIGKILL (stuck in the "
+                              f"kernel: see `cat /proc/{child}/stack`); not waiting for it", file=sys.stderr)
+                        remove_watched_folders()
+                        return ended
+                    time.sleep(0.0005)
                 ended += 1
             except ChildProcessError:  # reaped by someone else (a Popen's own wait)
                 pass

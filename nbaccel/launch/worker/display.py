@@ -18,12 +18,13 @@ import sys
 import threading
 import traceback
 from collections.abc import MutableMapping
-from typing import Any
+from typing import Any, TextIO
 
 from nbaccel.launch.frames import DISPLAY_MARK, write_frame
 from nbaccel.launch.worker.import_hooks import when_imported
 
-__all__ = ["FIGURE_BACKEND", "WIDGET_MIME", "forward_displays", "note_widget", "route_figures", "show_open_figures"]
+__all__ = ["FIGURE_BACKEND", "WIDGET_MIME", "flush_quietly", "forward_displays", "note_widget", "route_figures",
+           "show_open_figures"]
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 FIGURE_BACKEND = "module://nbaccel.launch.worker.figure_backend"
@@ -47,17 +48,22 @@ def note_widget(what: str) -> None:
     sys.stderr.flush()
 
 
-def _send(kind: str, body: dict[str, Any]) -> None:
-    if os.getpid() != _forwarding["pid"]:  # a process forked from the worker (a DataLoader worker, an XLA
-        if kind == "display":             # replica): the rank's pipe is its parent's alone; show the text
-            print(body["data"].get("text/plain", ""), flush=True)
-        return
-    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):  # what was printed goes first
+def flush_quietly(*streams: TextIO | None) -> None:
+    """Flush each stream that is there; one closed or broken (``OSError``, ``ValueError``) is passed over."""
+    for stream in streams:
         try:
             if stream is not None:
                 stream.flush()
         except (OSError, ValueError):
             pass
+
+
+def _send(kind: str, body: dict[str, Any]) -> None:
+    if os.getpid() != _forwarding["pid"]:  # a process forked from the worker (a DataLoader worker, an XLA
+        if kind == "display":             # replica): the rank's pipe is its parent's alone; show the text
+            print(body["data"].get("text/plain", ""), flush=True)
+        return
+    flush_quietly(sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)  # what was printed goes first
     with _forwarding["lock"]:  # a display from another thread must not split a frame
         write_frame(_forwarding["ctl_fd"], kind, body)
         os.write(1, DISPLAY_MARK)  # fd 1 itself: a redirected sys.stdout must not swallow the mark
@@ -118,7 +124,7 @@ def _worker_shell() -> Any:
     """The shell every worker of this process installs (built once: a traited class costs ~25 ms to create)."""
     from IPython.core.events import EventManager, available_events
 
-    cls = _shell_class()
+    cls: Any = _shell_class()  # its own __new__ (traitlets') runs: mypy would resolve type.__new__
     shell = cls.__new__(cls)
     shell.events = EventManager(shell, available_events)
     shell.display_pub = _publisher_class()()

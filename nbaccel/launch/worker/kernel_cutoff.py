@@ -14,7 +14,6 @@ step applies to what the worker has loaded (a ``comm`` imported later: :mod:`nba
 from __future__ import annotations
 
 import sys
-from types import ModuleType
 from typing import Any
 
 from nbaccel.launch.worker.display import note_widget
@@ -49,7 +48,7 @@ def _clear_kernel_singletons() -> None:
             type(cls.instance()).clear_instance()  # the subclass's own (IPythonKernel) goes too
 
 
-def _cut_comms(comm: ModuleType) -> None:
+def _cut_comms(comm: Any) -> None:  # the comm package: its functions are replaced
     manager = comm.base_comm.CommManager()
 
     def create_comm(*args: Any, **kwargs: Any) -> Any:
@@ -68,8 +67,9 @@ def _text_progress_bars() -> None:
     for name in ("__init__", "__iter__", "update", "close", "clear", "reset", "display", "status_printer", "colour"):
         if name in vars(notebook.tqdm_notebook):  # a bar class the notebook already holds now draws as text
             delattr(notebook.tqdm_notebook, name)
-    std, asyncio = sys.modules.get("tqdm.std"), sys.modules.get("tqdm.asyncio")
-    auto, autonotebook = sys.modules.get("tqdm.auto"), sys.modules.get("tqdm.autonotebook")
+    modules: dict[str, Any] = sys.modules  # tqdm's modules: their classes are replaced below
+    std, asyncio = modules.get("tqdm.std"), modules.get("tqdm.asyncio")
+    auto, autonotebook = modules.get("tqdm.auto"), modules.get("tqdm.autonotebook")
     if autonotebook is not None and std is not None and issubclass(autonotebook.tqdm, notebook.tqdm):
         autonotebook.tqdm, autonotebook.trange = std.tqdm, std.trange
     if auto is not None and asyncio is not None and issubclass(auto.tqdm, notebook.tqdm):

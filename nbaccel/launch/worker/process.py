@@ -35,6 +35,7 @@ from nbaccel.launch.frames import write_frame
 from nbaccel.launch.failures import MESSAGE_LIMIT, TRACEBACK_LIMIT, shorten
 from nbaccel.launch.payload import dumps_result
 from nbaccel.launch.rank_exceptions import pack_exception
+from nbaccel.rank_lifecycle import RankLifecycle
 from nbaccel.launch.worker.channel import close_channel, open_channel
 from nbaccel.launch.worker.console_tqdm import use_console_tqdm
 from nbaccel.launch.worker.descendants import (
@@ -48,7 +49,6 @@ from nbaccel.launch.worker.display import (
     show_open_figures,
 )
 from nbaccel.launch.worker.kernel_cutoff import detach_from_kernel
-from nbaccel.rank_resets import reset_rank_state
 
 __all__ = ["FINISHED_WITHOUT_VALUE", "WorkerSpec", "describe_error", "die_with_parent", "report_error", "run_body",
            "run_worker"]
@@ -70,6 +70,7 @@ class WorkerSpec:
         close_fds: inherited descriptors that belong to other workers or the parent.
         send_result: whether the caller asked for this rank's return value; when not, it is never
             pickled or sent (only that the rank finished).
+        lifecycle: the launch's rank lifecycle; the worker starts afresh through it before the function.
     """
 
     rank: int
@@ -80,6 +81,7 @@ class WorkerSpec:
     err_fd: int | None = None
     close_fds: Sequence[int] = field(default_factory=tuple)
     send_result: bool = True
+    lifecycle: RankLifecycle = field(default_factory=RankLifecycle)
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -108,10 +110,9 @@ def _setup_process(spec: WorkerSpec) -> None:
     if spec.err_fd is not None:
         os.dup2(spec.err_fd, 2)
         os.close(spec.err_fd)
-    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True,
-                                                   write_through=True)
-    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True,
-                                                   write_through=True)
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True, write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, write_through=True)
+    vars(sys).update(__stdout__=sys.stdout, __stderr__=sys.stderr)  # the originals too (Final in typeshed only)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     end_descendants_on_sigterm()  # how the launch stops a rank: its daemons go with it
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
@@ -124,8 +125,8 @@ def _setup_process(spec: WorkerSpec) -> None:
     if torch is not None and "OMP_NUM_THREADS" in spec.env:  # the forked pool keeps the parent's size
         torch.set_num_threads(int(spec.env["OMP_NUM_THREADS"]))
     # The state the caller's modules keep (its Accelerator, ...) and the caller's identity (a notebook's,
-    # or a launcher's own worker's: nbaccel.identity registers clear_identity) are not this worker's.
-    reset_rank_state()
+    # or a launcher's own worker's) are not this worker's.
+    spec.lifecycle.start_afresh()
     use_console_tqdm()  # a tqdm widget made here could not reach the frontend; text bars reach the panel
 
 
@@ -177,7 +178,7 @@ def describe_error(exc: BaseException) -> dict[str, Any]:
         message = str(exc)
     except Exception as str_error:  # noqa: BLE001 - a broken __str__ must not hide the exception
         message = f"<str() of this {type(exc).__name__} raised {type(str_error).__name__}: {str_error}>"
-    if _BAD_FORK in message and _BAD_FORK_NOTE not in getattr(exc, "__notes__", ()):
+    if _BAD_FORK in message and hasattr(exc, "add_note") and _BAD_FORK_NOTE not in getattr(exc, "__notes__", ()):
         exc.add_note(_BAD_FORK_NOTE)  # the last resort when the preflight's probe fork saw nothing
     pickled, note = pack_exception(exc)
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))

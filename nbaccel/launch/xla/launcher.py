@@ -46,10 +46,12 @@ from nbaccel.launch.backend import Backend
 from nbaccel.launch.failures import ProcessExit
 from nbaccel.launch.handles import WorkerHandle
 from nbaccel.launch.output import Stream
+from nbaccel.rank_lifecycle import RankLifecycle
 from nbaccel.launch.request import LaunchRequest
 from nbaccel.launch.supervised_run import Lifetime, SupervisedRun
 from nbaccel.launch.warmup import finish_warmup
 from nbaccel.launch.xla.topology import plan_xla_launch
+from nbaccel.launch.worker.display import flush_quietly
 from nbaccel.launch.worker.process import (
     WorkerSpec,
     die_with_parent,
@@ -161,8 +163,8 @@ def _enter_replica(job: _ReplicaJob, rank: int) -> WorkerIdentity:
     sys.stderr.flush()
     os.dup2(out_fd, 1)
     os.dup2(err_fd, 2)
-    sys.stdout = sys.__stdout__ = _line_stream(1)
-    sys.stderr = sys.__stderr__ = _line_stream(2)
+    sys.stdout, sys.stderr = _line_stream(1), _line_stream(2)
+    vars(sys).update(__stdout__=sys.stdout, __stderr__=sys.stderr)  # the originals too (Final in typeshed only)
     faulthandler.enable(all_threads=True)
     if job.world_size == 1:
         return WorkerIdentity()
@@ -176,18 +178,10 @@ def _enter_replica(job: _ReplicaJob, rank: int) -> WorkerIdentity:
 
 
 def _leave_replica() -> None:
-    for stream in (getattr(_local, "streams", None) or {}).values():
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
+    flush_quietly(*(getattr(_local, "streams", None) or {}).values())
     _local.streams = None
     _local.active = False
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
+    flush_quietly(sys.stdout, sys.stderr)
 
 
 def _replica_main(index: int) -> None:
@@ -262,7 +256,8 @@ class _ReplicaHandle(WorkerHandle):
 
 
 def _start_host(function: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], n: int,
-                settings: WorkerSettings, env: Mapping[str, str]) -> tuple[_HostHandle, list[_ReplicaHandle]]:
+                settings: WorkerSettings, env: Mapping[str, str],
+                lifecycle: RankLifecycle) -> tuple[_HostHandle, list[_ReplicaHandle]]:
     """Fork the host process (its own process group) with a control/stdout/stderr pipe per rank."""
     host_pipes = [os.pipe() for _ in range(3)]
     rank_pipes = [[os.pipe() for _ in range(3)] for _ in range(n)]
@@ -279,7 +274,8 @@ def _start_host(function: Callable[..., Any], args: Sequence[Any], kwargs: Mappi
                               pipes=tuple(tuple(w for _, w in trio) for trio in rank_pipes),  # type: ignore[misc]  # three write ends per rank
                               host_pid=os.getpid(), settings=settings)
             spec = WorkerSpec(rank=HOST_RANK, env=env, ctl_fd=host_pipes[0][1], parent_pid=parent,
-                              out_fd=host_pipes[1][1], err_fd=host_pipes[2][1], close_fds=read_ends)
+                              out_fd=host_pipes[1][1], err_fd=host_pipes[2][1], close_fds=read_ends,
+                              lifecycle=lifecycle)
         except BaseException:  # noqa: BLE001 - the forked child must never return into the caller's code
             os._exit(1)
         run_worker(spec, _host_main, (job, n == 1), {})
@@ -319,7 +315,8 @@ class XlaLauncher:
         env = worker_environment(settings, threads=request.plan.threads)
         lifetime = Lifetime("fork", host_name="torch_xla.launch in the host process", labels={HOST_RANK: "xla"})
         with SupervisedRun(request, lifetime) as run:
-            host, replicas = _start_host(request.function, request.args, request.kwargs, n, settings, env)
+            host, replicas = _start_host(request.function, request.args, request.kwargs, n, settings, env,
+                                            request.lifecycle)
             try:
                 return run.supervise(replicas, host=host).get()
             finally:
