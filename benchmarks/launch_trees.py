@@ -30,31 +30,11 @@ def empty() -> int:
     return 1
 
 
-def ddp_train(steps: int = 5) -> float:
-    """A small DDP training loop over gloo, what a notebook's real launch does."""
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    dist.init_process_group("gloo")
-    torch.manual_seed(0)
-    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
-                                                        torch.nn.Linear(64, 1)))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    for _ in range(steps):
-        loss = model(torch.randn(16, 32)).pow(2).mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    value = float(loss)
-    del model, optimizer
-    dist.destroy_process_group()
-    return value
-
-
 def child(function: str, processes: int, calls: int) -> None:
     """In a fresh interpreter: time ``calls`` launches of ``function``; print them as JSON."""
     import torch  # noqa: F401  # a notebook has torch imported before its first launch
+
+    from launch import ddp_train  # benchmarks/launch.py's DDP function: both benchmarks time the same work
 
     from nbaccel import notebook_launcher
 

@@ -161,7 +161,6 @@ class RankActor:
         self._cancellable = False
         self._pending_interrupt = False
         self._store: Any = None
-        self._prepared = False
         self._lifecycle = RankLifecycle()
 
     # ------------------------------------------------------------------ placement
@@ -202,7 +201,6 @@ class RankActor:
         self._lifecycle = lifecycle
         lifecycle.start_afresh()  # the notebook's state and identity are not this rank's
         use_console_tqdm()
-        self._prepared = True
 
     def join_group(self) -> str:
         """Join the process group now (a pool's ranks, once for its life); returns this rank's device."""
