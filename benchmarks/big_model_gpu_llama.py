@@ -70,7 +70,7 @@ def write_llama(root: Path, config: dict) -> tuple[Path, int]:
 
 
 def _offloaded_bytes(model: torch.nn.Module) -> int:
-    from nbaccel.big_modeling.device_map import device_for
+    from nbaccel.big_modeling.map_devices import device_for
 
     placed = model.hf_device_map
     return sum(p.numel() * p.element_size() for n, p in model.named_parameters(remove_duplicate=False)

@@ -14,7 +14,7 @@ import logging
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, TypeVar, get_args
+from typing import Literal, get_args
 
 import torch
 from torch import nn
@@ -28,6 +28,7 @@ from nbaccel.big_modeling.sizes import (
     get_max_layer_size,
     planning_budget,
 )
+from nbaccel.big_modeling.map_devices import MapDevice, device_for, normalize_device
 from nbaccel.big_modeling.tensors import Device
 from nbaccel.errors import DeviceMapError
 from nbaccel.introspection import check_tied_parameters_in_config
@@ -36,17 +37,12 @@ __all__ = [
     "DeviceMapStrategy",
     "DevicePlan",
     "check_device_map",
-    "device_for",
     "infer_auto_device_map",
-    "map_device",
     "plan_device_map",
     "resolve_device_map",
 ]
 
 DeviceMapStrategy = Literal["auto", "balanced", "balanced_low_0", "sequential"]
-MapDevice = int | str  # normalized: GPU index, "cpu", "disk", "mps" or "meta"
-_D = TypeVar("_D")  # a device map's values: MapDevice once checked, Device as a user wrote them
-_NAMED = ("cpu", "disk", "mps", "meta")
 _log = logging.getLogger(__name__)
 
 
@@ -160,64 +156,6 @@ def _clean(model: nn.Module, device_map: dict[str, MapDevice]) -> dict[str, MapD
     return dict(sorted(device_map.items(), key=lambda kv: order.get(kv[0], len(order))))
 
 
-def device_for(name: str, device_map: Mapping[str, _D], default: _D | None = None) -> _D | None:
-    """The device of tensor or module ``name``: the entry with the longest matching prefix.
-
-    Example:
-        >>> device_for("blocks.3.fc.weight", {"blocks": "cpu", "blocks.3": "disk"})
-        'disk'
-    """
-    parts = name.split(".")
-    for i in range(len(parts), -1, -1):
-        key = ".".join(parts[:i])
-        if key in device_map:
-            return device_map[key]
-    return default
-
-
-def _normalize_device(name: str, device: object, gpus: int, planning: bool = False) -> MapDevice:
-    valid = (f"GPU indices 0..{gpus - 1}, 'cuda:N', " if gpus else "") + \
-        "'cpu', 'disk', 'mps', 'meta'"
-    if isinstance(device, torch.device):
-        device = device.type if device.index is None else f"{device.type}:{device.index}"
-    if device == "cuda":
-        device = 0
-    if isinstance(device, str) and device.startswith("cuda:") and device[5:].isdigit():
-        device = int(device[5:])
-    if isinstance(device, int) and not isinstance(device, bool):
-        if 0 <= device < gpus or (planning and device >= 0):
-            return device
-        raise DeviceMapError(
-            f"the device map puts {name!r} on GPU {device}, but this machine has {gpus} visible "
-            f"GPU(s). Valid devices: {valid}. Use 'cpu' or 'disk' there, or "
-            "device_map='auto' to choose.", key=name, value=device, valid=valid)
-    if device in _NAMED:
-        return device
-    raise DeviceMapError(
-        f"the device map puts {name!r} on {device!r} ({type(device).__name__}), which is not a "
-        f"device. Valid devices: {valid}. For example: {{{name!r}: 'cpu'}}.",
-        key=name, value=device, valid=valid)
-
-
-def map_device(device: Device, *, on_this_machine: bool = True) -> MapDevice:
-    """One device as a device map writes it: a GPU index, ``"cpu"``, ``"disk"``, ``"mps"`` or ``"meta"``.
-
-    Args:
-        device: a GPU index, ``"cuda"``, ``"cuda:N"``, a ``torch.device``, or a named device.
-        on_this_machine: require a GPU to be visible here (``False``: any index, as planning accepts).
-
-    Raises:
-        DeviceMapError: not a device, or (``on_this_machine``) a GPU this machine lacks.
-
-    Example:
-        >>> map_device(torch.device("cpu")), map_device("cuda:1", on_this_machine=False)
-        ('cpu', 1)
-    """
-    from nbaccel.hardware import cuda_device_count
-
-    return _normalize_device("", device, cuda_device_count(), planning=not on_this_machine)
-
-
 def check_device_map(model: nn.Module, device_map: Mapping[str, Device], *, on_this_machine: bool = False
                      ) -> dict[str, MapDevice]:
     """Check a device map against a model and normalize its devices.
@@ -270,7 +208,7 @@ def check_device_map(model: nn.Module, device_map: Mapping[str, Device], *, on_t
             UserWarning, stacklevel=2)
     for name, device in device_map.items():
         if name not in unknown:
-            normalized[name] = _normalize_device(name, device, gpus, planning=not on_this_machine)
+            normalized[name] = normalize_device(name, device, gpus, planning=not on_this_machine)
     _place_split_modules_buffers(model, normalized)
     unplaced = [t for t in tensors if device_for(t, normalized) is None]
     if unplaced:

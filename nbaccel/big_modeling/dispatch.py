@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from nbaccel.big_modeling.cpu_offload_hook import CpuOffload, UserCpuOffloadHook, default_execution_device
-from nbaccel.big_modeling.device_map import MapDevice, check_device_map, map_device
+from nbaccel.big_modeling.device_map import check_device_map
+from nbaccel.big_modeling.map_devices import MapDevice, map_device
 from nbaccel.big_modeling.hooks import AlignDevicesHook, add_hook_to_module
 from nbaccel.big_modeling.map_entries import dispatch_entries, has_no_forward
 from nbaccel.big_modeling.offload import (

@@ -29,15 +29,10 @@ import torch
 from torch import nn
 
 from nbaccel.big_modeling.checkpoint_layout import Checkpoint, open_checkpoint
-from nbaccel.big_modeling.device_map import (
-    DeviceMapStrategy,
-    MapDevice,
-    check_device_map,
-    device_for,
-    plan_device_map,
-)
+from nbaccel.big_modeling.device_map import DeviceMapStrategy, check_device_map, plan_device_map
 from nbaccel.big_modeling.dispatch import dispatch_model
 from nbaccel.big_modeling.load_progress import ShardProgress
+from nbaccel.big_modeling.map_devices import MapDevice, device_for
 from nbaccel.big_modeling.map_entries import dispatch_entries
 from nbaccel.big_modeling.offload import IndexEntry, offload_weight, save_offload_index
 from nbaccel.big_modeling.resident import FileMaps

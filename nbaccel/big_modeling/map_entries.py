@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from nbaccel.big_modeling.device_map import MapDevice
+from nbaccel.big_modeling.map_devices import MapDevice
 from nbaccel.errors import DeviceMapError
 
 __all__ = ["dispatch_entries", "has_no_forward"]

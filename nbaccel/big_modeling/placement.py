@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from nbaccel.big_modeling.map_devices import MapDevice
 from nbaccel.big_modeling.sizes import compute_module_sizes, get_max_layer_size
 
 __all__ = ["Piece", "place"]
 
-MapDevice = int | str
 Piece = tuple[str, nn.Module | torch.Tensor]  # a module or tensor to place, by full name
 
 

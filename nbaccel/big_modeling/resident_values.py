@@ -18,7 +18,7 @@ import torch
 from nbaccel.big_modeling.checkpoint_files import TensorInfo, can_map
 from nbaccel.big_modeling.checkpoint_layout import Checkpoint
 from nbaccel.big_modeling.cpu_copies import copy_to_cpu
-from nbaccel.big_modeling.device_map import MapDevice
+from nbaccel.big_modeling.map_devices import MapDevice
 from nbaccel.big_modeling.device_reads import read_to_devices
 from nbaccel.big_modeling.load_progress import ShardProgress
 from nbaccel.big_modeling.resident import FileMaps

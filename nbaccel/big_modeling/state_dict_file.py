@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import torch
 
-from nbaccel.big_modeling.device_map import device_for
+from nbaccel.big_modeling.map_devices import device_for
 from nbaccel.errors import CheckpointError
 from nbaccel.file_kinds import regular_file
 from nbaccel.safe_load import load

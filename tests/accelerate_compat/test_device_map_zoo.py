@@ -15,7 +15,8 @@ import torch
 
 import nbaccel.hardware
 from nbaccel.big_modeling import compute_module_sizes, infer_auto_device_map
-from nbaccel.big_modeling.device_map import check_device_map, device_for
+from nbaccel.big_modeling.device_map import check_device_map
+from nbaccel.big_modeling.map_devices import device_for
 
 accelerate_utils = pytest.importorskip("accelerate.utils")
 transformers = pytest.importorskip("transformers")

@@ -17,11 +17,8 @@ from nbaccel.big_modeling import (
     get_max_memory,
     infer_auto_device_map,
 )
-from nbaccel.big_modeling.device_map import (
-    check_device_map,
-    device_for,
-    resolve_device_map,
-)
+from nbaccel.big_modeling.device_map import check_device_map, resolve_device_map
+from nbaccel.big_modeling.map_devices import device_for
 from nbaccel.big_modeling.sizes import convert_file_size_to_int, get_max_layer_size
 from nbaccel.errors import ConfigError, DeviceMapError
 from tests.big_modeling.helpers import TinyLM, empty_model
