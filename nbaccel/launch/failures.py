@@ -126,9 +126,7 @@ def rank_failure(rank: int, pid: int, ended: ProcessExit | None, error: RankErro
     """
     ended = ended or ProcessExit()
     if error is not None:
-        return WorkerFailure(rank=rank, pid=pid, time=error.time, exitcode=ended.exitcode, signal=ended.signal,
-                             exc_type=error.exc_type, message=error.message, traceback=error.traceback,
-                             exception=error.exception, exception_note=error.exception_note)
+        return WorkerFailure(rank=rank, pid=pid, exitcode=ended.exitcode, signal=ended.signal, **vars(error))
     if ended.signal is not None:
         message = ""
     elif ended.exitcode == 0:
