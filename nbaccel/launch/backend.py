@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from nbaccel.config import LaunchConfig
 from nbaccel.launch.base import LaunchRequest, Launcher
 from nbaccel.launch.preflight import LaunchPlan, plan_launch
-from nbaccel.launch.supervised_run import SupervisedRun
+
+if TYPE_CHECKING:  # an annotation only: the supervision modules load with the first launch, not with nbaccel
+    from nbaccel.launch.supervised_run import SupervisedRun
 
 __all__ = ["Backend", "PoolRanks"]
 
