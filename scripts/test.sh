@@ -13,12 +13,27 @@ if [ -f .ci/browser_setup.sh ]; then
   bash .ci/browser_setup.sh .venv
 fi
 export OMP_NUM_THREADS=1
+# The torch-floor and torch_xla venvs (about 5 minutes of pip) are built in the background, one after the other and
+# niced, while the main suite runs; their suites below wait for that. Should it fail, each script builds its venv
+# again itself and shows why.
+prepare_log=$(mktemp)
+prepare='
+if [ -f tests/run_torch_floor.sh ] && [ "${NBACCEL_SKIP_FLOOR:-0}" != "1" ]; then nice -n 10 bash tests/run_torch_floor.sh || exit 1; fi
+if [ -f tests/run_xla.sh ] && [ "${NBACCEL_SKIP_XLA:-0}" != "1" ]; then nice -n 10 bash tests/run_xla.sh || exit 1; fi'
+NBACCEL_PREPARE_ONLY=1 setsid bash -c "$prepare" > "$prepare_log" 2>&1 &
+prepare_pid=$!  # its own process group (setsid): an early exit kills pip with it
+trap 'kill -- -"$prepare_pid" 2>/dev/null; rm -f "$prepare_log"' EXIT
 status=0
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@" || status=$?
 # Ray listens on every interface: its tests (and notebook 07) run in a loopback-only network namespace.
 if [ "${NBACCEL_SKIP_RAY:-0}" != "1" ]; then
   bash scripts/test_ray.sh || status=$?
 fi
+if ! wait "$prepare_pid"; then
+  echo "test.sh: building the floor/XLA venvs in the background failed (its log below); the suites build them again." >&2
+  tail -20 "$prepare_log" >&2
+fi
+rm -f "$prepare_log"
 # The oldest torch pyproject.toml allows (its own venv, built once).
 if [ -f tests/run_torch_floor.sh ] && [ "${NBACCEL_SKIP_FLOOR:-0}" != "1" ]; then
   bash tests/run_torch_floor.sh || status=$?
