@@ -22,7 +22,8 @@ if [ -f tests/run_torch_floor.sh ] && [ "${NBACCEL_SKIP_FLOOR:-0}" != "1" ]; the
 if [ -f tests/run_xla.sh ] && [ "${NBACCEL_SKIP_XLA:-0}" != "1" ]; then nice -n 10 bash tests/run_xla.sh || exit 1; fi'
 NBACCEL_PREPARE_ONLY=1 setsid bash -c "$prepare" > "$prepare_log" 2>&1 &
 prepare_pid=$!  # its own process group (setsid): an early exit kills pip with it
-trap 'kill -- -"$prepare_pid" 2>/dev/null; rm -f "$prepare_log"' EXIT
+# `|| true`: under set -e a failed kill (the group already gone, as after a normal run) would turn the exit status to 1
+trap 'kill -- -"$prepare_pid" 2>/dev/null || true; rm -f "$prepare_log"' EXIT
 status=0
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@" || status=$?
 # Ray listens on every interface: its tests (and notebook 07) run in a loopback-only network namespace.
