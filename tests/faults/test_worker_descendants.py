@@ -85,6 +85,22 @@ def _processes_running(marker: str) -> list[int]:
     return found
 
 
+def _reapers_of(tag: str) -> list[int]:
+    """The group reapers of processes started with NBACCEL_TEST_TAG=tag: a reaper inherits its launcher's environment.
+
+    Not every reaper on the machine: another suite may run beside this one (scripts/test.sh).
+    """
+    found = []
+    for pid in _processes_running(MARKER):
+        try:
+            environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"NBACCEL_TEST_TAG={tag}".encode() in environment:
+            found.append(pid)
+    return found
+
+
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_a_sigkilled_launcher_leaves_no_worker_subprocess_and_no_reaper(tmp_path, start_method):
     """The kernel is SIGKILLed mid-launch: workers die with it, and so does what they started."""
@@ -101,28 +117,28 @@ def test_a_sigkilled_launcher_leaves_no_worker_subprocess_and_no_reaper(tmp_path
 
         notebook_launcher(work, args=(sys.argv[1],), num_processes=2, start_method={start_method!r})
     """))
-    reapers_before = set(_processes_running(MARKER))
     launcher = subprocess.Popen([sys.executable, str(script), str(tmp_path)], start_new_session=True,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env={**os.environ, "NBACCEL_TEST_TAG": str(tmp_path)})
     deadline = time.monotonic() + 90
     while len(list(tmp_path.glob("sleeper-*"))) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     sleepers = _started(tmp_path)
     assert len(sleepers) == 2
+    assert _reapers_of(str(tmp_path)), "the launch runs with no group reaper of its own"
     launcher.kill()
     launcher.wait()
     assert _still_alive(sleepers) == []
     assert _still_alive(_processes_running(str(script))) == []  # the workers are gone
-    reapers = [p for p in _processes_running(MARKER) if p not in reapers_before]
-    assert _still_alive(reapers) == []  # and so is the launcher's reaper, its work done
+    assert _still_alive(_reapers_of(str(tmp_path))) == []  # and so is the launcher's reaper, its work done
 
 
-def test_the_reaper_leaves_with_a_launcher_that_exits_normally():
-    before = set(_processes_running(MARKER))
+def test_the_reaper_leaves_with_a_launcher_that_exits_normally(tmp_path):
     code = "from nbaccel import notebook_launcher\nprint(notebook_launcher(lambda: 7, num_processes=2))\n"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "NBACCEL_TEST_TAG": str(tmp_path)})
     assert result.stdout.strip() == "7", result.stderr[-2000:]
-    assert _still_alive([p for p in _processes_running(MARKER) if p not in before]) == []
+    assert _still_alive(_reapers_of(str(tmp_path))) == []
 
 
 def _start_a_daemon(folder: str, then: str = "return") -> int:
