@@ -19,6 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.launch.procs import alive
+from tests.pool.helpers import wait_for
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="a network namespace of its own needs root, as the Ray suite")
 
@@ -94,3 +97,13 @@ def test_skipped_suites_are_not_run(stand_in_tree: Path):
     done = _run_test_sh(stand_in_tree, NBACCEL_SKIP_RAY=1, NBACCEL_SKIP_XLA=1, RC_RAY=3, RC_XLA=3)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "ray in" not in done.stdout and "xla in" not in done.stdout and "floor in" in done.stdout
+
+
+def test_a_failed_setup_fails_the_run_and_stops_the_builds_it_started_beside(stand_in_tree: Path):
+    pid_file = stand_in_tree / "build.pid"
+    _script(stand_in_tree / "tests" / "run_torch_floor.sh", f'echo $$ > {pid_file}; exec sleep 60')
+    _script(stand_in_tree / "scripts" / "setup.sh", f'while [ ! -s {pid_file} ]; do sleep 0.05; done; exit 7')
+    done = _run_test_sh(stand_in_tree)
+    assert done.returncode == 7, done.stdout + done.stderr
+    build = int(pid_file.read_text())
+    assert wait_for(lambda: not alive(build), 5), "the background build outlived test.sh"
