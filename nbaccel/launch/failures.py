@@ -207,7 +207,8 @@ def format_report(failures: Sequence[WorkerFailure], stopped: Sequence[int] = ()
         label = "rank" if len(ranks) == 1 else "ranks"
         lines.append(f"also failed: {label} {', '.join(map(str, ranks))}: {summary}")
     if stopped:
-        lines.append(f"stopped by nbaccel after the failure: ranks {', '.join(map(str, sorted(stopped)))}")
+        label = "rank" if len(stopped) == 1 else "ranks"
+        lines.append(f"stopped by nbaccel after the failure: {label} {', '.join(map(str, sorted(stopped)))}")
     return "\n".join(lines)
 
 

@@ -53,7 +53,8 @@ class RunResult:
     Attributes:
         values: ``{rank: value}`` of the ranks that sent one.
         failures: every failed rank's record (empty when the run succeeded).
-        stopped: ranks nbaccel stopped after the first failure.
+        stopped: ranks nbaccel stopped after the first failure that had not failed on their own (those are in
+            ``failures`` only).
         world_size: how many ranks ran.
     """
 

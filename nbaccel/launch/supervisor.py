@@ -131,7 +131,10 @@ class Supervisor:
                 self.relay.flush()  # every line is out before the result or the failure
         n = len(self.workers)  # ranks, not the host
         if failures:
-            stopped = [r for r in self._stopped if self.host is None or r != self.host.rank]
+            # A rank stopped after the first failure that reported a failure of its own (its error was on the
+            # way when the stop came) is reported as failed, never also as stopped.
+            failed = {failure.rank for failure in failures}
+            stopped = [r for r in self._stopped if (self.host is None or r != self.host.rank) and r not in failed]
             return RunResult(failures=tuple(failures), stopped=stopped, world_size=n)
         # Ranks whose value was not asked for reported an empty result: only that they finished.
         results = {h.rank: self.outcomes[h.rank].result for h in self.workers}
