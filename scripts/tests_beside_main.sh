@@ -2,9 +2,9 @@
 # What scripts/test.sh runs in the background while the main suite runs, so that CI waits for the
 # longest of the two and not their sum:
 #   1. build the torch-floor and torch_xla venvs (pip; niced), while test.sh sets up .venv;
-#   2. once FOLDER/setup.done exists, run the Ray, torch-floor and torch_xla suites (niced), in a network namespace with only
-#      loopback and in a temporary folder of their own: no port they bind and nothing they leave in
-#      /tmp meets the main suite's checks of ports, folders and processes.
+#   2. once FOLDER/setup.done exists, run the Ray, torch-floor and torch_xla suites (niced), in a
+#      network namespace with only loopback and in a temporary folder of their own: no port they bind
+#      and nothing they leave in /tmp meets the main suite's checks of ports, folders and processes.
 # Usage: bash scripts/tests_beside_main.sh FOLDER
 # Each step writes its output to FOLDER/STEP.log and its exit status to FOLDER/STEP.status; the steps
 # are build-floor, build-xla, ray, floor and xla. NBACCEL_SKIP_RAY/FLOOR/XLA=1 skip a suite.

@@ -31,7 +31,7 @@ if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; 
   quiet_pip install -q --disable-pip-version-check --no-deps -e .
   echo "$WANT" > "$STAMP"
 fi
-# NBACCEL_PREPARE_ONLY=1: build the venv and stop (scripts/test.sh builds it while the main suite runs).
+# NBACCEL_PREPARE_ONLY=1: build the venv and stop (scripts/tests_beside_main.sh builds it during setup).
 [ "${NBACCEL_PREPARE_ONLY:-0}" != "1" ] || exit 0
 
 export OMP_NUM_THREADS=1 NBACCEL_TORCH_FLOOR=$FLOOR

@@ -16,11 +16,11 @@ from nbaccel.errors import LaunchTimeoutError
 
 
 def stop_at_a_timeout(launch: Callable[[float], object], got_there: Callable[[], bool],
-                      timeouts: tuple[float, ...] = (6.0, 40.0)) -> float:
-    """Run ``launch(timeout)``, which must time out, until ``got_there()`` holds after it; return the timeout used."""
+                      timeouts: tuple[float, ...] = (6.0, 40.0)) -> None:
+    """Run ``launch(timeout)``, which must time out, until ``got_there()`` holds after it."""
     for timeout in timeouts:
         with pytest.raises(LaunchTimeoutError):
             launch(timeout)
         if got_there():
-            return timeout
+            return
     raise AssertionError(f"the ranks did not get to the state under test within any of the timeouts {timeouts} s")

@@ -195,8 +195,7 @@ def format_report(failures: Sequence[WorkerFailure], stopped: Sequence[int] = ()
     if len(alike) == 1:
         lines = [f"root cause: {root.summary}"]
     else:
-        who = (f"all {len(alike)} ranks" if len(alike) == world_size
-               else f"ranks {', '.join(str(f.rank) for f in sorted(alike, key=lambda f: f.rank))}")
+        who = f"all {len(alike)} ranks" if len(alike) == world_size else _ranks(sorted(f.rank for f in alike))
         what = _what(root)[0]
         lines = [f"root cause: {who} {'were' + what[3:] if what.startswith('was ') else what}"]
     groups: dict[tuple[str, str], list[int]] = {}
@@ -204,12 +203,15 @@ def format_report(failures: Sequence[WorkerFailure], stopped: Sequence[int] = ()
         if failure not in alike:
             groups.setdefault(_what(failure), []).append(failure.rank)
     for (summary, _), ranks in groups.items():
-        label = "rank" if len(ranks) == 1 else "ranks"
-        lines.append(f"also failed: {label} {', '.join(map(str, ranks))}: {summary}")
+        lines.append(f"also failed: {_ranks(ranks)}: {summary}")
     if stopped:
-        label = "rank" if len(stopped) == 1 else "ranks"
-        lines.append(f"stopped by nbaccel after the failure: {label} {', '.join(map(str, sorted(stopped)))}")
+        lines.append(f"stopped by nbaccel after the failure: {_ranks(sorted(stopped))}")
     return "\n".join(lines)
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    """``rank 2`` or ``ranks 1, 2``."""
+    return f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))}"
 
 
 def raise_failures(failures: Sequence[WorkerFailure], world_size: int,
